@@ -1,0 +1,42 @@
+// hipflash — the compile-time flags of a forward kernel, in one traits type.
+#pragma once
+
+#include <string>
+
+#include "hipflash/types.hpp"
+
+namespace hipflash {
+
+/// Flags of one forward instantiation. Folding (STYLE §4):
+///  * split-K kernels always write partial LSE, so kSplit implies the LSE store;
+///  * varlen, the Sk boundary and the split range are runtime (they cost a predicate per tile);
+///  * causal is a window, so one kMasked flag covers causal and sliding windows.
+template <DType kDType_, int kHeadDim_, bool kReturnLse_, bool kMasked_, bool kSplit_>
+struct FwdTraits {
+  static constexpr DType kDType = kDType_;
+  static constexpr int kHeadDim = kHeadDim_;  ///< padded head dim of the instantiation
+  static constexpr bool kReturnLse = kReturnLse_ || kSplit_;
+  static constexpr bool kMasked = kMasked_;
+  static constexpr bool kSplit = kSplit_;
+};
+
+/// The runtime twin of FwdTraits: which instantiation a call needs.
+struct KernelKey {
+  DType dtype = DType::f16;
+  int head_dim = 128;  ///< padded
+  bool return_lse = false;
+  bool masked = false;
+  bool split = false;
+
+  /// Self-describing name, e.g. "bf16_hd128_causal_lse" (STYLE §12).
+  std::string name() const {
+    std::string s = dtype == DType::bf16 ? "bf16" : "fp16";
+    s += "_hd" + std::to_string(head_dim);
+    if (masked) s += "_masked";
+    if (split) s += "_splitk";
+    else if (return_lse) s += "_lse";
+    return s;
+  }
+};
+
+}  // namespace hipflash

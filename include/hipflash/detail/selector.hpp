@@ -1,0 +1,70 @@
+// hipflash — the pure kernel selector: (problem, arch, what was built) -> which kernel.
+// No device calls, no globals: testable on a machine without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "hipflash/detail/kernel_traits.hpp"
+#include "hipflash/types.hpp"
+
+namespace hipflash {
+
+/// The device a call runs on. `version`: NVIDIA compute capability * 10 (80, 90) or AMD gfx
+/// id as hex digits (0x90a, 0x940, 0x942, 0x950).
+struct Arch {
+  enum Vendor : int { host = 0, nvidia = 1, amd = 2 } vendor = host;
+  int version = 0;
+  int num_sms = 1;  ///< multiprocessors / compute units (the split heuristic uses it)
+  std::string name() const;
+};
+
+enum class KernelKind : int {
+  cpu_reference,    ///< the CPU backend
+  generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
+  sm90,             ///< kernels/sm90 (TMA + wgmma): not built yet
+  gfx950_dualwave,  ///< kernels/gfx950: not built yet
+  unsupported,
+};
+
+const char* kernel_kind_name(KernelKind k);
+
+/// What the caller asks for, already validated.
+struct Problem {
+  DType dtype = DType::bf16;
+  int head_dim = 128;
+  bool return_lse = false;
+  bool masked = false;  ///< causal or a bounded window
+  bool varlen = false;
+  int num_splits = 1;   ///< resolved (>= 1)
+};
+
+/// What this build contains (from CMake options).
+struct BuildCaps {
+  bool gpu = false;             ///< built with GPU kernels
+  Arch::Vendor gpu_vendor = Arch::host;
+  unsigned head_dim_mask = ~0u;  ///< bit i set: padded head dim (64 << i) built (64, 128, 256)
+};
+
+struct Selection {
+  KernelKind kind = KernelKind::unsupported;
+  KernelKey key{};
+  std::string reason;  ///< why unsupported (empty otherwise)
+};
+
+/// Pure: same inputs, same answer.
+Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps);
+
+/// Padded head dim of the instantiation serving `head_dim`, or 0 if unsupported.
+constexpr int padded_head_dim(int head_dim) {
+  return head_dim == 32 || head_dim == 64 ? 64
+       : head_dim == 96 || head_dim == 128 ? 128
+       : head_dim == 256 ? 256 : 0;
+}
+
+/// The split-count heuristic for num_splits = 0 (pure): fill `num_sms` with the
+/// (batch * heads * query-block) work items, never splitting into fewer than one key block each.
+int num_splits_heuristic(int64_t work_items, int64_t num_sms, int64_t num_key_blocks,
+                         int max_splits = 128);
+
+}  // namespace hipflash

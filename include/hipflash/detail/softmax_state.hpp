@@ -1,0 +1,98 @@
+// hipflash — the online-softmax state, shared by every forward kernel, the split-K combine
+// kernel and the CPU backend.
+//
+// Log base: 2. A row's scores enter as x = s * softmax_scale * log2(e), so exp(s*scale) = 2^x.
+//   m = running max of x,  l = sum of 2^(x - m).
+// The natural-log LSE of SPEC §3 is  lse = (m + log2(l)) * ln(2), and -inf when l == 0
+// (no valid key): set explicitly, never obtained from log(0) under fast math.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define HIPFLASH_HD __host__ __device__ __forceinline__
+#else
+#define HIPFLASH_HD inline
+#endif
+
+namespace hipflash::detail {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+HIPFLASH_HD float fast_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  return exp2f(x);  // ex2.approx under -use_fast_math; 2^-inf == 0
+#else
+  return std::exp2(x);
+#endif
+}
+
+struct SoftmaxState {
+  float m = kNegInf;  ///< running max, base-2 scaled units
+  float l = 0.f;      ///< running sum of 2^(x - m)
+
+  /// The max to subtract: m itself, or 0 while the row has seen no valid key (keeps
+  /// 2^(x - m) at 0 instead of NaN for x = m = -inf).
+  HIPFLASH_HD static float safe_max(float m) { return m == kNegInf ? 0.f : m; }
+
+  /// Factor that moves a sum taken against m_old onto m_new (>= m_old): 2^(m_old - m_new).
+  HIPFLASH_HD static float rescale(float m_old, float m_new) {
+    return fast_exp2(m_old - safe_max(m_new));
+  }
+
+  /// Natural-log LSE of a (m, l) pair; -inf for an empty row.
+  HIPFLASH_HD static float lse_of(float m, float l) {
+    return l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
+  }
+
+  /// 1/l for normalising the output; 0 for an empty row so that out = 0.
+  HIPFLASH_HD static float inv_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }
+
+  HIPFLASH_HD float lse() const { return lse_of(m, l); }
+
+  /// The state of a finished partial result with natural-log LSE `lse` (split-K combine).
+  HIPFLASH_HD static SoftmaxState from_lse(float lse) {
+    SoftmaxState s;
+    if (lse != kNegInf) {
+      s.m = lse * kLog2e;
+      s.l = 1.f;
+    }
+    return s;
+  }
+
+  /// Folds one more score x (base-2 scaled) in; returns the factor that rescales the
+  /// running output accumulator.
+  HIPFLASH_HD float update_max(float x_max) {
+    float m_new = x_max > m ? x_max : m;
+    float r = rescale(m, m_new);
+    l *= r;
+    m = m_new;
+    return r;
+  }
+
+  /// Merges another state; returns {factor for this side, factor for the other side}.
+  struct Weights { float self, other; };
+  HIPFLASH_HD Weights merge(const SoftmaxState& o) {
+    float m_new = o.m > m ? o.m : m;
+    Weights w{rescale(m, m_new), rescale(o.m, m_new)};
+    l = l * w.self + o.l * w.other;
+    m = m_new;
+    return w;
+  }
+};
+
+}  // namespace hipflash::detail
+
+namespace hipflash::detail {
+
+/// Split-K combine (SPEC §3): the weight of a partial result with natural-log LSE `lse_s` in
+/// the total state `total` (the merge of every split's from_lse). 0 for an empty split.
+HIPFLASH_HD float combine_weight(float lse_s, const SoftmaxState& total) {
+  if (lse_s == kNegInf || !(total.l > 0.f)) return 0.f;
+  return fast_exp2(lse_s * kLog2e - total.m) / total.l;
+}
+
+}  // namespace hipflash::detail

@@ -1,0 +1,76 @@
+// hipflash — the public forward entry points (SPEC §1).
+//
+//   hipflash::forward(q, k, v, out, lse, opts, stream)
+//   hipflash::varlen_forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, opts, stream)
+//
+// Tensors live on the CPU (TensorRef::loc.kind == cpu: the CPU backend, `stream` ignored) or on
+// one GPU (the device kernels, launched on `stream`). Every argument is validated first; a bad
+// call throws hipflash::invalid_argument / dtype_error / not_implemented and writes nothing.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+#include "hipflash/errors.hpp"
+#include "hipflash/params.hpp"
+#include "hipflash/types.hpp"
+
+namespace hipflash {
+
+struct FwdOptions {
+  std::optional<float> softmax_scale;  ///< default 1/sqrt(D)
+  bool causal = false;                 ///< bottom-right aligned; same as window (left, 0)
+  int64_t window_left = -1;            ///< -1: unbounded
+  int64_t window_right = -1;           ///< -1: unbounded
+  int num_splits = 0;                  ///< 0: heuristic; 1: no split-K
+  bool return_lse = false;             ///< write lse; requires an lse buffer
+};
+
+struct VarlenOptions : FwdOptions {
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_k = 0;
+  LseLayout lse_layout = LseLayout::padded;
+};
+
+/// Split-K scratch. Optional: when absent (or too small) the GPU launcher allocates its own,
+/// stream-ordered. `bytes` must be >= splitk_workspace_bytes(...) to be used.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+/// Dense forward. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], out like q,
+/// lse fp32 [B, Hq, Sq] contiguous (only when opts.return_lse; pass nullptr otherwise).
+void forward(const TensorRef& q, const TensorRef& k, const TensorRef& v, const TensorRef& out,
+             const TensorRef* lse, const FwdOptions& opts = {}, Stream stream = nullptr,
+             Workspace workspace = {});
+
+/// Varlen forward. q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens int32 [B + 1];
+/// lse fp32 [B, Hq, max_seqlen_q] (padded) or [Hq, total_q] (packed).
+void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                    const TensorRef& out, const TensorRef* lse, const TensorRef& cu_seqlens_q,
+                    const TensorRef& cu_seqlens_k, const VarlenOptions& opts,
+                    Stream stream = nullptr, Workspace workspace = {});
+
+/// The split count num_splits = 0 resolves to for this problem (deterministic: passing the
+/// returned count explicitly gives bitwise the same result).
+int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions& opts);
+
+/// Bytes of split-K workspace a call needs (0 when it does not split).
+size_t splitk_workspace_bytes(const FwdParams& params);
+
+/// Head dims the kernels support (SPEC §2).
+inline constexpr int kSupportedHeadDims[] = {32, 64, 96, 128, 256};
+
+/// Human-readable name of what this build can run ("cpu", "cpu+cuda(sm_80,sm_90a)", ...).
+std::string build_info();
+
+/// Whether this build has GPU kernels and a GPU is visible.
+bool gpu_available();
+
+/// Name of the kernel the last forward() on this thread ran, e.g.
+/// "fwd_generic_bf16_hd128_causal_lse_sm90" or "cpu_reference" (for benchmarks and logs).
+std::string last_kernel_name();
+
+}  // namespace hipflash

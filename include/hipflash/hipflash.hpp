@@ -1,0 +1,8 @@
+// hipflash — umbrella header for C++ users.
+#pragma once
+
+#include "hipflash/errors.hpp"
+#include "hipflash/forward.hpp"
+#include "hipflash/params.hpp"
+#include "hipflash/types.hpp"
+#include "hipflash/detail/selector.hpp"

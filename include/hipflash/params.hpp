@@ -1,0 +1,60 @@
+// hipflash — the one plain params struct of the forward kernels.
+//
+// Built by the launcher from validated TensorRefs (see make_fwd_params in src/); kernels take
+// it by value. Strides are in elements and 64-bit; the last dimension always has stride 1.
+#pragma once
+
+#include <cstdint>
+
+#include "hipflash/types.hpp"
+
+namespace hipflash {
+
+struct FwdParams {
+  // Operands. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]. Varlen: the batch stride is 0 and
+  // sequence b starts at row cu_seqlens_q[b] (cu_seqlens_k[b]).
+  const void* __restrict__ q = nullptr;
+  const void* __restrict__ k = nullptr;
+  const void* __restrict__ v = nullptr;
+  void* __restrict__ out = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+
+  // LSE, natural log, fp32. Written only by RETURN_LSE kernels; nullptr otherwise.
+  // Dense and padded varlen: [B, Hq, Sq or max_seqlen_q]. Packed varlen: [Hq, total_q], where
+  // lse_batch_stride is 0 and the row is offset by cu_seqlens_q[b].
+  float* __restrict__ lse = nullptr;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0, lse_row_stride = 1;
+  LseLayout lse_layout = LseLayout::padded;
+
+  // Varlen: int32 [B + 1] prefix sums, or nullptr for dense.
+  const int32_t* __restrict__ cu_seqlens_q = nullptr;
+  const int32_t* __restrict__ cu_seqlens_k = nullptr;
+
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;  ///< dense Sq, or max_seqlen_q for varlen
+  int64_t seqlen_k = 0;  ///< dense Sk, or max_seqlen_k for varlen
+  int64_t heads_q = 0, heads_kv = 0;
+  int64_t head_dim = 0;
+
+  DType dtype = DType::f16;
+  float softmax_scale = 1.f;
+  // Key j is valid for row i when  i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right;
+  // -1 means unbounded. Causal is (window_left, 0).
+  int64_t window_left = -1, window_right = -1;
+
+  bool return_lse = false;
+  int num_splits = 1;  ///< resolved split count (>= 1); the heuristic has already run
+
+  // Split-K workspace (num_splits > 1): fp32 partial out [splits, B, Hq, Sq, D] and
+  // partial lse [splits, B, Hq, Sq], contiguous, indexed by the padded row.
+  float* __restrict__ out_partial = nullptr;
+  float* __restrict__ lse_partial = nullptr;
+
+  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+};
+
+}  // namespace hipflash

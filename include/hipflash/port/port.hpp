@@ -1,0 +1,152 @@
+// hipflash — the one portability layer. The rest of the code speaks the project's own names
+// (hipflash::port::*, HIPFLASH_* macros); this header maps them to HIP on AMD
+// (<hip/hip_runtime.h>, compiled by hipcc) or to the CUDA runtime on NVIDIA (nvcc).
+// No vendor symbol is redefined.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "hipflash/errors.hpp"
+
+#if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_runtime.h>
+#define HIPFLASH_PLATFORM_AMD 1
+#elif defined(__CUDACC__)
+#include <cuda_runtime.h>
+#define HIPFLASH_PLATFORM_NVIDIA 1
+#else
+#error "hipflash/port/port.hpp is for device translation units (hipcc or nvcc)"
+#endif  // platform
+
+// ---- Device-arch feature macros (meaningful inside device code) -----------------------------
+#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+#define HIPFLASH_HAS_MMA_SYNC 1  // mma.sync m16n8k16 bf16/f16, ldmatrix, cp.async
+#endif
+#if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HIPFLASH_HAS_WGMMA 1  // sm_90a: wgmma, setmaxnreg
+#endif
+#endif  // NVIDIA device
+
+#if defined(HIPFLASH_PLATFORM_AMD) && defined(__HIP_DEVICE_COMPILE__)
+#if defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__) || \
+    defined(__gfx950__)
+#define HIPFLASH_HAS_MFMA 1  // v_mfma_f32_16x16x16{bf16_1k,f16}
+#endif
+#if defined(__gfx950__)
+#define HIPFLASH_IS_GFX950 1
+#endif
+#endif  // AMD device
+
+namespace hipflash::port {
+
+#if defined(HIPFLASH_PLATFORM_AMD)
+using stream_t = hipStream_t;
+using error_t = hipError_t;
+inline constexpr error_t kSuccess = hipSuccess;
+inline const char* error_string(error_t e) { return hipGetErrorString(e); }
+inline error_t get_last_error() { return hipGetLastError(); }
+inline error_t get_device(int* d) { return hipGetDevice(d); }
+inline error_t set_device(int d) { return hipSetDevice(d); }
+inline error_t device_count(int* n) { return hipGetDeviceCount(n); }
+inline error_t malloc_async(void** p, size_t n, stream_t s) { return hipMallocAsync(p, n, s); }
+inline error_t free_async(void* p, stream_t s) { return hipFreeAsync(p, s); }
+inline error_t memcpy_d2h(void* dst, const void* src, size_t n, stream_t s) {
+  error_t e = hipMemcpyAsync(dst, src, n, hipMemcpyDeviceToHost, s);
+  return e == hipSuccess ? hipStreamSynchronize(s) : e;
+}
+inline error_t stream_synchronize(stream_t s) { return hipStreamSynchronize(s); }
+/// Device pointer -> device ordinal; -1 for host memory.
+inline int pointer_device(const void* p) {
+  hipPointerAttribute_t a{};
+  if (hipPointerGetAttributes(&a, p) != hipSuccess) {
+    (void)hipGetLastError();
+    return -1;
+  }
+  return a.memoryType == hipMemoryTypeDevice ? a.device : -1;
+}
+template <class Kernel>
+inline error_t set_max_dynamic_smem(Kernel k, int bytes) {
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(k),
+                             hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+#else
+using stream_t = cudaStream_t;
+using error_t = cudaError_t;
+inline constexpr error_t kSuccess = cudaSuccess;
+inline const char* error_string(error_t e) { return cudaGetErrorString(e); }
+inline error_t get_last_error() { return cudaGetLastError(); }
+inline error_t get_device(int* d) { return cudaGetDevice(d); }
+inline error_t set_device(int d) { return cudaSetDevice(d); }
+inline error_t device_count(int* n) { return cudaGetDeviceCount(n); }
+inline error_t malloc_async(void** p, size_t n, stream_t s) { return cudaMallocAsync(p, n, s); }
+inline error_t free_async(void* p, stream_t s) { return cudaFreeAsync(p, s); }
+inline error_t memcpy_d2h(void* dst, const void* src, size_t n, stream_t s) {
+  error_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, s);
+  return e == cudaSuccess ? cudaStreamSynchronize(s) : e;
+}
+inline error_t stream_synchronize(stream_t s) { return cudaStreamSynchronize(s); }
+inline int pointer_device(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+}
+template <class Kernel>
+inline error_t set_max_dynamic_smem(Kernel k, int bytes) {
+  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+#endif  // HIPFLASH_PLATFORM_AMD
+
+/// Throws hipflash::runtime_error carrying the device runtime's message.
+inline void check(error_t e, const char* what) {
+  if (e != kSuccess) {
+    throw ::hipflash::runtime_error(std::string(what) + ": " + error_string(e));
+  }
+}
+
+/// Wave/warp size of the compilation target, as a constexpr. Host code on AMD gets 64 (every
+/// CDNA target hipflash builds for, gfx90a/gfx94x/gfx950, runs wave64).
+#if defined(HIPFLASH_PLATFORM_AMD)
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+inline constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#else
+inline constexpr int kWarpSize = 64;
+#endif
+#else
+inline constexpr int kWarpSize = 32;
+#endif  // warp size
+__host__ __device__ constexpr int warp_size() { return kWarpSize; }
+
+// ---- Warp-level primitives ------------------------------------------------------------------
+#if defined(HIPFLASH_PLATFORM_AMD)
+/// Butterfly exchange within the wave. HIP has no lane-mask form: all lanes take part.
+template <class T>
+__device__ __forceinline__ T shfl_xor(T v, int lane_mask) { return __shfl_xor(v, lane_mask); }
+template <class T>
+__device__ __forceinline__ T shfl(T v, int src_lane) { return __shfl(v, src_lane); }
+#else
+template <class T>
+__device__ __forceinline__ T shfl_xor(T v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}
+template <class T>
+__device__ __forceinline__ T shfl(T v, int src_lane) {
+  return __shfl_sync(0xffffffffu, v, src_lane);
+}
+#endif  // shuffles
+
+/// Stops the kernel loudly: the body an unsupported target compiles to.
+__device__ __forceinline__ void trap() {
+#if defined(HIPFLASH_PLATFORM_AMD)
+  __builtin_trap();
+#else
+  __trap();
+#endif
+}
+
+}  // namespace hipflash::port

@@ -1,0 +1,78 @@
+// hipflash — the small vocabulary types of the public API.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string_view>
+
+namespace hipflash {
+
+enum class DType : int { f16 = 0, bf16 = 1, f32 = 2, i32 = 3 };
+
+constexpr std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+    case DType::f32: return "float32";
+    case DType::i32: return "int32";
+  }
+  return "unknown";
+}
+
+constexpr int dtype_size(DType t) { return t == DType::f16 || t == DType::bf16 ? 2 : 4; }
+
+/// Where a buffer lives. `index` is the device ordinal for gpu, ignored for cpu.
+struct Location {
+  enum Kind : int { cpu = 0, gpu = 1 } kind = cpu;
+  int index = 0;
+  friend constexpr bool operator==(Location a, Location b) {
+    return a.kind == b.kind && (a.kind == cpu || a.index == b.index);
+  }
+  friend constexpr bool operator!=(Location a, Location b) { return !(a == b); }
+};
+
+/// Layout of a varlen LSE buffer (SPEC §2). Dense calls always use [B, Hq, Sq].
+enum class LseLayout : int {
+  padded = 0,  ///< [B, Hq, max_seqlen_q]; rows past a sequence's length are -inf
+  packed = 1,  ///< [Hq, total_q] (FlashAttention-2/3, PyTorch)
+};
+
+/// A non-owning strided view of a buffer: the C++ API's "tensor". Sizes and strides are in
+/// elements; rank <= 4.
+struct TensorRef {
+  void* data = nullptr;
+  DType dtype = DType::f16;
+  int rank = 0;
+  int64_t sizes[4] = {0, 0, 0, 0};
+  int64_t strides[4] = {0, 0, 0, 0};
+  Location loc{};
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < rank; ++i) n *= sizes[i];
+    return n;
+  }
+};
+
+/// A contiguous (row-major) TensorRef over `data`.
+inline TensorRef make_tensor(void* data, DType dtype, std::initializer_list<int64_t> sizes,
+                             Location loc = {}) {
+  TensorRef t;
+  t.data = data;
+  t.dtype = dtype;
+  t.loc = loc;
+  t.rank = static_cast<int>(sizes.size());
+  int i = 0;
+  for (int64_t s : sizes) t.sizes[i++] = s;
+  int64_t stride = 1;
+  for (int d = t.rank - 1; d >= 0; --d) {
+    t.strides[d] = stride;
+    stride *= t.sizes[d];
+  }
+  return t;
+}
+
+/// Opaque stream handle (hipStream_t / cudaStream_t); nullptr is the default stream.
+using Stream = void*;
+
+}  // namespace hipflash

@@ -1,0 +1,49 @@
+// hipflash — what the launcher needs from each backend (internal).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "hipflash/detail/kernel_traits.hpp"
+#include "hipflash/detail/selector.hpp"
+#include "hipflash/forward.hpp"
+#include "hipflash/params.hpp"
+
+namespace hipflash::cpu {
+
+/// The CPU backend: SPEC §3 on host memory, multi-threaded, tiled with the online softmax.
+void run_forward(const FwdParams& params);
+
+/// Threads the CPU backend uses (its "multiprocessor count" for the split heuristic).
+int num_threads();
+
+}  // namespace hipflash::cpu
+
+namespace hipflash::gpu {
+
+/// What the GPU part of this build contains (HIPFLASH_GPU=none: gpu == false).
+BuildCaps build_caps();
+std::string build_info();
+
+/// Arch of device `device`; throws runtime_error if there is none.
+Arch device_arch(int device);
+
+/// Device ordinal owning `ptr`, or -1 when it is host memory (or no GPU runtime is built).
+int pointer_device(const void* ptr);
+
+/// Synchronous copy of `bytes` from device memory on `stream` to the host.
+void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream);
+
+/// Launches the selected forward (and, for num_splits > 1, the combine) on `stream`.
+/// `params` are validated; the split workspace is allocated here when `ws` is too small.
+void run_forward(const FwdParams& params, const Selection& sel, Stream stream, Workspace ws);
+
+/// Query-block and key-block sizes of the generic kernel for a padded head dim.
+int block_m(int padded_head_dim);
+int block_n(int padded_head_dim);
+
+}  // namespace hipflash::gpu
+
+namespace hipflash::detail {
+void set_last_kernel_name(std::string name);
+}  // namespace hipflash::detail

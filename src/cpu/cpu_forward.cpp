@@ -1,0 +1,214 @@
+// hipflash — the CPU backend: SPEC §3 on host memory.
+//
+// Tiled like the GPU kernels: a work item is (batch, head, block of kBlockM query rows); it
+// walks key blocks of kBlockN with the shared online-softmax state (detail::SoftmaxState),
+// never materialising the score matrix. num_splits > 1 cuts the key range into splits whose
+// partial (out, lse) are reduced with the same combine math as the GPU combine kernel.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include "../backend.hpp"
+#include "hipflash/detail/host_numeric.hpp"
+#include "hipflash/detail/softmax_state.hpp"
+
+namespace hipflash::cpu {
+namespace {
+
+using detail::kLog2e;
+using detail::kNegInf;
+using detail::SoftmaxState;
+
+constexpr int64_t kBlockM = 16;
+constexpr int64_t kBlockN = 64;
+
+/// Row and key bounds of one (batch, head) after varlen offsets.
+struct Seq {
+  int64_t q_start, k_start, len_q, len_k;
+};
+
+Seq sequence(const FwdParams& p, int64_t b) {
+  if (!p.is_varlen()) return {0, 0, p.seqlen_q, p.seqlen_k};
+  return {p.cu_seqlens_q[b], p.cu_seqlens_k[b], p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
+          p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]};
+}
+
+/// Keys [lo, hi) valid for row i (SPEC §3 masks, bottom-right aligned).
+void key_range(const FwdParams& p, const Seq& s, int64_t i, int64_t& lo, int64_t& hi) {
+  const int64_t diag = i + s.len_k - s.len_q;
+  lo = p.window_left >= 0 ? std::max<int64_t>(0, diag - p.window_left) : 0;
+  hi = p.window_right >= 0 ? std::min<int64_t>(s.len_k, diag + p.window_right + 1) : s.len_k;
+}
+
+/// One split of one row block: partial softmax state and unnormalised accumulator per row.
+void attend(const FwdParams& p, const Seq& s, int64_t b, int64_t h, int64_t m0, int64_t rows,
+            int64_t key_lo, int64_t key_hi, const std::vector<float>& qf,
+            std::vector<SoftmaxState>& state, std::vector<float>& acc,
+            std::vector<float>& kf, std::vector<float>& vf, std::vector<float>& x) {
+  const int64_t D = p.head_dim;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const auto* kbase = static_cast<const char*>(p.k);
+  const auto* vbase = static_cast<const char*>(p.v);
+  const int64_t k_off = b * p.k_batch_stride + s.k_start * p.k_row_stride + hk * p.k_head_stride;
+  const int64_t v_off = b * p.v_batch_stride + s.k_start * p.v_row_stride + hk * p.v_head_stride;
+  for (int64_t n0 = key_lo; n0 < key_hi; n0 += kBlockN) {
+    const int64_t cols = std::min(kBlockN, key_hi - n0);
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t d = 0; d < D; ++d) {
+        kf[j * D + d] = detail::load_as_float(kbase, k_off + (n0 + j) * p.k_row_stride + d, p.dtype);
+        vf[j * D + d] = detail::load_as_float(vbase, v_off + (n0 + j) * p.v_row_stride + d, p.dtype);
+      }
+    const float scale_log2 = p.softmax_scale * kLog2e;
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t lo, hi;
+      key_range(p, s, m0 + r, lo, hi);
+      float tile_max = kNegInf;
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t key = n0 + j;
+        float xv = kNegInf;
+        if (key >= lo && key < hi) {
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qf[r * D + d] * kf[j * D + d];
+          xv = dot * scale_log2;
+        }
+        x[j] = xv;
+        tile_max = std::max(tile_max, xv);
+      }
+      SoftmaxState& st = state[r];
+      const float factor = st.update_max(tile_max);
+      float* a = &acc[r * D];
+      for (int64_t d = 0; d < D; ++d) a[d] *= factor;
+      const float m = SoftmaxState::safe_max(st.m);
+      for (int64_t j = 0; j < cols; ++j) {
+        const float pj = detail::fast_exp2(x[j] - m);
+        if (pj == 0.f) continue;
+        st.l += pj;
+        for (int64_t d = 0; d < D; ++d) a[d] += pj * vf[j * D + d];
+      }
+    }
+  }
+}
+
+void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
+  const Seq s = sequence(p, b);
+  const int64_t D = p.head_dim;
+  const int64_t rows_lse = std::min(kBlockM, p.seqlen_q - m0);  // padded LSE rows
+  const int64_t rows = std::max<int64_t>(0, std::min(kBlockM, s.len_q - m0));
+  // Padded varlen LSE: rows past this sequence's length are -inf.
+  if (p.return_lse && p.is_varlen() && p.lse_layout == LseLayout::padded)
+    for (int64_t r = rows; r < rows_lse; ++r)
+      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + (m0 + r) * p.lse_row_stride] = kNegInf;
+  if (rows <= 0) return;
+
+  const auto* qbase = static_cast<const char*>(p.q);
+  std::vector<float> qf(static_cast<size_t>(rows * D));
+  const int64_t q_off = b * p.q_batch_stride + s.q_start * p.q_row_stride + h * p.q_head_stride;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d)
+      qf[r * D + d] = detail::load_as_float(qbase, q_off + (m0 + r) * p.q_row_stride + d, p.dtype);
+
+  // Key range the block can need (union over its rows), cut into num_splits chunks of whole
+  // key blocks.
+  int64_t lo_first, hi_first, lo_last, hi_last;
+  key_range(p, s, m0, lo_first, hi_first);
+  key_range(p, s, m0 + rows - 1, lo_last, hi_last);
+  const int64_t key_lo = std::max<int64_t>(0, std::min(lo_first, lo_last));
+  const int64_t key_hi = std::min(s.len_k, std::max(hi_first, hi_last));
+  const int64_t splits = std::max(1, p.num_splits);
+  const int64_t key_blocks = (s.len_k + kBlockN - 1) / kBlockN;
+  const int64_t blocks_per_split = std::max<int64_t>(1, (key_blocks + splits - 1) / splits);
+
+  std::vector<float> acc(static_cast<size_t>(rows * D)), kf(size_t(kBlockN * D)), vf(size_t(kBlockN * D)),
+      x(static_cast<size_t>(kBlockN));
+  std::vector<SoftmaxState> state(static_cast<size_t>(rows));
+  std::vector<float> out_total(static_cast<size_t>(rows * D), 0.f);
+  std::vector<SoftmaxState> total(static_cast<size_t>(rows));
+  std::vector<float> part_out, part_lse;
+  if (splits > 1) {
+    part_out.resize(size_t(splits * rows * D));
+    part_lse.resize(size_t(splits * rows));
+  }
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    const int64_t lo = std::max(key_lo, sp * blocks_per_split * kBlockN);
+    const int64_t hi = std::min(key_hi, (sp + 1) * blocks_per_split * kBlockN);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(state.begin(), state.end(), SoftmaxState{});
+    if (lo < hi) attend(p, s, b, h, m0, rows, lo, hi, qf, state, acc, kf, vf, x);
+    if (splits == 1) {
+      total = state;
+      out_total = acc;
+      break;
+    }
+    // Partial result of this split: normalised out and its LSE, as the GPU split kernel writes.
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = SoftmaxState::inv_sum(state[r].l);
+      for (int64_t d = 0; d < D; ++d) part_out[(sp * rows + r) * D + d] = acc[r * D + d] * inv;
+      part_lse[sp * rows + r] = state[r].lse();
+    }
+  }
+  if (splits > 1) {
+    // Combine (SPEC §3): lse = ln sum exp(lse_s), out = sum w_s out_s.
+    for (int64_t r = 0; r < rows; ++r) {
+      SoftmaxState t;
+      for (int64_t sp = 0; sp < splits; ++sp) t.merge(SoftmaxState::from_lse(part_lse[sp * rows + r]));
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float w = detail::combine_weight(part_lse[sp * rows + r], t);
+        if (w == 0.f) continue;
+        for (int64_t d = 0; d < D; ++d) out_total[r * D + d] += w * part_out[(sp * rows + r) * D + d];
+      }
+      // Already normalised: express as a state whose inv_sum is 1 (or 0 when empty).
+      total[r] = t;
+      total[r].l = t.l > 0.f ? 1.f : 0.f;
+      total[r].m = t.l > 0.f ? t.m + std::log2(t.l) : kNegInf;
+    }
+  }
+
+  auto* obase = static_cast<char*>(p.out);
+  const int64_t o_off = b * p.o_batch_stride + s.q_start * p.o_row_stride + h * p.o_head_stride;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = SoftmaxState::inv_sum(total[r].l);
+    for (int64_t d = 0; d < D; ++d)
+      detail::store_from_float(obase, o_off + (m0 + r) * p.o_row_stride + d,
+                               out_total[r * D + d] * inv, p.dtype);
+    if (p.return_lse) {
+      const int64_t row = p.is_varlen() && p.lse_layout == LseLayout::packed ? s.q_start + m0 + r
+                                                                             : m0 + r;
+      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_row_stride] =
+          total[r].lse();
+    }
+  }
+}
+
+}  // namespace
+
+int num_threads() {
+  static const int n = [] {
+    unsigned hc = std::thread::hardware_concurrency();
+    return hc == 0 ? 1 : int(std::min(hc, 64u));
+  }();
+  return n;
+}
+
+void run_forward(const FwdParams& p) {
+  const int64_t m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t items = p.batch * p.heads_q * m_blocks;
+  if (items == 0) return;
+  std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    for (int64_t it; (it = next.fetch_add(1)) < items;) {
+      const int64_t mb = it % m_blocks;
+      const int64_t h = (it / m_blocks) % p.heads_q;
+      const int64_t b = it / (m_blocks * p.heads_q);
+      run_block(p, b, h, mb * kBlockM);
+    }
+  };
+  const int n = int(std::min<int64_t>(num_threads(), items));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < n; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace hipflash::cpu

@@ -1,0 +1,374 @@
+// hipflash — the launcher: validate -> select -> dispatch (SPEC §4, §5).
+//
+// Every check below runs before any output is touched or any kernel is launched.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "backend.hpp"
+#include "hipflash/detail/selector.hpp"
+#include "hipflash/forward.hpp"
+
+namespace hipflash {
+namespace {
+
+thread_local std::string t_last_kernel = "none";
+
+std::string shape_str(const TensorRef& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.sizes[i]);
+  return s + "]";
+}
+
+std::string loc_str(Location l) {
+  return l.kind == Location::cpu ? std::string("cpu") : "gpu:" + std::to_string(l.index);
+}
+
+void check_rank(const TensorRef& t, const char* name, int rank, const char* layout) {
+  HIPFLASH_CHECK(t.rank == rank, name, " must have rank ", rank, " (", layout, "), got shape ",
+                 shape_str(t));
+  for (int i = 0; i < rank; ++i)
+    HIPFLASH_CHECK(t.sizes[i] >= 0, name, " has a negative size: ", shape_str(t));
+}
+
+void check_half_dtype(const TensorRef& t, const char* name, DType expected) {
+  HIPFLASH_CHECK_AS(dtype_error, t.dtype == expected, name, " must have dtype ",
+                    dtype_name(expected), " (the dtype of q), got ", dtype_name(t.dtype));
+}
+
+void check_last_dim(const TensorRef& t, const char* name) {
+  HIPFLASH_CHECK(t.strides[t.rank - 1] == 1 || t.sizes[t.rank - 1] <= 1, name,
+                 " must have a contiguous last dimension (stride 1), got stride ",
+                 t.strides[t.rank - 1]);
+}
+
+// Byte range [lo, hi) a view can touch; empty views touch nothing.
+struct Span { uintptr_t lo = 0, hi = 0; };
+Span span_of(const TensorRef& t) {
+  if (t.numel() == 0 || t.data == nullptr) return {};
+  int64_t lo = 0, hi = 0;
+  for (int i = 0; i < t.rank; ++i) {
+    int64_t ext = (t.sizes[i] - 1) * t.strides[i];
+    (ext < 0 ? lo : hi) += ext;
+  }
+  auto base = reinterpret_cast<uintptr_t>(t.data);
+  int64_t es = dtype_size(t.dtype);
+  return {base + uintptr_t(lo * es), base + uintptr_t((hi + 1) * es)};
+}
+bool overlaps(const TensorRef& a, const TensorRef& b) {
+  Span x = span_of(a), y = span_of(b);
+  return x.lo < x.hi && y.lo < y.hi && x.lo < y.hi && y.lo < x.hi;
+}
+
+void check_location(const TensorRef& t, const char* name, Location expected) {
+  HIPFLASH_CHECK(t.loc == expected, name, " is on ", loc_str(t.loc), " but q is on ",
+                 loc_str(expected), "; all tensors must be on the same device");
+}
+
+/// Shared by dense and varlen: the checks on q, k, v, out given their roles in the shape.
+struct Dims { int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim; };
+
+void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                  const TensorRef& out, const FwdOptions& opts, const Dims& d) {
+  HIPFLASH_CHECK_AS(dtype_error, q.dtype == DType::f16 || q.dtype == DType::bf16,
+                    "q must have dtype float16 or bfloat16, got ", dtype_name(q.dtype));
+  check_half_dtype(k, "k", q.dtype);
+  check_half_dtype(v, "v", q.dtype);
+  check_half_dtype(out, "out", q.dtype);
+  check_location(k, "k", q.loc);
+  check_location(v, "v", q.loc);
+  check_location(out, "out", q.loc);
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}})
+    check_last_dim(*t, name);
+  HIPFLASH_CHECK(padded_head_dim(int(d.head_dim)) != 0 && d.head_dim == int(d.head_dim),
+                 "head dim ", d.head_dim,
+                 " is not supported; supported head dims are 32, 64, 96, 128, 256");
+  HIPFLASH_CHECK(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0,
+                 "the number of k/v heads (", d.heads_kv,
+                 ") must divide the number of query heads (", d.heads_q, ")");
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
+    HIPFLASH_CHECK(!overlaps(out, *t), "out must not alias ", name);
+  HIPFLASH_CHECK(!opts.softmax_scale || (std::isfinite(*opts.softmax_scale) &&
+                                         *opts.softmax_scale > 0.f),
+                 "softmax_scale must be a finite positive number, got ",
+                 opts.softmax_scale.value_or(0.f));
+  HIPFLASH_CHECK(opts.window_left >= -1 && opts.window_right >= -1,
+                 "window_size must be (left, right) with -1 (unbounded) or values >= 0, got (",
+                 opts.window_left, ", ", opts.window_right, ")");
+  HIPFLASH_CHECK(opts.num_splits >= 0 && opts.num_splits <= 256,
+                 "num_splits must be in [0, 256] (0 = heuristic), got ", opts.num_splits);
+}
+
+void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, const TensorRef& k,
+               const TensorRef& v, std::initializer_list<int64_t> shape, const char* layout) {
+  const TensorRef expected = make_tensor(nullptr, DType::f32, shape);
+  HIPFLASH_CHECK(lse != nullptr,
+                 "return_lse is set but no lse buffer was given; pass an fp32 tensor of shape ",
+                 layout, " = ", shape_str(expected));
+  HIPFLASH_CHECK(lse->data != nullptr || expected.numel() == 0,
+                 "return_lse is set but the lse buffer has no data pointer");
+  HIPFLASH_CHECK_AS(dtype_error, lse->dtype == DType::f32, "lse must have dtype float32, got ",
+                    dtype_name(lse->dtype));
+  check_location(*lse, "lse", q.loc);
+  bool same_shape = lse->rank == expected.rank;
+  for (int i = 0; same_shape && i < expected.rank; ++i)
+    same_shape = lse->sizes[i] == expected.sizes[i];
+  HIPFLASH_CHECK(same_shape, "lse buffer has shape ", shape_str(*lse), " but must be ", layout,
+                 " = ", shape_str(expected));
+  for (int d = 0; d < expected.rank; ++d)
+    HIPFLASH_CHECK(lse->sizes[d] <= 1 || lse->strides[d] == expected.strides[d],
+                   "lse must be contiguous (row-major ", layout, ")");
+  HIPFLASH_CHECK(!overlaps(*lse, out), "lse must not alias out");
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
+    HIPFLASH_CHECK(!overlaps(*lse, *t), "lse must not alias ", name);
+}
+
+void fill_window(FwdParams& p, const FwdOptions& opts) {
+  p.window_left = opts.window_left;
+  p.window_right = opts.causal ? 0 : opts.window_right;
+  if (opts.causal && opts.window_right > 0) p.window_right = 0;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/// Resolves num_splits (0 -> heuristic) for the backend that will run the call.
+int resolve_splits(const FwdParams& p, int requested, Location loc) {
+  int64_t sk = p.seqlen_k;
+  if (requested == 1 || sk == 0) return 1;
+  int bn = loc.kind == Location::gpu ? gpu::block_n(padded_head_dim(int(p.head_dim))) : 64;
+  int bm = loc.kind == Location::gpu ? gpu::block_m(padded_head_dim(int(p.head_dim))) : 64;
+  if (bn <= 0 || bm <= 0) return 1;
+  int64_t key_blocks = ceil_div(sk, bn);
+  if (requested > 0) return int(std::min<int64_t>(requested, std::max<int64_t>(key_blocks, 1)));
+  int64_t sq = p.seqlen_q;
+  // Decode with GQA packs the query heads of one kv head into the query block (see the GPU
+  // launcher), so count work items the way the kernel will.
+  int64_t work = p.batch * p.heads_q * ceil_div(sq, bm);
+  int64_t sms = loc.kind == Location::gpu ? gpu::device_arch(loc.index).num_sms : cpu::num_threads();
+  if (loc.kind == Location::gpu && sq == 1 && !p.has_window() && !p.is_varlen() &&
+      p.heads_q > p.heads_kv)
+    work = p.batch * p.heads_kv * ceil_div(p.heads_q / p.heads_kv, bm);
+  return num_splits_heuristic(work, sms, key_blocks);
+}
+
+/// validate (done by the caller) -> select -> dispatch.
+void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream, Workspace ws) {
+  p.num_splits = resolve_splits(p, opts.num_splits, loc);
+  if (loc.kind == Location::cpu) {
+    detail::set_last_kernel_name("cpu_reference");
+    if (p.batch == 0 || p.seqlen_q == 0) return;
+    cpu::run_forward(p);
+    return;
+  }
+  Arch arch = gpu::device_arch(loc.index);
+  Problem prob;
+  prob.dtype = p.dtype;
+  prob.head_dim = int(p.head_dim);
+  prob.return_lse = p.return_lse;
+  prob.masked = p.has_window();
+  prob.varlen = p.is_varlen();
+  prob.num_splits = p.num_splits;
+  Selection sel = select_kernel(prob, arch, gpu::build_caps());
+  HIPFLASH_CHECK_AS(not_implemented, sel.kind != KernelKind::unsupported, sel.reason);
+  detail::set_last_kernel_name(std::string("fwd_") + kernel_kind_name(sel.kind) + "_" +
+                               sel.key.name() + "_" + arch.name());
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  gpu::run_forward(p, sel, stream, ws);
+}
+
+Location resolve_location(const TensorRef& q) {
+  Location loc = q.loc;
+  if (loc.kind == Location::gpu) {
+    HIPFLASH_CHECK_AS(not_implemented, gpu::build_caps().gpu,
+                      "q is on a GPU but this hipflash was built without GPU kernels "
+                      "(HIPFLASH_GPU=none); rebuild with HIPFLASH_GPU=cuda or hip, or pass CPU "
+                      "tensors");
+  }
+  return loc;
+}
+
+}  // namespace
+
+void detail::set_last_kernel_name(std::string name) { t_last_kernel = std::move(name); }
+std::string last_kernel_name() { return t_last_kernel; }
+std::string build_info() { return gpu::build_info(); }
+bool gpu_available() {
+  if (!gpu::build_caps().gpu) return false;
+  try {
+    gpu::device_arch(0);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                            const TensorRef& out, const TensorRef* lse, const FwdOptions& opts) {
+  check_rank(q, "q", 4, "[batch, seqlen_q, heads_q, head_dim]");
+  check_rank(k, "k", 4, "[batch, seqlen_k, heads_kv, head_dim]");
+  check_rank(v, "v", 4, "[batch, seqlen_k, heads_kv, head_dim]");
+  check_rank(out, "out", 4, "[batch, seqlen_q, heads_q, head_dim]");
+  Dims d{q.sizes[0], q.sizes[1], k.sizes[1], q.sizes[2], k.sizes[2], q.sizes[3]};
+  HIPFLASH_CHECK(k.sizes[0] == d.batch && v.sizes[0] == d.batch, "batch size differs: q ",
+                 shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  HIPFLASH_CHECK(k.sizes[3] == d.head_dim && v.sizes[3] == d.head_dim, "head dim differs: q ",
+                 shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  HIPFLASH_CHECK(v.sizes[1] == d.seqlen_k, "k and v must have the same seqlen_k: k ",
+                 shape_str(k), ", v ", shape_str(v));
+  HIPFLASH_CHECK(v.sizes[2] == d.heads_kv, "k and v must have the same number of heads: k ",
+                 shape_str(k), ", v ", shape_str(v));
+  for (int i = 0; i < 4; ++i)
+    HIPFLASH_CHECK(out.sizes[i] == q.sizes[i], "out must have the shape of q ", shape_str(q),
+                   ", got ", shape_str(out));
+  check_common(q, k, v, out, opts, d);
+  if (opts.return_lse) {
+    check_lse(lse, q, out, k, v, {d.batch, d.heads_q, d.seqlen_q}, "[batch, heads_q, seqlen_q]");
+  }
+  FwdParams p;
+  p.q = q.data; p.k = k.data; p.v = v.data; p.out = out.data;
+  p.q_batch_stride = q.strides[0]; p.q_row_stride = q.strides[1]; p.q_head_stride = q.strides[2];
+  p.k_batch_stride = k.strides[0]; p.k_row_stride = k.strides[1]; p.k_head_stride = k.strides[2];
+  p.v_batch_stride = v.strides[0]; p.v_row_stride = v.strides[1]; p.v_head_stride = v.strides[2];
+  p.o_batch_stride = out.strides[0]; p.o_row_stride = out.strides[1];
+  p.o_head_stride = out.strides[2];
+  p.batch = d.batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
+  p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
+  p.dtype = q.dtype;
+  p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
+  fill_window(p, opts);
+  p.return_lse = opts.return_lse;
+  if (opts.return_lse) {
+    p.lse = static_cast<float*>(lse->data);
+    p.lse_batch_stride = d.heads_q * d.seqlen_q;
+    p.lse_head_stride = d.seqlen_q;
+    p.lse_row_stride = 1;
+  }
+  return p;
+}
+
+void forward(const TensorRef& q, const TensorRef& k, const TensorRef& v, const TensorRef& out,
+             const TensorRef* lse, const FwdOptions& opts, Stream stream, Workspace ws) {
+  FwdParams p = make_dense_params(q, k, v, out, lse, opts);
+  Location loc = resolve_location(q);
+  dispatch(p, opts, loc, stream, ws);
+}
+
+int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions& opts) {
+  check_rank(q, "q", 4, "[batch, seqlen_q, heads_q, head_dim]");
+  check_rank(k, "k", 4, "[batch, seqlen_k, heads_kv, head_dim]");
+  FwdParams p;
+  p.batch = q.sizes[0]; p.seqlen_q = q.sizes[1]; p.heads_q = q.sizes[2]; p.head_dim = q.sizes[3];
+  p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2];
+  fill_window(p, opts);
+  HIPFLASH_CHECK(padded_head_dim(int(p.head_dim)) != 0, "head dim ", p.head_dim,
+                 " is not supported; supported head dims are 32, 64, 96, 128, 256");
+  return resolve_splits(p, opts.num_splits, resolve_location(q));
+}
+
+void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                    const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
+                    const TensorRef& cu_k, const VarlenOptions& opts, Stream stream,
+                    Workspace ws) {
+  check_rank(q, "q", 3, "[total_q, heads_q, head_dim]");
+  check_rank(k, "k", 3, "[total_k, heads_kv, head_dim]");
+  check_rank(v, "v", 3, "[total_k, heads_kv, head_dim]");
+  check_rank(out, "out", 3, "[total_q, heads_q, head_dim]");
+  HIPFLASH_CHECK(cu_q.dtype == DType::i32, "cu_seqlens_q must have dtype int32, got ",
+                 dtype_name(cu_q.dtype));
+  HIPFLASH_CHECK(cu_k.dtype == DType::i32, "cu_seqlens_k must have dtype int32, got ",
+                 dtype_name(cu_k.dtype));
+  HIPFLASH_CHECK(cu_q.rank == 1 && cu_q.sizes[0] >= 1,
+                 "cu_seqlens_q must be a 1-D tensor of length batch + 1, got shape ",
+                 shape_str(cu_q));
+  HIPFLASH_CHECK(cu_k.rank == 1 && cu_k.sizes[0] == cu_q.sizes[0],
+                 "cu_seqlens_k must have the length of cu_seqlens_q (", cu_q.sizes[0],
+                 " = batch + 1), got shape ", shape_str(cu_k));
+  HIPFLASH_CHECK(cu_q.sizes[0] <= 1 || (cu_q.strides[0] == 1 && cu_k.strides[0] == 1),
+                 "cu_seqlens_q and cu_seqlens_k must be contiguous");
+  check_location(cu_q, "cu_seqlens_q", q.loc);
+  check_location(cu_k, "cu_seqlens_k", q.loc);
+  const int64_t batch = cu_q.sizes[0] - 1;
+  Dims d{batch, opts.max_seqlen_q, opts.max_seqlen_k, q.sizes[1], k.sizes[1], q.sizes[2]};
+  const int64_t total_q = q.sizes[0], total_k = k.sizes[0];
+  HIPFLASH_CHECK(k.sizes[2] == d.head_dim && v.sizes[2] == d.head_dim, "head dim differs: q ",
+                 shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  HIPFLASH_CHECK(v.sizes[0] == total_k && v.sizes[1] == d.heads_kv,
+                 "k and v must have the same shape: k ", shape_str(k), ", v ", shape_str(v));
+  for (int i = 0; i < 3; ++i)
+    HIPFLASH_CHECK(out.sizes[i] == q.sizes[i], "out must have the shape of q ", shape_str(q),
+                   ", got ", shape_str(out));
+  HIPFLASH_CHECK(opts.max_seqlen_q >= 0 && opts.max_seqlen_k >= 0,
+                 "max_seqlen_q and max_seqlen_k must be >= 0");
+  check_common(q, k, v, out, opts, d);
+  if (opts.return_lse) {
+    if (opts.lse_layout == LseLayout::padded)
+      check_lse(lse, q, out, k, v, {batch, d.heads_q, d.seqlen_q},
+                "[batch, heads_q, max_seqlen_q] (lse_layout='padded')");
+    else
+      check_lse(lse, q, out, k, v, {d.heads_q, total_q}, "[heads_q, total_q] (lse_layout='packed')");
+  }
+  // cu_seqlens: read them (a small synchronous copy for device tensors) and check them.
+  std::vector<int32_t> hq(size_t(batch + 1)), hk(size_t(batch + 1));
+  if (q.loc.kind == Location::cpu) {
+    std::memcpy(hq.data(), cu_q.data, hq.size() * 4);
+    std::memcpy(hk.data(), cu_k.data, hk.size() * 4);
+  } else {
+    gpu::copy_to_host(hq.data(), cu_q.data, hq.size() * 4, stream);
+    gpu::copy_to_host(hk.data(), cu_k.data, hk.size() * 4, stream);
+  }
+  struct CuCheck { const std::vector<int32_t>* cu; const char* name; int64_t total, max_len;
+                   const char* max_name; };
+  for (auto [cu, name, total, max_len, max_name] :
+       {CuCheck{&hq, "cu_seqlens_q", total_q, opts.max_seqlen_q, "max_seqlen_q"},
+        CuCheck{&hk, "cu_seqlens_k", total_k, opts.max_seqlen_k, "max_seqlen_k"}}) {
+    HIPFLASH_CHECK((*cu)[0] >= 0, name, "[0] must be >= 0, got ", (*cu)[0]);
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t len = int64_t((*cu)[b + 1]) - (*cu)[b];
+      HIPFLASH_CHECK(len >= 0, name, " must be non-decreasing, but ", name, "[", b + 1, "] = ",
+                     (*cu)[b + 1], " < ", name, "[", b, "] = ", (*cu)[b]);
+      HIPFLASH_CHECK(len <= max_len, max_name, " = ", max_len, " is too small: sequence ", b,
+                     " has length ", len);
+    }
+    HIPFLASH_CHECK((*cu)[batch] <= total, name, "[-1] = ", (*cu)[batch],
+                   " exceeds the number of rows of its tensor (", total, ")");
+  }
+
+  FwdParams p;
+  p.q = q.data; p.k = k.data; p.v = v.data; p.out = out.data;
+  p.q_row_stride = q.strides[0]; p.q_head_stride = q.strides[1];
+  p.k_row_stride = k.strides[0]; p.k_head_stride = k.strides[1];
+  p.v_row_stride = v.strides[0]; p.v_head_stride = v.strides[1];
+  p.o_row_stride = out.strides[0]; p.o_head_stride = out.strides[1];
+  p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.data);
+  p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.data);
+  p.batch = batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
+  p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
+  p.dtype = q.dtype;
+  p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
+  fill_window(p, opts);
+  p.return_lse = opts.return_lse;
+  p.lse_layout = opts.lse_layout;
+  if (opts.return_lse) {
+    p.lse = static_cast<float*>(lse->data);
+    if (opts.lse_layout == LseLayout::padded) {
+      p.lse_batch_stride = d.heads_q * d.seqlen_q;
+      p.lse_head_stride = d.seqlen_q;
+    } else {
+      p.lse_batch_stride = 0;
+      p.lse_head_stride = total_q;
+    }
+    p.lse_row_stride = 1;
+  }
+  dispatch(p, opts, resolve_location(q), stream, ws);
+}
+
+size_t splitk_workspace_bytes(const FwdParams& p) {
+  if (p.num_splits <= 1) return 0;
+  size_t rows = size_t(p.num_splits) * size_t(p.batch) * size_t(p.heads_q) * size_t(p.seqlen_q);
+  size_t d = size_t(padded_head_dim(int(p.head_dim)));
+  return rows * (d + 1) * sizeof(float);
+}
+
+}  // namespace hipflash

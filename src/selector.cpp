@@ -1,0 +1,99 @@
+// hipflash — the pure kernel selector and the split heuristic.
+#include "hipflash/detail/selector.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace hipflash {
+
+std::string Arch::name() const {
+  char buf[32];
+  switch (vendor) {
+    case nvidia: std::snprintf(buf, sizeof buf, "sm%d", version); return buf;
+    case amd: std::snprintf(buf, sizeof buf, "gfx%x", version); return buf;
+    case host: return "cpu";
+  }
+  return "unknown";
+}
+
+const char* kernel_kind_name(KernelKind k) {
+  switch (k) {
+    case KernelKind::cpu_reference: return "cpu";
+    case KernelKind::generic: return "generic";
+    case KernelKind::sm90: return "sm90";
+    case KernelKind::gfx950_dualwave: return "gfx950_dualwave";
+    case KernelKind::unsupported: return "unsupported";
+  }
+  return "unknown";
+}
+
+Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps) {
+  Selection sel;
+  const int hd = padded_head_dim(p.head_dim);
+  if (hd == 0) {
+    sel.reason = "head dim " + std::to_string(p.head_dim) +
+                 " is not supported; supported head dims are 32, 64, 96, 128, 256";
+    return sel;
+  }
+  if (p.dtype != DType::f16 && p.dtype != DType::bf16) {
+    sel.reason = std::string("dtype ") + std::string(dtype_name(p.dtype)) + " is not supported";
+    return sel;
+  }
+  sel.key = KernelKey{p.dtype, hd, p.return_lse, p.masked, p.num_splits > 1};
+  if (arch.vendor == Arch::host) {
+    sel.kind = KernelKind::cpu_reference;
+    return sel;
+  }
+  if (!caps.gpu || caps.gpu_vendor != arch.vendor) {
+    sel.reason = "this hipflash build has no kernels for " + arch.name() +
+                 " (configure with HIPFLASH_GPU=" + (arch.vendor == Arch::nvidia ? "cuda" : "hip") +
+                 ")";
+    return sel;
+  }
+  const int bit = hd == 64 ? 0 : hd == 128 ? 1 : 2;
+  if (!(caps.head_dim_mask >> bit & 1u)) {
+    sel.reason = "head dim " + std::to_string(p.head_dim) + " (kernel hd" + std::to_string(hd) +
+                 ") was not built; reconfigure with HIPFLASH_HEAD_DIMS including " +
+                 std::to_string(hd);
+    return sel;
+  }
+  if (arch.vendor == Arch::nvidia) {
+    if (arch.version < 80) {
+      sel.reason = arch.name() + " is not supported: the generic kernel needs sm_80 or newer";
+      return sel;
+    }
+    // The sm90 TMA/wgmma kernel is not built yet: Hopper runs the generic mma.sync kernel.
+    sel.kind = KernelKind::generic;
+    return sel;
+  }
+  // AMD: CDNA2/CDNA3/CDNA4 have MFMA; gfx950 dualwave is not built yet, so it runs generic.
+  if (arch.version == 0x90a || arch.version == 0x940 || arch.version == 0x941 ||
+      arch.version == 0x942 || arch.version == 0x950) {
+    sel.kind = KernelKind::generic;
+    return sel;
+  }
+  sel.reason = arch.name() + " is not supported: the generic kernel needs MFMA (gfx90a, gfx94x, gfx950)";
+  return sel;
+}
+
+int num_splits_heuristic(int64_t work_items, int64_t num_sms, int64_t num_key_blocks,
+                         int max_splits) {
+  if (work_items <= 0 || num_sms <= 0 || num_key_blocks <= 1) return 1;
+  // Enough work for most of one wave already: splitting only adds the combine pass.
+  if (work_items * 10 >= num_sms * 8) return 1;
+  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks, num_sms});
+  // Wave efficiency of s splits: the filled fraction of the last wave.
+  auto efficiency = [&](int64_t s) {
+    double waves = double(work_items * s) / double(num_sms);
+    return waves / std::ceil(waves);
+  };
+  double best = 0;
+  for (int64_t s = 1; s <= limit; ++s) best = std::max(best, efficiency(s));
+  // The fewest splits within 85% of the best efficiency that fill 85% of one wave.
+  for (int64_t s = 1; s <= limit; ++s)
+    if (efficiency(s) >= 0.85 * best && work_items * s * 100 >= num_sms * 85) return int(s);
+  return int(limit);
+}
+
+}  // namespace hipflash
