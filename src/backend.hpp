@@ -36,7 +36,8 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream);
 
 /// Launches the selected forward (and, for num_splits > 1, the combine) on `stream`.
 /// `params` are validated; the split workspace is allocated here when `ws` is too small.
-void run_forward(const FwdParams& params, const Selection& sel, Stream stream, Workspace ws);
+void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream,
+                 Workspace ws);
 
 /// Query-block and key-block sizes of the generic kernel for a padded head dim.
 int block_m(int padded_head_dim);

@@ -175,7 +175,7 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
   detail::set_last_kernel_name(std::string("fwd_") + kernel_kind_name(sel.kind) + "_" +
                                sel.key.name() + "_" + arch.name());
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  gpu::run_forward(p, sel, stream, ws);
+  gpu::run_forward(p, sel, loc.index, stream, ws);
 }
 
 Location resolve_location(const TensorRef& q) {

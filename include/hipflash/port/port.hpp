@@ -11,9 +11,13 @@
 #include "hipflash/errors.hpp"
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_bf16.h>
+#include <hip/hip_fp16.h>
 #include <hip/hip_runtime.h>
 #define HIPFLASH_PLATFORM_AMD 1
 #elif defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #define HIPFLASH_PLATFORM_NVIDIA 1
 #else
@@ -101,6 +105,27 @@ inline error_t set_max_dynamic_smem(Kernel k, int bytes) {
   return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 #endif  // HIPFLASH_PLATFORM_AMD
+
+// ---- 16-bit element types ---------------------------------------------------------------------
+#if defined(HIPFLASH_PLATFORM_AMD)
+using bf16_t = __hip_bfloat16;
+#else
+using bf16_t = __nv_bfloat16;
+#endif  // bf16_t
+using f16_t = __half;
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+#if defined(HIPFLASH_PLATFORM_AMD)
+  return __float2bfloat16(x);
+#else
+  return __float2bfloat16_rn(x);
+#endif
+}
+template <>
+__device__ __forceinline__ f16_t from_float<f16_t>(float x) { return __float2half_rn(x); }
 
 /// Throws hipflash::runtime_error carrying the device runtime's message.
 inline void check(error_t e, const char* what) {

@@ -1,0 +1,83 @@
+// hipflash — the scheduler piece of the generic kernel: which (batch, head, query block,
+// split) a thread block owns, its sequence bounds, the key blocks it visits, and the mask.
+#pragma once
+
+#include <cstdint>
+
+#include "hipflash/params.hpp"
+
+namespace hipflash::generic {
+
+template <int kBlockM, int kBlockN>
+struct BlockInfo {
+  int64_t b, h, h_kv;
+  int m_block, split;
+  int64_t q_start, k_start;  ///< first row of this sequence (varlen), else 0
+  int64_t len_q, len_k;
+  int64_t diag;              ///< len_k - len_q: key j is on row i's diagonal at j = i + diag
+  int n_block_min, n_block_max;  ///< key blocks [min, max) this block visits
+
+  /// blockIdx.x enumerates (m_block fastest, then split, head, batch): one dimension, so
+  /// B >= 65536 and Hq >= 65536 launch without overflowing grid.y/z.
+  __device__ __forceinline__ BlockInfo(const FwdParams& p, int64_t linear, int num_m_blocks,
+                                       bool reverse_m) {
+    m_block = int(linear % num_m_blocks);
+    if (reverse_m) m_block = num_m_blocks - 1 - m_block;  // heavy causal blocks first
+    int64_t rest = linear / num_m_blocks;
+    split = int(rest % p.num_splits);
+    rest /= p.num_splits;
+    h = rest % p.heads_q;
+    b = rest / p.heads_q;
+    h_kv = h / (p.heads_q / p.heads_kv);
+    if (p.cu_seqlens_q != nullptr) {
+      q_start = p.cu_seqlens_q[b];
+      k_start = p.cu_seqlens_k[b];
+      len_q = p.cu_seqlens_q[b + 1] - q_start;
+      len_k = p.cu_seqlens_k[b + 1] - k_start;
+    } else {
+      q_start = k_start = 0;
+      len_q = p.seqlen_q;
+      len_k = p.seqlen_k;
+    }
+    diag = len_k - len_q;
+    // Keys any row of this block may see (SPEC §3 window, bottom-right aligned).
+    const int64_t m0 = int64_t(m_block) * kBlockM;
+    int64_t lo = 0, hi = len_k;
+    if (p.window_left >= 0) lo = m0 + diag - p.window_left;
+    if (p.window_right >= 0) hi = m0 + kBlockM - 1 + diag + p.window_right + 1;
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > len_k ? len_k : hi;
+    const int total_blocks = int((len_k + kBlockN - 1) / kBlockN);
+    n_block_min = int(lo / kBlockN);
+    n_block_max = hi > lo ? int((hi + kBlockN - 1) / kBlockN) : n_block_min;
+    if (p.num_splits > 1) {  // the split's share of the sequence's key blocks
+      const int per_split = (total_blocks + p.num_splits - 1) / p.num_splits;
+      const int s_lo = split * per_split, s_hi = s_lo + per_split;
+      n_block_min = n_block_min > s_lo ? n_block_min : s_lo;
+      n_block_max = n_block_max < s_hi ? n_block_max : s_hi;
+    }
+    if (n_block_max < n_block_min) n_block_max = n_block_min;
+  }
+
+  /// Whether key block n needs per-element masking for this query block.
+  __device__ __forceinline__ bool needs_mask(const FwdParams& p, int n, bool masked) const {
+    const int64_t n0 = int64_t(n) * kBlockN, m0 = int64_t(m_block) * kBlockM;
+    if (n0 + kBlockN > len_k) return true;
+    if (!masked) return false;
+    if (p.window_left >= 0 && n0 < m0 + kBlockM - 1 + diag - p.window_left) return true;
+    if (p.window_right >= 0 && n0 + kBlockN - 1 > m0 + diag + p.window_right) return true;
+    return false;
+  }
+
+  /// Whether key j is valid for query row i (both relative to this sequence).
+  __device__ __forceinline__ static bool key_valid(const FwdParams& p, int64_t i, int64_t j,
+                                                   int64_t len_k, int64_t diag, bool masked) {
+    if (j >= len_k) return false;
+    if (!masked) return true;
+    if (p.window_left >= 0 && j < i + diag - p.window_left) return false;
+    if (p.window_right >= 0 && j > i + diag + p.window_right) return false;
+    return true;
+  }
+};
+
+}  // namespace hipflash::generic

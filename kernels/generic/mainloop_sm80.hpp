@@ -1,0 +1,99 @@
+// hipflash — the mainloop pieces of the generic kernel on NVIDIA sm_80+: global -> shared tile
+// copies (cp.async, zero-filled out of range) and the two warp GEMMs, S = Q K^T and O += P V,
+// on mma.sync. Accumulators are [row][col] arrays: row 2*mt + h is fragment row g + 8h of MMA
+// tile mt; column 2*nt + e is fragment column 2t + e of 8-column tile nt.
+#pragma once
+
+#include "generic/mma_sm80.hpp"
+#include "generic/tile_config.hpp"
+
+namespace hipflash::generic::sm80 {
+
+#if defined(HIPFLASH_HAS_MMA_SYNC)
+
+/// Copies rows [row0, row0 + kRows) of a [len, D] operand (row stride `ld`) into a swizzled
+/// tile; rows >= len and columns >= head_dim are zero-filled.
+template <class Tile, int kRows, class T>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t ld, int64_t row0,
+                                          int64_t len, int head_dim) {
+  constexpr int kTotal = kRows * Tile::kChunks;
+  static_assert(kTotal % Tile::kThreads == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < kTotal / Tile::kThreads; ++i) {
+    const int idx = int(threadIdx.x) + i * Tile::kThreads;
+    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
+    const bool valid = row0 + r < len && c * 8 < head_dim;
+    const T* src = valid ? gmem + (row0 + r) * ld + c * 8 : gmem;
+    cp_async_16(smem + swizzle<Tile::kChunks>(r, c), src, valid);
+  }
+}
+
+/// S[2*kMT][2*kNT] = Q_w K^T for this warp's rows (Q and K swizzled in shared memory).
+template <class Tile, DType kDType, class T>
+__device__ __forceinline__ void gemm_qk(float (&S)[2 * Tile::kMTiles][2 * Tile::kNTiles],
+                                        const T* sQ, const T* sK, int warp, int lane) {
+  constexpr int kMT = Tile::kMTiles, kNT = Tile::kNTiles;
+#pragma unroll
+  for (int r = 0; r < 2 * kMT; ++r)
+#pragma unroll
+    for (int c = 0; c < 2 * kNT; ++c) S[r][c] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < Tile::kHeadDim / 16; ++ks) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      const int row = warp * Tile::kWarpRows + mt * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+      ldmatrix_x4(a[mt], sQ + swizzle<Tile::kChunks>(row, ks * 2 + lane / 16));
+    }
+#pragma unroll
+    for (int np = 0; np < kNT / 2; ++np) {
+      uint32_t b[4];
+      const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
+      ldmatrix_x4(b, sK + swizzle<Tile::kChunks>(key, ks * 2 + (lane / 8) % 2));
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma<kDType>(S[2 * mt][4 * np], S[2 * mt][4 * np + 1], S[2 * mt + 1][4 * np],
+                    S[2 * mt + 1][4 * np + 1], a[mt], b[0], b[1]);
+        mma<kDType>(S[2 * mt][4 * np + 2], S[2 * mt][4 * np + 3], S[2 * mt + 1][4 * np + 2],
+                    S[2 * mt + 1][4 * np + 3], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+/// O[2*kMT][2*kDT] += P V, with P the probabilities in S (rounded to the input dtype).
+template <class Tile, DType kDType, class T>
+__device__ __forceinline__ void gemm_pv(float (&O)[2 * Tile::kMTiles][2 * Tile::kDTiles],
+                                        const float (&P)[2 * Tile::kMTiles][2 * Tile::kNTiles],
+                                        const T* sV, int lane) {
+  constexpr int kMT = Tile::kMTiles, kDT = Tile::kDTiles;
+#pragma unroll
+  for (int ks = 0; ks < Tile::kBlockN / 16; ++ks) {
+    // The C fragment of two 8-key score tiles is the A fragment of one 16-key step.
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      a[mt][0] = pack2<kDType>(P[2 * mt][4 * ks], P[2 * mt][4 * ks + 1]);
+      a[mt][1] = pack2<kDType>(P[2 * mt + 1][4 * ks], P[2 * mt + 1][4 * ks + 1]);
+      a[mt][2] = pack2<kDType>(P[2 * mt][4 * ks + 2], P[2 * mt][4 * ks + 3]);
+      a[mt][3] = pack2<kDType>(P[2 * mt + 1][4 * ks + 2], P[2 * mt + 1][4 * ks + 3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < kDT / 2; ++dp) {
+      uint32_t b[4];
+      const int key = ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+      ldmatrix_x4_trans(b, sV + swizzle<Tile::kChunks>(key, dp * 2 + lane / 16));
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma<kDType>(O[2 * mt][4 * dp], O[2 * mt][4 * dp + 1], O[2 * mt + 1][4 * dp],
+                    O[2 * mt + 1][4 * dp + 1], a[mt], b[0], b[1]);
+        mma<kDType>(O[2 * mt][4 * dp + 2], O[2 * mt][4 * dp + 3], O[2 * mt + 1][4 * dp + 2],
+                    O[2 * mt + 1][4 * dp + 3], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+#endif  // HIPFLASH_HAS_MMA_SYNC
+
+}  // namespace hipflash::generic::sm80

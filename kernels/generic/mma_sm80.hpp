@@ -1,0 +1,79 @@
+// hipflash — NVIDIA sm_80+ matrix-core atom of the generic kernel: mma.sync m16n8k16
+// (bf16/f16 in, fp32 accumulate), ldmatrix and cp.async. Fragment layouts (PTX ISA, "Matrix
+// fragments for mma.m16n8k16"): with g = lane / 4 and t = lane % 4,
+//   A 16x16: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8:  b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
+//   C 16x8:  c0,c1 (g, 2t..2t+1)  c2,c3 (g+8, 2t..2t+1)
+#pragma once
+
+#include <cstdint>
+
+#include "hipflash/port/port.hpp"
+#include "hipflash/types.hpp"
+
+namespace hipflash::generic::sm80 {
+
+#if defined(HIPFLASH_HAS_MMA_SYNC)
+
+/// c (row g: c0 c1, row g+8: c2 c3) += a * b. The accumulators are passed one by one so that
+/// callers can keep them in [row][col] arrays.
+template <DType kDType>
+__device__ __forceinline__ void mma(float& c0, float& c1, float& c2, float& c3,
+                                    const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kDType == DType::bf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+/// 16-byte global -> shared copy; `valid == false` writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/// Two floats -> one register of two 16-bit values (low half = x).
+template <DType kDType>
+__device__ __forceinline__ uint32_t pack2(float x, float y) {
+  if constexpr (kDType == DType::bf16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+#endif  // HIPFLASH_HAS_MMA_SYNC
+
+}  // namespace hipflash::generic::sm80

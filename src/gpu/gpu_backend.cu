@@ -1,0 +1,174 @@
+// hipflash — the GPU backend: device queries, the pre-launch checks that need the device, the
+// decode GQA packing, the split-K workspace, and dispatch to the instantiated launchers.
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backend.hpp"
+#include "generic/tile_config.hpp"
+#include "gpu/launch_api.hpp"
+#include "hipflash/detail/static_switch.hpp"
+
+namespace hipflash::gpu {
+namespace {
+
+#if defined(HIPFLASH_PLATFORM_AMD)
+constexpr Arch::Vendor kVendor = Arch::amd;
+#else
+constexpr Arch::Vendor kVendor = Arch::nvidia;
+#endif
+
+/// Restores the current device on scope exit.
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    port::check(port::get_device(&prev), "querying the current device");
+    if (prev != device) port::check(port::set_device(device), "selecting the device");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (port::get_device(&cur) == port::kSuccess && cur != prev) (void)port::set_device(prev);
+  }
+};
+
+/// Stream-ordered scratch, freed on scope exit (after the kernels using it are enqueued).
+struct ScratchBuffer {
+  void* ptr = nullptr;
+  port::stream_t stream;
+  ScratchBuffer(size_t bytes, port::stream_t s) : stream(s) {
+    port::check(port::malloc_async(&ptr, bytes, s), "allocating the split-K workspace");
+  }
+  ~ScratchBuffer() {
+    if (ptr) (void)port::free_async(ptr, stream);
+  }
+};
+
+/// GQA decode (Sq == 1, no window): the Hq/Hkv query heads that share a kv head become the
+/// rows of one query block, so K/V are read once per kv head instead of once per query head.
+/// Row r of kv head hk is query head hk * G + r; strides are rewritten, nothing is copied.
+void pack_gqa_decode(FwdParams& p) {
+  const int64_t groups = p.heads_q / p.heads_kv;
+  p.seqlen_q = groups;
+  p.heads_q = p.heads_kv;
+  p.q_row_stride = p.q_head_stride;
+  p.q_head_stride *= groups;
+  p.o_row_stride = p.o_head_stride;
+  p.o_head_stride *= groups;
+  if (p.lse) {
+    p.lse_row_stride = p.lse_head_stride;
+    p.lse_head_stride *= groups;
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+}  // namespace
+
+BuildCaps build_caps() {
+  BuildCaps c;
+  c.gpu = true;
+  c.gpu_vendor = kVendor;
+  c.head_dim_mask = HIPFLASH_HEAD_DIM_MASK;
+  return c;
+}
+
+std::string build_info() {
+  return std::string("cpu+") + HIPFLASH_GPU_NAME + " (head-dim mask " +
+         std::to_string(HIPFLASH_HEAD_DIM_MASK) + ")";
+}
+
+Arch device_arch(int device) {
+  static std::mutex mu;
+  static std::vector<Arch> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= 0 && device < int(cache.size()) && cache[device].vendor != Arch::host)
+    return cache[device];
+  int count = 0;
+  port::check(port::device_count(&count), "counting GPUs");
+  HIPFLASH_CHECK_AS(runtime_error, device >= 0 && device < count, "GPU ", device,
+                    " does not exist (", count, " visible)");
+  Arch a;
+  a.vendor = kVendor;
+#if defined(HIPFLASH_PLATFORM_AMD)
+  hipDeviceProp_t prop;
+  port::check(hipGetDeviceProperties(&prop, device), "querying the GPU");
+  a.version = int(std::strtol(prop.gcnArchName + 3, nullptr, 16));  // "gfx90a:sramecc+..."
+  a.num_sms = prop.multiProcessorCount;
+#else
+  cudaDeviceProp prop;
+  port::check(cudaGetDeviceProperties(&prop, device), "querying the GPU");
+  a.version = prop.major * 10 + prop.minor;
+  a.num_sms = prop.multiProcessorCount;
+#endif
+  if (int(cache.size()) <= device) cache.resize(size_t(device) + 1);
+  cache[device] = a;
+  return a;
+}
+
+int pointer_device(const void* ptr) { return port::pointer_device(ptr); }
+
+void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream) {
+  port::check(port::memcpy_d2h(dst, src, bytes, static_cast<port::stream_t>(stream)),
+              "copying cu_seqlens to the host");
+}
+
+int block_m(int hd) {
+  return hd == 64 ? generic::Tile<64>::kBlockM : hd == 128 ? generic::Tile<128>::kBlockM
+       : hd == 256 ? generic::Tile<256>::kBlockM : 0;
+}
+int block_n(int hd) {
+  return hd == 64 ? generic::Tile<64>::kBlockN : hd == 128 ? generic::Tile<128>::kBlockN
+       : hd == 256 ? generic::Tile<256>::kBlockN : 0;
+}
+
+void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream_arg,
+                 Workspace ws) {
+  auto stream = static_cast<port::stream_t>(stream_arg);
+  FwdParams p = params;
+  // The kernels move 16-byte vectors: every base pointer and stride must keep that alignment.
+  for (auto [ptr, name] : {std::pair{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {(const void*)p.out, "out"}})
+    HIPFLASH_CHECK(aligned16(ptr), name, " must be 16-byte aligned for the GPU kernels");
+  for (auto [s, name] : {std::pair{p.q_batch_stride, "q"}, {p.q_row_stride, "q"}, {p.q_head_stride, "q"},
+                         {p.k_batch_stride, "k"}, {p.k_row_stride, "k"}, {p.k_head_stride, "k"},
+                         {p.v_batch_stride, "v"}, {p.v_row_stride, "v"}, {p.v_head_stride, "v"},
+                         {p.o_batch_stride, "out"}, {p.o_row_stride, "out"}, {p.o_head_stride, "out"}})
+    HIPFLASH_CHECK(s % 8 == 0, name,
+                   " strides must be multiples of 8 elements (16 bytes) for the GPU kernels, got ", s);
+
+  if (p.seqlen_q == 1 && !p.has_window() && !p.is_varlen() && p.heads_q > p.heads_kv)
+    pack_gqa_decode(p);
+
+  DeviceGuard guard(device);
+  const int hd = sel.key.head_dim;
+  std::unique_ptr<ScratchBuffer> scratch;
+  if (p.num_splits > 1) {
+    const size_t need = splitk_workspace_bytes(p);
+    void* base = ws.data;
+    if (base == nullptr || ws.bytes < need) {
+      scratch = std::make_unique<ScratchBuffer>(need, stream);
+      base = scratch->ptr;
+    }
+    const size_t rows = need / ((size_t(hd) + 1) * sizeof(float));
+    p.out_partial = static_cast<float*>(base);
+    p.lse_partial = p.out_partial + rows * size_t(hd);
+  }
+  HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
+    HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
+      HIPFLASH_BOOL_SWITCH(p.num_splits > 1, kSplit, [&] {
+        HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {
+          HIPFLASH_BOOL_SWITCH(p.return_lse && !kSplit, kLse, [&] {
+            if constexpr ((HIPFLASH_HEAD_DIM_MASK >> (kHD == 64 ? 0 : kHD == 128 ? 1 : 2)) & 1) {
+              launch_generic_fwd<FwdTraits<kDT, kHD, kLse, kMasked, kSplit>>(p, stream);
+            } else {
+              throw not_implemented("head dim kernel hd" + std::to_string(kHD) + " was not built");
+            }
+          });
+        });
+      });
+    });
+  });
+  if (p.num_splits > 1) launch_combine(p, hd, stream);
+}
+
+}  // namespace hipflash::gpu
