@@ -16,7 +16,7 @@ inline constexpr int kWarpsPerBlock = 4;
 /// Rows are (b, h, row) over the padded query length; kPaddedDim is the workspace row pitch.
 template <class T, int kPaddedDim, bool kReturnLse>
 __global__ void __launch_bounds__(kWarpsPerBlock * port::kWarpSize)
-    combine_kernel(const __grid_constant__ FwdParams p) {
+    combine_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p) {
   using detail::SoftmaxState;
   constexpr int kWarp = port::kWarpSize;
   const int lane = int(threadIdx.x) % kWarp;

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "hipflash/params.hpp"
+#include "hipflash/port/port.hpp"
 
 namespace hipflash::generic {
 

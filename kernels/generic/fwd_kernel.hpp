@@ -1,170 +1,33 @@
 // hipflash — the generic tiled flash-attention forward kernel (FlashAttention-2 schedule).
 //
 // A thread block owns kBlockM query rows of one (batch, head[, split]); it walks its key blocks
-// from last to first with single-buffered K and V tiles whose copies overlap the GEMMs:
-//   wait K(n) | copy V(n) async | S = Q K(n)^T | mask | wait V(n) | copy K(n-1) async |
-//   online softmax | O += P V(n)
-// Flags (FwdTraits): kReturnLse adds the LSE store, kMasked the causal/window mask, kSplit
-// writes fp32 partials for the combine kernel. Targets without a matrix-core atom compile to a
-// trapping stub.
+// from last to first, K and V tiles in shared memory, two GEMMs per key block on the matrix
+// cores (S = Q K^T, O += P V) around the shared online softmax. Flags (FwdTraits): kReturnLse
+// adds the LSE store, kMasked the causal/window mask, kSplit writes fp32 partials for the
+// combine kernel. The body is per matrix-core atom:
+//   fwd_block_sm80.hpp  NVIDIA mma.sync (sm_80+)      — runs on the H200
+//   fwd_block_cdna.hpp  AMD MFMA (gfx90a/gfx94x/gfx950) — compile-checked only
+// A target with neither compiles to a trapping stub.
 #pragma once
 
-#include "generic/block_info.hpp"
-#include "generic/epilogue.hpp"
-#include "generic/mainloop_sm80.hpp"
-#include "generic/softmax.hpp"
+#include "generic/fwd_block_cdna.hpp"
+#include "generic/fwd_block_sm80.hpp"
 #include "generic/tile_config.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
 
 namespace hipflash::generic {
 
-template <DType kDType>
-struct Element { using type = port::f16_t; };
-template <>
-struct Element<DType::bf16> { using type = port::bf16_t; };
-
 template <class Traits>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads)
-    fwd_generic_kernel(const __grid_constant__ FwdParams p, int num_m_blocks) {
+    fwd_generic_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
-  using Cfg = Tile<Traits::kHeadDim>;
-  using T = typename Element<Traits::kDType>::type;
-  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kMT = Cfg::kMTiles;
-  constexpr int kRows = 2 * kMT;  // fragment rows per thread
-
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + Cfg::kSmemQ;
-  T* sV = sK + Cfg::kSmemKV;
-
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const BlockInfo<kBM, kBN> bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
-  const int64_t m0 = int64_t(bi.m_block) * kBM;
-  if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
-    if constexpr (Traits::kReturnLse && !Traits::kSplit)
-      write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    return;
-  }
-
-  const int hd = int(p.head_dim);
-  const T* gQ = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride +
-                bi.q_start * p.q_row_stride + bi.h * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride +
-                bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
-                bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
-
-  float O[kRows][2 * Cfg::kDTiles];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] = 0.f;
-  RowSoftmax<kRows> softmax;
-  const float scale_log2 = p.softmax_scale * detail::kLog2e;
-
-  // Row (within the sequence) of fragment row r, and column of fragment column c.
-  const int g = lane / 4, t = lane % 4;
-  auto frag_row = [&](int r) { return m0 + warp * Cfg::kWarpRows + (r / 2) * 16 + (r % 2) * 8 + g; };
-
-  int n = bi.n_block_max - 1;
-  if (n >= bi.n_block_min) {
-    sm80::load_tile<Cfg, kBM>(sQ, gQ, p.q_row_stride, m0, bi.len_q, hd);
-    sm80::load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n) * kBN, bi.len_k, hd);
-    sm80::cp_async_commit();
-  }
-  for (; n >= bi.n_block_min; --n) {
-    sm80::cp_async_wait<0>();
-    __syncthreads();  // K(n) landed; every warp is done with V(n+1)
-    sm80::load_tile<Cfg, kBN>(sV, gV, p.v_row_stride, int64_t(n) * kBN, bi.len_k, hd);
-    sm80::cp_async_commit();
-
-    float S[kRows][2 * Cfg::kNTiles];
-    sm80::gemm_qk<Cfg, Traits::kDType>(S, sQ, sK, warp, lane);
-    if (bi.needs_mask(p, n, Traits::kMasked)) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int c = 0; c < 2 * Cfg::kNTiles; ++c) {
-          const int64_t j = int64_t(n) * kBN + (c / 2) * 8 + 2 * t + (c % 2);
-          if (!BlockInfo<kBM, kBN>::key_valid(p, frag_row(r), j, bi.len_k, bi.diag,
-                                              Traits::kMasked))
-            S[r][c] = detail::kNegInf;
-        }
-    }
-
-    sm80::cp_async_wait<0>();
-    __syncthreads();  // V(n) landed; every warp is done with K(n)
-    if (n > bi.n_block_min) {
-      sm80::load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n - 1) * kBN, bi.len_k, hd);
-      sm80::cp_async_commit();
-    }
-
-    float rescale[kRows];
-    softmax.update(S, scale_log2, rescale);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
-    sm80::gemm_pv<Cfg, Traits::kDType>(O, S, sV, lane);
-  }
-  softmax.finalize();
-
-  // ---- Epilogue ----
-  if constexpr (Traits::kSplit) {
-    // fp32 partial (out / l, lse) of this split, padded rows; the combine kernel reduces them.
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t row = frag_row(r);
-      if (row >= bi.len_q) continue;
-      const int64_t prow = partial_row(p, bi.split, bi.b, bi.h, row);
-      const float inv = softmax.inv_sum(r);
-      float* dst = p.out_partial + prow * Cfg::kHeadDim;
-#pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2) {
-        const int col = (c / 2) * 8 + 2 * t;
-        *reinterpret_cast<float2*>(dst + col) = make_float2(O[r][c] * inv, O[r][c + 1] * inv);
-      }
-      if (t == 0) p.lse_partial[prow] = softmax.lse(r);
-    }
-  } else {
-    if constexpr (Traits::kReturnLse) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t row = frag_row(r);
-        if (t == 0 && row < bi.len_q) p.lse[lse_index(p, bi.b, bi.h, bi.q_start, row)] = softmax.lse(r);
-      }
-      write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    }
-    // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.
-    __syncthreads();  // every warp is done reading sQ
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float inv = softmax.inv_sum(r);
-      const int srow = warp * Cfg::kWarpRows + (r / 2) * 16 + (r % 2) * 8 + g;
-#pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2) {
-        const int col = (c / 2) * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(sQ + swizzle<Cfg::kChunks>(srow, col / 8) + col % 8) =
-            sm80::pack2<Traits::kDType>(O[r][c] * inv, O[r][c + 1] * inv);
-      }
-    }
-    __syncthreads();
-    T* gO = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.q_start * p.o_row_stride +
-            bi.h * p.o_head_stride;
-    constexpr int kTotal = kBM * Cfg::kChunks;
-#pragma unroll
-    for (int i = 0; i < kTotal / Cfg::kThreads; ++i) {
-      const int idx = int(threadIdx.x) + i * Cfg::kThreads;
-      const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-      if (m0 + r < bi.len_q && c * 8 < hd)
-        *reinterpret_cast<uint4*>(gO + (m0 + r) * p.o_row_stride + c * 8) =
-            *reinterpret_cast<const uint4*>(sQ + swizzle<Cfg::kChunks>(r, c));
-    }
-  }
+  sm80::fwd_block<Traits>(p, num_m_blocks);
+#elif defined(HIPFLASH_HAS_MFMA)
+  cdna::fwd_block<Traits>(p, num_m_blocks);
 #else
   port::trap();  // no matrix-core atom for this target
-#endif  // HIPFLASH_HAS_MMA_SYNC
+#endif  // atom
 }
 
 }  // namespace hipflash::generic

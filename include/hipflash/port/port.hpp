@@ -11,9 +11,14 @@
 #include "hipflash/errors.hpp"
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
-#include <hip/hip_bf16.h>
-#include <hip/hip_fp16.h>
 #include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#if __has_include(<hip/hip_bf16.h>)
+#include <hip/hip_bf16.h>  // ROCm >= 5.7: __hip_bfloat16
+#define HIPFLASH_HIP_BF16_NEW 1
+#else
+#include <hip/hip_bfloat16.h>  // older ROCm (Debian's HIP 5.2): hip_bfloat16
+#endif
 #define HIPFLASH_PLATFORM_AMD 1
 #elif defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -43,6 +48,13 @@
 #define HIPFLASH_IS_GFX950 1
 #endif
 #endif  // AMD device
+
+/// Kernel parameters passed by value and never written: __grid_constant__ where it exists.
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+#define HIPFLASH_GRID_CONSTANT __grid_constant__
+#else
+#define HIPFLASH_GRID_CONSTANT
+#endif
 
 namespace hipflash::port {
 
@@ -107,8 +119,10 @@ inline error_t set_max_dynamic_smem(Kernel k, int bytes) {
 #endif  // HIPFLASH_PLATFORM_AMD
 
 // ---- 16-bit element types ---------------------------------------------------------------------
-#if defined(HIPFLASH_PLATFORM_AMD)
+#if defined(HIPFLASH_PLATFORM_AMD) && defined(HIPFLASH_HIP_BF16_NEW)
 using bf16_t = __hip_bfloat16;
+#elif defined(HIPFLASH_PLATFORM_AMD)
+using bf16_t = hip_bfloat16;
 #else
 using bf16_t = __nv_bfloat16;
 #endif  // bf16_t
@@ -118,8 +132,10 @@ template <class T>
 __device__ __forceinline__ T from_float(float x);
 template <>
 __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
-#if defined(HIPFLASH_PLATFORM_AMD)
+#if defined(HIPFLASH_PLATFORM_AMD) && defined(HIPFLASH_HIP_BF16_NEW)
   return __float2bfloat16(x);
+#elif defined(HIPFLASH_PLATFORM_AMD)
+  return hip_bfloat16(x);  // round to nearest even
 #else
   return __float2bfloat16_rn(x);
 #endif

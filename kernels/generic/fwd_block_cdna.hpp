@@ -1,0 +1,228 @@
+// hipflash — the AMD CDNA body of the generic forward kernel: MFMA 16x16x16 (bf16_1k / f16),
+// wave64. COMPILE-CHECKED ONLY (gfx90a, gfx940 with Debian's hipcc): no AMD GPU has run it.
+//
+// MFMA 16x16x16 fragments, lane l = 16 * kg + i (kg = l / 16, i = l % 16):
+//   A[16x16]: A[i][4kg .. 4kg+3]   B[16x16]: B[4kg .. 4kg+3][i]   D[16x16]: D[4kg .. 4kg+3][i]
+// The wave computes S^T = K Q^T, so its D fragment holds, for query i, keys 4kg..4kg+3: exactly
+// the A fragment of P in O = P V. Row statistics therefore live in lane (query) i; the O
+// fragment's rows 4kg + j fetch theirs with a shuffle. Q stays in registers; K and V are staged
+// in LDS with a padded pitch (no async copies, one barrier pair per key block).
+#pragma once
+
+#include "generic/block_info.hpp"
+#include "generic/element.hpp"
+#include "generic/epilogue.hpp"
+#include "generic/softmax.hpp"
+#include "generic/tile_config.hpp"
+#include "hipflash/params.hpp"
+
+namespace hipflash::generic::cdna {
+
+#if defined(HIPFLASH_HAS_MFMA)
+
+using half4 = _Float16 __attribute__((ext_vector_type(4)));
+using short4_t = short __attribute__((ext_vector_type(4)));
+using float4_t = float __attribute__((ext_vector_type(4)));
+
+/// Four 16-bit elements of one operand fragment, as the MFMA builtin of the dtype wants them.
+template <DType kDType>
+struct Frag {
+  using type = half4;
+};
+template <>
+struct Frag<DType::bf16> {
+  using type = short4_t;
+};
+
+template <DType kDType>
+__device__ __forceinline__ float4_t mfma16(const typename Frag<kDType>::type& a,
+                                           const typename Frag<kDType>::type& b, float4_t c) {
+  if constexpr (kDType == DType::bf16)
+    return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);
+  else
+    return __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, 0, 0, 0);
+}
+
+template <DType kDType>
+__device__ __forceinline__ typename Frag<kDType>::type load4(const void* p) {
+  return *reinterpret_cast<const typename Frag<kDType>::type*>(p);  // 8-byte aligned
+}
+
+template <DType kDType>
+__device__ __forceinline__ uint16_t to_bits(float x) {
+  if constexpr (kDType == DType::bf16) {
+    port::bf16_t h = port::from_float<port::bf16_t>(x);
+    return *reinterpret_cast<uint16_t*>(&h);
+  } else {
+    port::f16_t h = port::from_float<port::f16_t>(x);
+    return *reinterpret_cast<uint16_t*>(&h);
+  }
+}
+
+/// Copies rows [row0, row0 + kRows) of a [len, D] operand into a padded LDS tile, 16 bytes per
+/// thread-step; rows >= len and columns >= head_dim are zero.
+template <class Tile, int kRows, class T>
+__device__ __forceinline__ void load_tile(T* lds, const T* gmem, int64_t ld, int64_t row0,
+                                          int64_t len, int head_dim) {
+  for (int idx = int(threadIdx.x); idx < kRows * Tile::kChunks; idx += Tile::kThreads) {
+    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row0 + r < len && c * 8 < head_dim)
+      v = *reinterpret_cast<const uint4*>(gmem + (row0 + r) * ld + c * 8);
+    *reinterpret_cast<uint4*>(lds + r * Tile::kPitch + c * 8) = v;
+  }
+}
+
+template <class Traits>
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+  using Cfg = Tile<Traits::kHeadDim>;
+  using T = typename Element<Traits::kDType>::type;
+  using F = typename Frag<Traits::kDType>::type;
+  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kKT = kBN / 16, kDS = kD / 16;  // 16-key tiles, 16-wide head-dim steps
+  static_assert(Cfg::kMTiles == 1, "one 16-row MFMA tile per wave");
+
+  extern __shared__ unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBN * Cfg::kPitch;
+
+  const int lane = int(threadIdx.x) % 64, wave = int(threadIdx.x) / 64;
+  const int i = lane % 16, kg = lane / 16;
+  const BlockInfo<kBM, kBN> bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
+  const int64_t m0 = int64_t(bi.m_block) * kBM;
+  if (m0 >= bi.len_q) {
+    if constexpr (Traits::kReturnLse && !Traits::kSplit)
+      write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+    return;
+  }
+  const int hd = int(p.head_dim);
+  const T* gQ = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride +
+                bi.q_start * p.q_row_stride + bi.h * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride +
+                bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
+                bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
+
+  // This lane's query (B operand of S^T = K Q^T): row i of the wave's tile, dims 4kg + 16 ds.
+  const int64_t q_row = m0 + wave * 16 + i;
+  F qf[kDS];
+#pragma unroll
+  for (int ds = 0; ds < kDS; ++ds) {
+    const int col = ds * 16 + kg * 4;
+    if (q_row < bi.len_q && col < hd)
+      qf[ds] = load4<Traits::kDType>(gQ + q_row * p.q_row_stride + col);
+    else
+      qf[ds] = F{0, 0, 0, 0};
+  }
+
+  float4_t O[kDS];
+#pragma unroll
+  for (int dt = 0; dt < kDS; ++dt) O[dt] = float4_t{0.f, 0.f, 0.f, 0.f};
+  RowSoftmax<1> softmax;  // query i's statistics (partial over this lane's keys until finalize)
+  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+
+  for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
+    __syncthreads();  // every wave is done with the previous K and V
+    load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n) * kBN, bi.len_k, hd);
+    load_tile<Cfg, kBN>(sV, gV, p.v_row_stride, int64_t(n) * kBN, bi.len_k, hd);
+    __syncthreads();
+
+    // S^T tile kt: lane holds scores of query i against keys n*kBN + 16kt + 4kg + j.
+    float S[1][4 * kKT];
+#pragma unroll
+    for (int kt = 0; kt < kKT; ++kt) {
+      float4_t acc{0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ds = 0; ds < kDS; ++ds)
+        acc = mfma16<Traits::kDType>(
+            load4<Traits::kDType>(sK + (kt * 16 + i) * Cfg::kPitch + ds * 16 + kg * 4), qf[ds],
+            acc);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) S[0][4 * kt + j] = acc[j];
+    }
+    if (bi.needs_mask(p, n, Traits::kMasked)) {
+#pragma unroll
+      for (int c = 0; c < 4 * kKT; ++c) {
+        const int64_t key = int64_t(n) * kBN + (c / 4) * 16 + kg * 4 + c % 4;
+        if (!BlockInfo<kBM, kBN>::key_valid(p, q_row, key, bi.len_k, bi.diag, Traits::kMasked))
+          S[0][c] = detail::kNegInf;
+      }
+    }
+    // Row statistics are reduced across the four lanes of query i (xor 16, 32).
+    float mx = detail::kNegInf;
+#pragma unroll
+    for (int c = 0; c < 4 * kKT; ++c) mx = fmaxf(mx, S[0][c]);
+    mx = fmaxf(mx, port::shfl_xor(mx, 16));
+    mx = fmaxf(mx, port::shfl_xor(mx, 32));
+    const float m_new = fmaxf(softmax.m[0], mx * scale_log2);
+    const float rescale = SoftmaxState::rescale(softmax.m[0], m_new);
+    softmax.m[0] = m_new;
+    const float m_use = SoftmaxState::safe_max(m_new);
+    float sum = 0.f;
+    F pf[kKT];
+#pragma unroll
+    for (int kt = 0; kt < kKT; ++kt) {
+      uint16_t bits[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float pj = detail::fast_exp2(fmaf(S[0][4 * kt + j], scale_log2, -m_use));
+        sum += pj;
+        bits[j] = to_bits<Traits::kDType>(pj);
+      }
+      pf[kt] = *reinterpret_cast<const F*>(bits);
+    }
+    softmax.l[0] = softmax.l[0] * rescale + sum;
+
+    // O rows are queries 4kg + j: fetch their rescale factor from lane 4kg + j.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float r = port::shfl(rescale, kg * 4 + j);
+#pragma unroll
+      for (int dt = 0; dt < kDS; ++dt) O[dt][j] *= r;
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDS; ++dt)
+#pragma unroll
+      for (int kt = 0; kt < kKT; ++kt) {
+        uint16_t vb[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          vb[j] = *reinterpret_cast<const uint16_t*>(sV + (kt * 16 + kg * 4 + j) * Cfg::kPitch +
+                                                     dt * 16 + i);
+        O[dt] = mfma16<Traits::kDType>(pf[kt], *reinterpret_cast<const F*>(vb), O[dt]);
+      }
+  }
+  // Complete query i's sum across its four lanes.
+  softmax.l[0] += port::shfl_xor(softmax.l[0], 16);
+  softmax.l[0] += port::shfl_xor(softmax.l[0], 32);
+
+  // ---- Epilogue: lane holds O[query 4kg + j][dim 16 dt + i] ----
+  T* gO = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.q_start * p.o_row_stride +
+          bi.h * p.o_head_stride;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int src = kg * 4 + j;
+    const float inv = port::shfl(softmax.inv_sum(0), src);
+    const float lse = port::shfl(softmax.lse(0), src);
+    const int64_t row = m0 + wave * 16 + src;
+    if (row >= bi.len_q) continue;
+    if constexpr (Traits::kSplit) {
+      const int64_t prow = partial_row(p, bi.split, bi.b, bi.h, row);
+#pragma unroll
+      for (int dt = 0; dt < kDS; ++dt) p.out_partial[prow * kD + dt * 16 + i] = O[dt][j] * inv;
+      if (i == 0) p.lse_partial[prow] = lse;
+    } else {
+#pragma unroll
+      for (int dt = 0; dt < kDS; ++dt)
+        if (dt * 16 + i < hd) gO[row * p.o_row_stride + dt * 16 + i] = port::from_float<T>(O[dt][j] * inv);
+      if constexpr (Traits::kReturnLse)
+        if (i == 0) p.lse[lse_index(p, bi.b, bi.h, bi.q_start, row)] = lse;
+    }
+  }
+  if constexpr (Traits::kReturnLse && !Traits::kSplit)
+    write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+}
+
+#endif  // HIPFLASH_HAS_MFMA
+
+}  // namespace hipflash::generic::cdna

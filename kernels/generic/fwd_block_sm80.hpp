@@ -1,0 +1,157 @@
+// hipflash — the NVIDIA sm_80+ body of the generic forward kernel (see fwd_kernel.hpp for the
+// schedule). One thread block: kBlockM query rows, kNWarps warps of kMTiles 16-row MMA tiles.
+#pragma once
+
+#include "generic/block_info.hpp"
+#include "generic/element.hpp"
+#include "generic/epilogue.hpp"
+#include "generic/mainloop_sm80.hpp"
+#include "generic/softmax.hpp"
+#include "generic/tile_config.hpp"
+#include "hipflash/params.hpp"
+
+namespace hipflash::generic::sm80 {
+
+#if defined(HIPFLASH_HAS_MMA_SYNC)
+
+template <class Traits>
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+  using Cfg = Tile<Traits::kHeadDim>;
+  using T = typename Element<Traits::kDType>::type;
+  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kMT = Cfg::kMTiles;
+  constexpr int kRows = 2 * kMT;  // fragment rows per thread
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + Cfg::kSmemQ;
+  T* sV = sK + Cfg::kSmemKV;
+
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const BlockInfo<kBM, kBN> bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
+  const int64_t m0 = int64_t(bi.m_block) * kBM;
+  if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
+    if constexpr (Traits::kReturnLse && !Traits::kSplit)
+      write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+    return;
+  }
+
+  const int hd = int(p.head_dim);
+  const T* gQ = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride +
+                bi.q_start * p.q_row_stride + bi.h * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride +
+                bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
+                bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
+
+  float O[kRows][2 * Cfg::kDTiles];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] = 0.f;
+  RowSoftmax<kRows> softmax;
+  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+
+  // Row (within the sequence) of fragment row r, and column of fragment column c.
+  const int g = lane / 4, t = lane % 4;
+  auto frag_row = [&](int r) { return m0 + warp * Cfg::kWarpRows + (r / 2) * 16 + (r % 2) * 8 + g; };
+
+  int n = bi.n_block_max - 1;
+  if (n >= bi.n_block_min) {
+    load_tile<Cfg, kBM>(sQ, gQ, p.q_row_stride, m0, bi.len_q, hd);
+    load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n) * kBN, bi.len_k, hd);
+    cp_async_commit();
+  }
+  for (; n >= bi.n_block_min; --n) {
+    cp_async_wait<0>();
+    __syncthreads();  // K(n) landed; every warp is done with V(n+1)
+    load_tile<Cfg, kBN>(sV, gV, p.v_row_stride, int64_t(n) * kBN, bi.len_k, hd);
+    cp_async_commit();
+
+    float S[kRows][2 * Cfg::kNTiles];
+    gemm_qk<Cfg, Traits::kDType>(S, smem_addr(sQ), smem_addr(sK), warp, lane);
+    if (bi.needs_mask(p, n, Traits::kMasked)) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < 2 * Cfg::kNTiles; ++c) {
+          const int64_t j = int64_t(n) * kBN + (c / 2) * 8 + 2 * t + (c % 2);
+          if (!BlockInfo<kBM, kBN>::key_valid(p, frag_row(r), j, bi.len_k, bi.diag,
+                                              Traits::kMasked))
+            S[r][c] = detail::kNegInf;
+        }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V(n) landed; every warp is done with K(n)
+    if (n > bi.n_block_min) {
+      load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n - 1) * kBN, bi.len_k, hd);
+      cp_async_commit();
+    }
+
+    float rescale[kRows];
+    softmax.update(S, scale_log2, rescale);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
+    gemm_pv<Cfg, Traits::kDType>(O, S, smem_addr(sV), lane);
+  }
+  softmax.finalize();
+
+  // ---- Epilogue ----
+  if constexpr (Traits::kSplit) {
+    // fp32 partial (out / l, lse) of this split, padded rows; the combine kernel reduces them.
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = frag_row(r);
+      if (row >= bi.len_q) continue;
+      const int64_t prow = partial_row(p, bi.split, bi.b, bi.h, row);
+      const float inv = softmax.inv_sum(r);
+      float* dst = p.out_partial + prow * Cfg::kHeadDim;
+#pragma unroll
+      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2) {
+        const int col = (c / 2) * 8 + 2 * t;
+        *reinterpret_cast<float2*>(dst + col) = make_float2(O[r][c] * inv, O[r][c + 1] * inv);
+      }
+      if (t == 0) p.lse_partial[prow] = softmax.lse(r);
+    }
+  } else {
+    if constexpr (Traits::kReturnLse) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = frag_row(r);
+        if (t == 0 && row < bi.len_q) p.lse[lse_index(p, bi.b, bi.h, bi.q_start, row)] = softmax.lse(r);
+      }
+      write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+    }
+    // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.
+    __syncthreads();  // every warp is done reading sQ
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float inv = softmax.inv_sum(r);
+      const int srow = warp * Cfg::kWarpRows + (r / 2) * 16 + (r % 2) * 8 + g;
+#pragma unroll
+      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2) {
+        const int col = (c / 2) * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(sQ + swizzle<Cfg::kChunks>(srow, col / 8) + col % 8) =
+            pack2<Traits::kDType>(O[r][c] * inv, O[r][c + 1] * inv);
+      }
+    }
+    __syncthreads();
+    T* gO = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.q_start * p.o_row_stride +
+            bi.h * p.o_head_stride;
+    constexpr int kTotal = kBM * Cfg::kChunks;
+#pragma unroll
+    for (int i = 0; i < kTotal / Cfg::kThreads; ++i) {
+      const int idx = int(threadIdx.x) + i * Cfg::kThreads;
+      const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+      if (m0 + r < bi.len_q && c * 8 < hd)
+        *reinterpret_cast<uint4*>(gO + (m0 + r) * p.o_row_stride + c * 8) =
+            *reinterpret_cast<const uint4*>(sQ + swizzle<Cfg::kChunks>(r, c));
+    }
+  }
+}
+
+#endif  // HIPFLASH_HAS_MMA_SYNC
+
+}  // namespace hipflash::generic::sm80
