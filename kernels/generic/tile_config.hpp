@@ -25,7 +25,7 @@ struct TileConfig<64> {
 };
 template <>
 struct TileConfig<128> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8;
+  static constexpr int kBlockM = 128, kBlockN = 32, kNWarps = 4;
 };
 template <>
 struct TileConfig<256> {
