@@ -80,8 +80,10 @@ void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
   check_location(k, "k", q.loc);
   check_location(v, "v", q.loc);
   check_location(out, "out", q.loc);
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}})
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}) {
     check_last_dim(*t, name);
+    HIPFLASH_CHECK(t->data != nullptr || t->numel() == 0, name, " has no data pointer");
+  }
   HIPFLASH_CHECK(padded_head_dim(int(d.head_dim)) != 0 && d.head_dim == int(d.head_dim),
                  "head dim ", d.head_dim,
                  " is not supported; supported head dims are 32, 64, 96, 128, 256");
@@ -117,7 +119,9 @@ void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, c
     same_shape = lse->sizes[i] == expected.sizes[i];
   HIPFLASH_CHECK(same_shape, "lse buffer has shape ", shape_str(*lse), " but must be ", layout,
                  " = ", shape_str(expected));
-  for (int d = 0; d < expected.rank; ++d)
+  // An empty lse is trivially contiguous (its strides are free: torch gives [2, 0] strides
+  // [1, 1], make_tensor [0, 1]).
+  for (int d = 0; d < expected.rank && expected.numel() > 0; ++d)
     HIPFLASH_CHECK(lse->sizes[d] <= 1 || lse->strides[d] == expected.strides[d],
                    "lse must be contiguous (row-major ", layout, ")");
   HIPFLASH_CHECK(!overlaps(*lse, out), "lse must not alias out");
@@ -287,6 +291,8 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                  " = batch + 1), got shape ", shape_str(cu_k));
   HIPFLASH_CHECK(cu_q.sizes[0] <= 1 || (cu_q.strides[0] == 1 && cu_k.strides[0] == 1),
                  "cu_seqlens_q and cu_seqlens_k must be contiguous");
+  HIPFLASH_CHECK(cu_q.data != nullptr && cu_k.data != nullptr,
+                 "cu_seqlens_q and cu_seqlens_k must have data pointers");
   check_location(cu_q, "cu_seqlens_q", q.loc);
   check_location(cu_k, "cu_seqlens_k", q.loc);
   const int64_t batch = cu_q.sizes[0] - 1;

@@ -1,0 +1,406 @@
+// The GPU suite (CUDA builds): device forward against the fp64 reference (SPEC §6) on the grid
+// of the GPU issue. Every test skips, with the reason, when no GPU is usable.
+//
+// Inputs are generated on the host (test_util.hpp), copied whole (storage, padding and NaN
+// poison included) to cudaMalloc'd memory, run with loc = {gpu, 0}, and copied back; the
+// checks then run on the host. Large problems check an evenly spread subset of rows against
+// the reference (the NaN scan always covers every row).
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <stdexcept>
+
+#include "test_util.hpp"
+
+namespace hipflash::test {
+namespace {
+
+void cuda_check(cudaError_t e, const char* expr, const char* file, int line) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + expr +
+                             " failed: " + cudaGetErrorString(e));
+}
+#define CUDA_CHECK(expr) cuda_check((expr), #expr, __FILE__, __LINE__)
+
+/// A device copy of a HostTensor's whole storage; `ref` is the same view, on the GPU.
+struct DeviceTensor {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  TensorRef ref;
+
+  explicit DeviceTensor(const HostTensor& h) : bytes(h.words.size() * 4), ref(h.ref) {
+    CUDA_CHECK(cudaMalloc(&ptr, bytes));
+    CUDA_CHECK(cudaMemcpy(ptr, h.words.data(), bytes, cudaMemcpyHostToDevice));
+    const ptrdiff_t offset = static_cast<const char*>(h.ref.data) -
+                             reinterpret_cast<const char*>(h.words.data());
+    ref.data = static_cast<char*>(ptr) + offset;
+    ref.loc = {Location::gpu, 0};
+  }
+  void download(HostTensor& h) const {
+    CUDA_CHECK(cudaMemcpy(h.words.data(), ptr, bytes, cudaMemcpyDeviceToHost));
+  }
+  ~DeviceTensor() {
+    const cudaError_t e = cudaFree(ptr);
+    if (e != cudaSuccess) ADD_FAILURE() << "cudaFree: " << cudaGetErrorString(e);
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+};
+
+void sync(cudaStream_t stream = nullptr) {
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+/// Runs a dense problem on the GPU; out and lse come back into t's host buffers.
+void run_gpu(Dense& t, cudaStream_t stream = nullptr) {
+  DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse);
+  forward(q.ref, k.ref, v.ref, out.ref, t.opts.return_lse ? &lse.ref : nullptr, t.opts, stream);
+  sync(stream);
+  out.download(t.out);
+  lse.download(t.lse);
+}
+
+void run_gpu(Varlen& t) {
+  DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), cq(t.cu_q), ck(t.cu_k);
+  varlen_forward(q.ref, k.ref, v.ref, out.ref, t.opts.return_lse ? &lse.ref : nullptr, cq.ref,
+                 ck.ref, t.opts);
+  sync();
+  out.download(t.out);
+  lse.download(t.lse);
+}
+
+/// SPEC §6 on a subset of rows sized so that the host reference stays well under a second
+/// (about 4e8 multiply-adds: 768 rows at Sk = 1024, D = 256; 31 rows at Sk = 100k, D = 128).
+ref::CheckResult check_rows(const Dense& t, int64_t max_rows = 768) {
+  const double per_row = double(std::max<int64_t>(t.k.ref.sizes[1], 1)) * double(t.q.ref.sizes[3]);
+  ref::CheckOptions co;
+  co.max_rows = std::max<int64_t>(16, std::min<int64_t>(max_rows, int64_t(4e8 / per_row)));
+  return ref::check(t.problem(), t.out.ref, t.opts.return_lse ? &t.lse.ref : nullptr, co);
+}
+
+float max_abs_diff(const HostTensor& a, const HostTensor& b) {
+  float worst = 0;
+  const int64_t n = a.storage_elems();
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = a.get_raw(i), y = b.get_raw(i);
+    if (std::isnan(x) || std::isnan(y)) return kInf;
+    if (std::isinf(x) && x == y) continue;
+    worst = std::max(worst, std::abs(x - y));
+  }
+  return worst;
+}
+
+class Gpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_available())
+      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
+  }
+};
+
+// ---- The dense grid ----------------------------------------------------------------------------
+
+struct Case {
+  DType dtype = DType::bf16;
+  int64_t b = 1, sq = 1, sk = 1, hq = 6, hkv = 6, d = 64;
+  bool causal = false;
+  int64_t wl = -1, wr = -1;
+  int splits = 0;
+
+  std::string name() const {
+    std::string s = std::string(dtype == DType::bf16 ? "bf16" : "f16") + "_b" + std::to_string(b) +
+                    "_sq" + std::to_string(sq) + "_sk" + std::to_string(sk) + "_h" +
+                    std::to_string(hq) + "x" + std::to_string(hkv) + "_d" + std::to_string(d);
+    if (causal) s += "_causal";
+    if (wl >= 0 || wr >= 0)
+      s += "_win" + (wl < 0 ? std::string("inf") : std::to_string(wl)) + "x" +
+           (wr < 0 ? std::string("inf") : std::to_string(wr));
+    return s + "_splits" + std::to_string(splits);
+  }
+  friend std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name(); }
+};
+
+Dense make(const Case& c, uint32_t seed = 5) {
+  Dense t(c.dtype, c.b, c.sq, c.sk, c.hq, c.hkv, c.d, seed);
+  t.opts.causal = c.causal;
+  t.opts.window_left = c.wl;
+  t.opts.window_right = c.wr;
+  t.opts.num_splits = c.splits;
+  return t;
+}
+
+class GpuForward : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available())
+      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
+  }
+};
+
+TEST_P(GpuForward, MatchesReference) {
+  Dense t = make(GetParam());
+  run_gpu(t);
+  EXPECT_EQ(last_kernel_name().rfind("fwd_", 0), 0u) << last_kernel_name();
+  EXPECT_REF_OK(check_rows(t)) << " kernel " << last_kernel_name();
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name(); }
+
+/// Every head dim x every (Sq, Sk) of the issue, causal and not; dtype, head ratio and split
+/// count rotate through their values so that each appears with every length.
+std::vector<Case> main_grid() {
+  const std::pair<int64_t, int64_t> lens[] = {{1, 1},      {113, 203}, {128, 217}, {1023, 1024}, {1024, 1023},
+                                              {239, 1},    {799, 3},   {2, 5},     {5, 2}};
+  const std::pair<int64_t, int64_t> heads[] = {{6, 6}, {6, 2}, {6, 1}, {32, 8}};
+  const int splits[] = {1, 0, 3};
+  std::vector<Case> v;
+  int i = 0;
+  for (int64_t d : {32, 64, 96, 128, 256})
+    for (auto [sq, sk] : lens)
+      for (bool causal : {false, true}) {
+        auto [hq, hkv] = heads[i % 4];
+        if (sq >= 1023 && hq == 32) hq = 8, hkv = 2;  // keep the host reference cheap
+        const int64_t b = sq * sk > 100000 ? 1 : 2;
+        v.push_back({i % 2 ? DType::f16 : DType::bf16, b, sq, sk, hq, hkv, d, causal, -1, -1,
+                     splits[(i / 2) % 3]});
+        ++i;
+      }
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Grid, GpuForward, ::testing::ValuesIn(main_grid()), case_name);
+
+std::vector<Case> windows() {
+  const std::pair<int64_t, int64_t> wins[] = {{0, 0}, {16, 3}, {-1, 7}, {64, -1}, {200, 200}};
+  std::vector<Case> v;
+  int i = 0;
+  for (auto [wl, wr] : wins)
+    for (auto [sq, sk] : {std::pair<int64_t, int64_t>{113, 203}, {1024, 1023}, {799, 3}}) {
+      v.push_back({i % 2 ? DType::f16 : DType::bf16, 1, sq, sk, 6, 2, i % 3 ? 64 : 128, false, wl,
+                   wr, i % 2 ? 3 : 1});
+      ++i;
+    }
+  v.push_back({DType::bf16, 2, 1023, 1024, 6, 1, 128, true, 128, -1, 0});  // sliding causal
+  v.push_back({DType::f16, 2, 128, 217, 6, 6, 64, true, 16, -1, 2});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Windows, GpuForward, ::testing::ValuesIn(windows()), case_name);
+
+std::vector<Case> splits() {
+  std::vector<Case> v;
+  for (int s : {1, 2, 3, 5, 17, 0}) {
+    v.push_back({DType::bf16, 1, 1, 4097, 6, 1, 128, false, -1, -1, s});
+    v.push_back({DType::f16, 1, 113, 2000, 6, 2, 64, true, -1, -1, s});
+  }
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Splits, GpuForward, ::testing::ValuesIn(splits()), case_name);
+
+std::vector<Case> decode() {
+  std::vector<Case> v;
+  for (int64_t sq : {1, 3, 16}) v.push_back({DType::bf16, 2, sq, 4097, 32, 8, 128, true, -1, -1, 0});
+  for (int64_t sq : {1, 16}) v.push_back({DType::f16, 1, sq, 100000, 16, 2, 128, sq > 1, -1, -1, 0});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Decode, GpuForward, ::testing::ValuesIn(decode()), case_name);
+
+// ---- Split count, determinism ------------------------------------------------------------------
+
+TEST_F(Gpu, SplitLseMatchesUnsplit) {
+  for (const Case base : {Case{DType::bf16, 1, 1, 4097, 6, 1, 128, false, -1, -1, 1},
+                          Case{DType::f16, 1, 113, 2000, 6, 2, 64, true, -1, -1, 1}}) {
+    Dense ref1 = make(base);
+    run_gpu(ref1);
+    for (int s : {2, 3, 5, 17}) {
+      Case c = base;
+      c.splits = s;
+      Dense t = make(c);
+      run_gpu(t);
+      EXPECT_LE(max_abs_diff(ref1.lse, t.lse), 1e-4f) << c;
+    }
+  }
+}
+
+TEST_F(Gpu, ZeroSplitsEqualsTheResolvedCountBitwise) {
+  bool saw_split = false;
+  for (const Case c : {Case{DType::bf16, 1, 1, 100000 / 4, 8, 1, 128, false, -1, -1, 0},
+                       Case{DType::f16, 1, 16, 4097, 32, 8, 64, true, -1, -1, 0},
+                       Case{DType::bf16, 2, 113, 2000, 6, 2, 96, false, -1, -1, 0}}) {
+    Dense a = make(c);
+    std::unique_ptr<DeviceTensor> q = std::make_unique<DeviceTensor>(a.q);
+    std::unique_ptr<DeviceTensor> k = std::make_unique<DeviceTensor>(a.k);
+    const int resolved = resolve_num_splits(q->ref, k->ref, a.opts);
+    saw_split |= resolved > 1;
+    run_gpu(a);
+    Dense b = make(c);
+    b.opts.num_splits = resolved;
+    run_gpu(b);
+    EXPECT_TRUE(a.out.bitwise_equal(b.out)) << c << " resolved " << resolved;
+    EXPECT_TRUE(a.lse.bitwise_equal(b.lse)) << c << " resolved " << resolved;
+  }
+  EXPECT_TRUE(saw_split) << "the decode cases should resolve to a split count > 1";
+}
+
+TEST_F(Gpu, RepeatedRunsAreBitwiseIdentical) {
+  for (int s : {1, 3, 0}) {
+    Dense t = make({DType::bf16, 2, 1023, 1024, 6, 2, 128, true, -1, -1, s});
+    run_gpu(t);
+    const HostTensor out1 = t.out, lse1 = t.lse;
+    t.poison();
+    run_gpu(t);
+    EXPECT_TRUE(t.out.bitwise_equal(out1)) << "splits " << s;
+    EXPECT_TRUE(t.lse.bitwise_equal(lse1)) << "splits " << s;
+  }
+}
+
+TEST_F(Gpu, MatchesTheCpuBackend) {
+  Dense g = make({DType::bf16, 2, 239, 1, 6, 1, 64, true, -1, -1, 0});
+  Dense c = g;
+  run_gpu(g);
+  c.run();
+  EXPECT_REF_OK(check_rows(g));
+  EXPECT_TRUE(g.lse.bitwise_equal(c.lse) || max_abs_diff(g.lse, c.lse) <= 1e-4f);
+}
+
+// ---- Poison and views --------------------------------------------------------------------------
+
+TEST_F(Gpu, ViewsInsideNaNStorage) {
+  // q, k, v are views into NaN-filled storage: extra heads, extra rows past Sk (which the
+  // kernel must never let into a result) and a batch gap. Offsets keep 16-byte alignment.
+  const int64_t B = 2, Sq = 113, Sk = 203, Hq = 6, Hkv = 2, D = 64, pad_rows = 70;
+  const DType dt = DType::f16;
+  auto nan_view = [&](int64_t rows, int64_t heads, int64_t extra_heads, int64_t extra_rows) {
+    const int64_t row = (heads + extra_heads) * D, batch = (rows + extra_rows) * row + 8 * D;
+    HostTensor t = HostTensor::strided(dt, {B, rows, heads, D}, {batch, row, D, 1}, B * batch + D);
+    t.fill(kNaN);
+    t.ref.data = static_cast<uint16_t*>(t.ref.data) + extra_heads * D;  // skip the first heads
+    return t;
+  };
+  HostTensor q = nan_view(Sq, Hq, 2, 0), k = nan_view(Sk, Hkv, 1, pad_rows),
+             v = nan_view(Sk, Hkv, 3, pad_rows);
+  std::mt19937 rng(9);
+  q.randomize(rng);
+  k.randomize(rng);
+  v.randomize(rng);
+  for (bool causal : {false, true})
+    for (int splits : {1, 3}) {
+      HostTensor out(dt, {B, Sq, Hq, D}), lse(DType::f32, {B, Hq, Sq});
+      out.fill(kNaN);
+      lse.fill(kNaN);
+      FwdOptions opts;
+      opts.return_lse = true;
+      opts.causal = causal;
+      opts.num_splits = splits;
+      {
+        DeviceTensor dq(q), dk(k), dv(v), dout(out), dlse(lse);
+        forward(dq.ref, dk.ref, dv.ref, dout.ref, &dlse.ref, opts);
+        sync();
+        dout.download(out);
+        dlse.download(lse);
+      }
+      ref::CheckOptions co;
+      co.max_rows = 1024;
+      EXPECT_REF_OK(ref::check(ref::Problem::dense(q.ref, k.ref, v.ref, opts), out.ref, &lse.ref, co))
+          << "causal " << causal << " splits " << splits;
+    }
+}
+
+TEST_F(Gpu, NoLseRequestedLeavesLseUntouched) {
+  Dense t = make({DType::bf16, 2, 128, 217, 6, 2, 128, true, -1, -1, 3});
+  t.opts.return_lse = false;
+  run_gpu(t);
+  EXPECT_TRUE(t.lse.all_nan());
+  EXPECT_REF_OK(check_rows(t));
+}
+
+TEST_F(Gpu, NonDefaultStream) {
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Dense t = make({DType::f16, 2, 1023, 1024, 6, 2, 64, false, -1, -1, 0});
+  run_gpu(t, stream);
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  EXPECT_REF_OK(check_rows(t));
+}
+
+// ---- Varlen ------------------------------------------------------------------------------------
+
+TEST_F(Gpu, VarlenWithZeroLengthSequences) {
+  struct V { std::vector<int32_t> lq, lk; bool causal; int splits; int64_t d; };
+  const V cases[] = {
+      {{5, 0, 17, 1, 0, 300}, {7, 3, 0, 203, 0, 1024}, false, 1, 64},
+      {{5, 0, 17, 1, 0, 300}, {7, 3, 0, 203, 0, 1024}, true, 3, 128},
+      {{1023, 2, 0}, {217, 5, 9}, true, 0, 96},  // Sq > Sk in a sequence: empty causal rows
+      {{0, 0}, {0, 0}, false, 1, 64},
+  };
+  int i = 0;
+  for (const V& c : cases)
+    for (LseLayout layout : {LseLayout::padded, LseLayout::packed}) {
+      Varlen t(i++ % 2 ? DType::f16 : DType::bf16, c.lq, c.lk, 6, 2, c.d, layout);
+      t.opts.causal = c.causal;
+      t.opts.num_splits = c.splits;
+      run_gpu(t);
+      ref::CheckOptions co;
+      co.lse_layout = layout;
+      co.max_rows = 1024;
+      const ref::CheckResult r =
+          ref::check(t.problem(), t.out.ref, &t.lse.ref, co);
+      EXPECT_REF_OK(r) << " layout " << int(layout) << " causal " << c.causal << " splits "
+                       << c.splits;
+    }
+}
+
+// ---- Launch limits -----------------------------------------------------------------------------
+
+TEST_F(Gpu, Batch65536) {
+  for (int64_t sq : {1, 3}) {
+    Dense t = make({DType::bf16, 65536, sq, 5, 2, 1, 64, sq > 1, -1, -1, 0});
+    run_gpu(t);
+    EXPECT_REF_OK(check_rows(t, 4096)) << "sq " << sq;
+  }
+}
+
+TEST_F(Gpu, Heads65536) {
+  for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{65536, 65536}, {65536, 1}}) {
+    for (int64_t sq : {1, 3}) {
+      Dense t = make({DType::f16, 1, sq, 5, hq, hkv, 64, false, -1, -1, 0});
+      run_gpu(t);
+      EXPECT_REF_OK(check_rows(t, 4096)) << "hq " << hq << " hkv " << hkv << " sq " << sq;
+    }
+  }
+}
+
+TEST_F(Gpu, EmptyProblems) {
+  for (auto [b, sq, sk] : {std::tuple<int64_t, int64_t, int64_t>{0, 17, 33}, {2, 0, 33}, {2, 17, 0}}) {
+    Dense t = make({DType::bf16, b, sq, sk, 6, 2, 64, false, -1, -1, 0});
+    run_gpu(t);
+    EXPECT_REF_OK(check_rows(t));  // Sk = 0: out 0 and lse -inf everywhere
+  }
+}
+
+// ---- Errors on the device path -----------------------------------------------------------------
+
+TEST_F(Gpu, MixedDevicesAreRejectedBeforeLaunch) {
+  Dense t = make({DType::bf16, 1, 17, 33, 6, 2, 64});
+  DeviceTensor q(t.q), v(t.v), out(t.out), lse(t.lse);
+  EXPECT_THROW(forward(q.ref, t.k.ref, v.ref, out.ref, &lse.ref, t.opts), invalid_argument);
+  HostTensor back = t.out;
+  out.download(back);
+  EXPECT_TRUE(back.all_nan());
+}
+
+TEST_F(Gpu, CuSeqlensOnTheHostAreRejected) {
+  Varlen t(DType::bf16, {3, 5}, {4, 4}, 2, 2, 64, LseLayout::packed);
+  DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse);
+  try {
+    varlen_forward(q.ref, k.ref, v.ref, out.ref, &lse.ref, t.cu_q.ref, t.cu_k.ref, t.opts);
+    ADD_FAILURE() << "host cu_seqlens with device q were accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cu_seqlens_q"), std::string::npos) << e.what();
+  }
+  HostTensor back = t.lse;
+  lse.download(back);
+  EXPECT_TRUE(back.all_nan());
+}
+
+}  // namespace
+}  // namespace hipflash::test

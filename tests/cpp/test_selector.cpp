@@ -1,0 +1,169 @@
+// The pure kernel selector and the split heuristic (include/hipflash/detail/selector.hpp).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "hipflash/detail/selector.hpp"
+
+namespace hipflash {
+namespace {
+
+const Arch kHost{Arch::host, 0, 1};
+const Arch kSm80{Arch::nvidia, 80, 108};
+const Arch kSm90{Arch::nvidia, 90, 132};
+const Arch kSm75{Arch::nvidia, 75, 40};
+const Arch kGfx90a{Arch::amd, 0x90a, 104};
+const Arch kGfx942{Arch::amd, 0x942, 304};
+const Arch kGfx950{Arch::amd, 0x950, 256};
+const Arch kGfx1100{Arch::amd, 0x1100, 48};
+const BuildCaps kCuda{true, Arch::nvidia, 0b111};
+const BuildCaps kHip{true, Arch::amd, 0b111};
+const BuildCaps kNone{};
+
+Problem problem(DType dt, int d, bool lse = true, bool masked = false, int splits = 1) {
+  Problem p;
+  p.dtype = dt;
+  p.head_dim = d;
+  p.return_lse = lse;
+  p.masked = masked;
+  p.num_splits = splits;
+  return p;
+}
+
+TEST(Selector, PaddedHeadDim) {
+  EXPECT_EQ(padded_head_dim(32), 64);
+  EXPECT_EQ(padded_head_dim(64), 64);
+  EXPECT_EQ(padded_head_dim(96), 128);
+  EXPECT_EQ(padded_head_dim(128), 128);
+  EXPECT_EQ(padded_head_dim(256), 256);
+  for (int d : {0, 16, 48, 80, 160, 192, 512}) EXPECT_EQ(padded_head_dim(d), 0) << d;
+}
+
+TEST(Selector, ArchNames) {
+  EXPECT_EQ(kHost.name(), "cpu");
+  EXPECT_EQ(kSm90.name(), "sm90");
+  EXPECT_EQ(kGfx90a.name(), "gfx90a");
+  EXPECT_EQ(kGfx950.name(), "gfx950");
+  EXPECT_STREQ(kernel_kind_name(KernelKind::generic), "generic");
+  EXPECT_STREQ(kernel_kind_name(KernelKind::cpu_reference), "cpu");
+}
+
+TEST(Selector, HostRunsTheCpuBackend) {
+  for (BuildCaps caps : {kNone, kCuda, kHip}) {
+    const Selection s = select_kernel(problem(DType::bf16, 96), kHost, caps);
+    EXPECT_EQ(s.kind, KernelKind::cpu_reference);
+    EXPECT_TRUE(s.reason.empty());
+    EXPECT_EQ(s.key.head_dim, 128);
+  }
+}
+
+TEST(Selector, KeyCarriesTheFoldedFlags) {
+  const Selection s = select_kernel(problem(DType::bf16, 32, false, true, 3), kSm90, kCuda);
+  EXPECT_EQ(s.kind, KernelKind::generic);
+  EXPECT_EQ(s.key.dtype, DType::bf16);
+  EXPECT_EQ(s.key.head_dim, 64);
+  EXPECT_TRUE(s.key.masked);
+  EXPECT_TRUE(s.key.split);
+  EXPECT_EQ(s.key.name(), "bf16_hd64_masked_splitk");
+  const Selection t = select_kernel(problem(DType::f16, 128, true, false, 1), kSm80, kCuda);
+  EXPECT_FALSE(t.key.split);
+  EXPECT_EQ(t.key.name(), "fp16_hd128_lse");
+}
+
+TEST(Selector, NvidiaArchs) {
+  EXPECT_EQ(select_kernel(problem(DType::f16, 64), kSm80, kCuda).kind, KernelKind::generic);
+  EXPECT_EQ(select_kernel(problem(DType::f16, 64), kSm90, kCuda).kind, KernelKind::generic);
+  const Selection old = select_kernel(problem(DType::f16, 64), kSm75, kCuda);
+  EXPECT_EQ(old.kind, KernelKind::unsupported);
+  EXPECT_NE(old.reason.find("sm_80"), std::string::npos) << old.reason;
+}
+
+TEST(Selector, AmdArchs) {
+  for (Arch a : {kGfx90a, kGfx942, kGfx950})
+    EXPECT_EQ(select_kernel(problem(DType::bf16, 128), a, kHip).kind, KernelKind::generic)
+        << a.name();
+  const Selection rdna = select_kernel(problem(DType::bf16, 128), kGfx1100, kHip);
+  EXPECT_EQ(rdna.kind, KernelKind::unsupported);
+  EXPECT_NE(rdna.reason.find("MFMA"), std::string::npos) << rdna.reason;
+}
+
+TEST(Selector, BuildWithoutKernelsForTheDevice) {
+  const Selection none = select_kernel(problem(DType::bf16, 128), kSm90, kNone);
+  EXPECT_EQ(none.kind, KernelKind::unsupported);
+  EXPECT_NE(none.reason.find("HIPFLASH_GPU=cuda"), std::string::npos) << none.reason;
+  const Selection wrong_vendor = select_kernel(problem(DType::bf16, 128), kGfx942, kCuda);
+  EXPECT_EQ(wrong_vendor.kind, KernelKind::unsupported);
+  EXPECT_NE(wrong_vendor.reason.find("HIPFLASH_GPU=hip"), std::string::npos) << wrong_vendor.reason;
+}
+
+TEST(Selector, HeadDimNotBuilt) {
+  const BuildCaps only128{true, Arch::nvidia, 0b010};
+  EXPECT_EQ(select_kernel(problem(DType::bf16, 96), kSm90, only128).kind, KernelKind::generic);
+  const Selection s = select_kernel(problem(DType::bf16, 256), kSm90, only128);
+  EXPECT_EQ(s.kind, KernelKind::unsupported);
+  EXPECT_NE(s.reason.find("HIPFLASH_HEAD_DIMS"), std::string::npos) << s.reason;
+}
+
+TEST(Selector, UnsupportedHeadDimAndDtype) {
+  const Selection d = select_kernel(problem(DType::bf16, 80), kSm90, kCuda);
+  EXPECT_EQ(d.kind, KernelKind::unsupported);
+  EXPECT_NE(d.reason.find("32, 64, 96, 128, 256"), std::string::npos) << d.reason;
+  const Selection t = select_kernel(problem(DType::f32, 64), kHost, kNone);
+  EXPECT_EQ(t.kind, KernelKind::unsupported);
+  EXPECT_NE(t.reason.find("float32"), std::string::npos) << t.reason;
+}
+
+TEST(Selector, IsPure) {
+  const Problem p = problem(DType::f16, 96, true, true, 4);
+  const Selection a = select_kernel(p, kGfx950, kHip), b = select_kernel(p, kGfx950, kHip);
+  EXPECT_EQ(a.kind, b.kind);
+  EXPECT_EQ(a.key.name(), b.key.name());
+  EXPECT_EQ(a.reason, b.reason);
+}
+
+// ---- num_splits_heuristic ----------------------------------------------------------------------
+
+TEST(SplitHeuristic, NoSplitWhenNothingToSplit) {
+  EXPECT_EQ(num_splits_heuristic(0, 132, 100), 1);     // no work
+  EXPECT_EQ(num_splits_heuristic(10, 0, 100), 1);      // no SMs (defensive)
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1), 1);       // one key block
+  EXPECT_EQ(num_splits_heuristic(1, 132, 0), 1);       // Sk = 0
+  EXPECT_EQ(num_splits_heuristic(132, 132, 1000), 1);  // a full wave already
+  EXPECT_EQ(num_splits_heuristic(106, 132, 1000), 1);  // >= 80% of a wave
+  EXPECT_EQ(num_splits_heuristic(100000, 132, 1000), 1);
+}
+
+TEST(SplitHeuristic, SplitsSmallProblemsWithinBounds) {
+  for (int64_t work : {1, 2, 3, 7, 16, 40, 100}) {
+    for (int64_t sms : {2, 8, 108, 132, 304}) {
+      for (int64_t kb : {2, 5, 17, 64, 2000}) {
+        for (int max_splits : {4, 128}) {
+          const int s = num_splits_heuristic(work, sms, kb, max_splits);
+          EXPECT_GE(s, 1);
+          EXPECT_LE(s, std::min<int64_t>({max_splits, kb, sms}));
+          EXPECT_EQ(s, num_splits_heuristic(work, sms, kb, max_splits));  // pure
+          if (work * 10 >= sms * 8) {
+            EXPECT_EQ(s, 1);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SplitHeuristic, DecodeFillsTheMachine) {
+  // One work item on 132 SMs with plenty of key blocks: the fewest splits within 85% of a
+  // full wave is ceil(0.85 * 132) = 113.
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1000), 113);
+  // Limited by the key blocks.
+  EXPECT_EQ(num_splits_heuristic(1, 132, 5), 5);
+  // Limited by max_splits.
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1000, 16), 16);
+  // 2 CPU threads, one row: 2 splits.
+  EXPECT_EQ(num_splits_heuristic(1, 2, 16), 2);
+  // 32 items on 132 SMs: 4 splits fill 128/132 = 97% of one wave.
+  EXPECT_EQ(num_splits_heuristic(32, 132, 100), 4);
+}
+
+}  // namespace
+}  // namespace hipflash
