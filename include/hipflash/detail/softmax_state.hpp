@@ -11,6 +11,7 @@
 #include <limits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
+#include "hipflash/port/port.hpp"  // __host__ / __device__ / __forceinline__ on either vendor
 #define HIPFLASH_HD __host__ __device__ __forceinline__
 #else
 #define HIPFLASH_HD inline
