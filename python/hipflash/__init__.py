@@ -1,0 +1,250 @@
+"""hipflash: flash-attention forward kernels (CPU, NVIDIA, AMD) that can also return the LSE.
+
+    import hipflash
+    out = hipflash.flash_attn_func(q, k, v, causal=True)
+    out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True)
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k, return_lse=True)
+
+Forward only: the outputs carry no autograd history. Inputs are bf16 or f16 CPU tensors (the
+CPU backend) or CUDA/HIP tensors (the GPU kernels, when this build has them; see
+:func:`build_info`). Argument errors raise ValueError / TypeError before anything is written;
+a combination this build does not implement raises NotImplementedError.
+"""
+
+import numbers
+
+import torch
+
+from . import _C
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "gpu_available",
+    "build_info",
+    "last_kernel_name",
+    "resolve_num_splits",
+    "__version__",
+]
+
+__version__ = getattr(_C, "__version__", "0.0.0")
+
+_LSE_LAYOUTS = ("padded", "packed")
+
+
+def gpu_available():
+    """True when this build has GPU kernels and a GPU is visible."""
+    return _C.gpu_available()
+
+
+def build_info():
+    """What this build can run, e.g. ``"cpu (built with HIPFLASH_GPU=none)"``."""
+    return _C.build_info()
+
+
+def last_kernel_name():
+    """Name of the kernel the last call on this thread ran (``"cpu_reference"``,
+    ``"fwd_generic_bf16_hd128_causal_lse_sm90"``, ...)."""
+    return _C.last_kernel_name()
+
+
+# ---- Python-side argument checks (the rest is validated in C++) ------------------------------
+
+
+def _check_tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_same_device(q, named):
+    """Every tensor on q's device: checked here, before any data pointer is taken."""
+    for name, t in named:
+        if t.device != q.device:
+            raise ValueError(
+                f"{name} is on {t.device} but q is on {q.device}; "
+                "all tensors must be on the same device"
+            )
+
+
+def _window(window_size):
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") \
+            or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = window_size
+    for v in (left, right):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    return int(left), int(right)
+
+
+def _scale(softmax_scale):
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    return float(softmax_scale)
+
+
+def _int(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _out(q, out):
+    """The output buffer: the caller's, or a fresh contiguous tensor shaped and typed like q."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out
+
+
+def _run(q, fn, *args):
+    """Runs fn on q's device: CPU directly; CUDA/HIP on that device's current stream."""
+    if q.device.type == "cuda":
+        with torch.cuda.device(q.device):
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            fn(*args, stream)
+    else:
+        fn(*args, 0)
+
+
+# ---- Public API ------------------------------------------------------------------------------
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    num_splits=0, return_lse=False, out=None):
+    """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim), bfloat16 or float16. The last dimension
+            must be contiguous (stride 1); other strides are free (views, packed QKV).
+        k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device as q.
+        v: (batch_size, seqlen_k, nheads_k, headdim). nheads_k must divide nheads (MHA, GQA,
+            MQA): query head h reads k/v head h // (nheads // nheads_k).
+        softmax_scale: float. The scaling of q @ k^T before the softmax; default
+            1 / sqrt(headdim).
+        causal: bool. Causal mask aligned to the bottom-right corner of the attention matrix
+            (FlashAttention >= 2.1): query i sees key j iff j <= i + seqlen_k - seqlen_q.
+            With seqlen_q > seqlen_k the first rows see no key: their output is 0 and their
+            LSE -inf.
+        window_size: (left, right). Sliding-window (local) attention: query i sees keys in
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; -1 means
+            unbounded on that side. causal is window (left, 0).
+        num_splits: int. Split the key range into this many chunks reduced by a combine pass
+            (split-K, for small batch * heads). 0 picks a count by heuristic (bitwise the
+            same result as passing that count, see :func:`resolve_num_splits`); 1 disables it.
+        return_lse: bool. Also return the log-sum-exp of each row's scaled scores.
+        out: optional (batch_size, seqlen_q, nheads, headdim) tensor of q's dtype and device to
+            write the output into; must not overlap q, k or v. Returned as is.
+
+    Returns:
+        out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
+        lse (only when return_lse): (batch_size, nheads, seqlen_q), float32, natural log with
+            the scale folded in: ``lse[b, h, i] = log(sum_j exp(softmax_scale * q_i . k_j))``
+            over the keys row i may see; -inf for a row that sees no key.
+
+    Raises:
+        ValueError: bad shapes, ranks, strides, head dim, window, num_splits, devices, or out
+            overlapping an input. TypeError: a non-tensor argument or a dtype other than
+            bfloat16/float16 (or dtypes that differ). NotImplementedError: tensors on a device
+            this build has no backend for. Nothing is written when an error is raised.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(t, name)
+    if out is not None:
+        _check_tensor(out, "out")
+    _check_same_device(q, [("k", k), ("v", v)] + ([("out", out)] if out is not None else []))
+    left, right = _window(window_size)
+    scale = _scale(softmax_scale)
+    num_splits = _int(num_splits, "num_splits")
+    causal, return_lse = bool(causal), bool(return_lse)
+
+    out = _out(q, out)
+    lse = None
+    if return_lse and q.dim() == 4:
+        # A q of the wrong rank gets no buffer: the C++ rank check reports it.
+        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                          device=q.device)
+    _run(q, _C.forward, q, k, v, out, lse, scale, causal, left, right, num_splits, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
+                           return_lse=False, lse_layout="padded", out=None):
+    """Variable-length (packed) attention forward: a batch of sequences of different lengths.
+
+    Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k and v; masks (causal, window) apply within each
+    sequence with its own lengths, bottom-right aligned. Sequences may be empty.
+
+    Arguments:
+        q: (total_q, nheads, headdim), bfloat16 or float16, last dimension contiguous.
+        k: (total_k, nheads_k, headdim), same dtype and device as q.
+        v: (total_k, nheads_k, headdim).
+        cu_seqlens_q: (batch_size + 1,), int32, on q's device: non-decreasing prefix sums of the
+            query lengths.
+        cu_seqlens_k: (batch_size + 1,), int32, on q's device: likewise for the keys.
+        max_seqlen_q: int >= every query length (sizes the padded LSE and the launch).
+        max_seqlen_k: int >= every key length.
+        softmax_scale, causal, window_size, num_splits, return_lse, out: as for
+            :func:`flash_attn_func`.
+        lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
+            past a sequence's length are -inf, or "packed" for (nheads, total_q), the layout of
+            FlashAttention-2/3 and PyTorch.
+
+    Returns:
+        out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not
+            written.
+        lse (only when return_lse): float32, in the layout chosen by lse_layout; -inf for a row
+            that sees no key.
+
+    Raises:
+        As :func:`flash_attn_func`; also ValueError for cu_seqlens that are not int32, have the
+        wrong length, decrease, or hold a sequence longer than max_seqlen_q / max_seqlen_k, and
+        for an unknown lse_layout.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                    ("cu_seqlens_k", cu_seqlens_k)):
+        _check_tensor(t, name)
+    if out is not None:
+        _check_tensor(out, "out")
+    if lse_layout not in _LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be 'padded' or 'packed', got {lse_layout!r}")
+    _check_same_device(q, [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                           ("cu_seqlens_k", cu_seqlens_k)]
+                       + ([("out", out)] if out is not None else []))
+    left, right = _window(window_size)
+    scale = _scale(softmax_scale)
+    num_splits = _int(num_splits, "num_splits")
+    max_seqlen_q = _int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _int(max_seqlen_k, "max_seqlen_k")
+    causal, return_lse = bool(causal), bool(return_lse)
+
+    out = _out(q, out)
+    lse = None
+    if return_lse and q.dim() == 3:
+        # Buffers only for shapes that make sense; anything else is reported by the C++ checks.
+        if lse_layout == "packed":
+            lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        elif cu_seqlens_q.dim() == 1 and cu_seqlens_q.numel() >= 1 and max_seqlen_q >= 0:
+            lse = torch.empty((cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q),
+                              dtype=torch.float32, device=q.device)
+    _run(q, _C.varlen_forward, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, scale, causal, left, right, num_splits, return_lse, lse_layout)
+    return (out, lse) if return_lse else out
+
+
+def resolve_num_splits(q, k, causal=False, window_size=(-1, -1), num_splits=0):
+    """The split count a :func:`flash_attn_func` call with these q, k and options runs with.
+
+    num_splits=0 resolves by heuristic (from the problem size and the device); passing the
+    returned count explicitly gives bitwise the same output. A positive count is clamped to the
+    number of key blocks.
+    """
+    _check_tensor(q, "q")
+    _check_tensor(k, "k")
+    _check_same_device(q, [("k", k)])
+    left, right = _window(window_size)
+    return _C.resolve_num_splits(q, k, bool(causal), left, right, _int(num_splits, "num_splits"))

@@ -1,0 +1,187 @@
+"""The one reference of SPEC §3 for the Python suite, and the checks of SPEC §6.
+
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True)            # fp32 on upcast inputs
+    out_lp, _ = attention_ref(q, k, v, causal=True, lowp=True)        # same math in q's dtype
+    check_attention(out, lse, q, k, v, causal=True)                    # FlashAttention's rule
+
+Shapes follow hipflash: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]; lse [B, Hq, Sq].
+Runs on the tensors' device (so a GPU test computes its reference on the GPU).
+"""
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def valid_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device="cpu"):
+    """[Sq, Sk] bool: key j is valid for row i (bottom-right aligned causal / window)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    diag = i + seqlen_k - seqlen_q
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        mask &= j >= diag - left
+    if right >= 0:
+        mask &= j <= diag + right
+    return mask
+
+
+def _round(x, dtype):
+    """Rounds an fp32 tensor to `dtype` and back: one low-precision rounding step."""
+    return x.to(dtype).float()
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), lowp=False):
+    """SPEC §3 for dense q/k/v. Returns (out fp32 [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]).
+
+    lowp=False: fp32 math on the upcast inputs (ref32). lowp=True: the same math with every
+    intermediate rounded to q's dtype as FlashAttention's reference does without upcast (scaled
+    q, scores, probabilities, output; products accumulated in fp32) — its error against ref32
+    is the yardstick of SPEC §6. The lse is always the fp32 one.
+    """
+    batch, seqlen_q, heads_q, dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
+    dtype = q.dtype
+    qf, kf, vf = q.float(), k.float(), v.float()
+    # GQA by grouping the query heads of one kv head: [B, Sq, Hkv, G, D] (no k/v copy).
+    qg = qf.reshape(batch, seqlen_q, heads_kv, group, dim)
+    mask = valid_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
+    row_valid = mask.any(dim=-1)  # [Sq]
+
+    if lowp:
+        s = torch.einsum("bqhgd,bkhd->bhgqk", _round(qg * scale, dtype), kf)
+        s = _round(s, dtype)
+    else:
+        s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kf) * scale
+    s = s.masked_fill(~mask, NEG_INF)
+    lse = torch.logsumexp(s, dim=-1)  # -inf where a row has no valid key
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    p = p * row_valid[:, None]  # rows without keys: p = 0 -> out = 0
+    if lowp:
+        p = _round(p, dtype)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", p, vf)
+    if lowp:
+        out = _round(out, dtype)
+    out = out.reshape(batch, seqlen_q, heads_q, dim)
+    lse = lse.reshape(batch, heads_q, seqlen_q)
+    return out, lse
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, lowp=False, **kw):
+    """SPEC §3 for varlen q [total_q, Hq, D]. Returns (out fp32 [total_q, Hq, D],
+    lse_packed fp32 [Hq, total_q], lse_padded fp32 [B, Hq, max_seqlen_q] with -inf padding).
+    Rows of q past cu_seqlens_q[-1] are left 0 in out and -inf in lse_packed."""
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    batch = len(cu_q) - 1
+    total_q, heads_q, dim = q.shape
+    out = torch.zeros(total_q, heads_q, dim, device=q.device)
+    lse_packed = torch.full((heads_q, total_q), NEG_INF, device=q.device)
+    lse_padded = torch.full((batch, heads_q, max_seqlen_q), NEG_INF, device=q.device)
+    for b in range(batch):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if q1 == q0:
+            continue
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], lowp=lowp, **kw)
+        out[q0:q1] = o[0]
+        lse_packed[:, q0:q1] = l[0]
+        lse_padded[b, :, : q1 - q0] = l[0]
+    return out, lse_packed, lse_padded
+
+
+# ---- SPEC §6 checks --------------------------------------------------------------------------
+
+
+def check_out(out, out_ref, out_lp, what=""):
+    """max|out - ref32| <= 2 * max|ref_lp - ref32| + 1e-5, and no NaN."""
+    assert out.shape == out_ref.shape, f"{what}: out shape {tuple(out.shape)} != {tuple(out_ref.shape)}"
+    if out.numel() == 0:
+        return
+    assert not torch.isnan(out).any(), f"{what}: NaN in out"
+    err = (out.float() - out_ref).abs().max().item()
+    tol = 2 * (out_lp - out_ref).abs().max().item() + 1e-5
+    assert err <= tol, f"{what}: max|out - ref| = {err:.3e} > tolerance {tol:.3e}"
+
+
+def check_lse(lse, lse_ref, what=""):
+    """fp32, within 1e-3 abs/rel of the reference, -inf exactly where the reference is, no NaN."""
+    assert lse.dtype == torch.float32, f"{what}: lse dtype {lse.dtype}"
+    assert lse.shape == lse_ref.shape, f"{what}: lse shape {tuple(lse.shape)} != {tuple(lse_ref.shape)}"
+    assert lse.is_contiguous(), f"{what}: lse is not contiguous"
+    if lse.numel() == 0:
+        return
+    assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
+    ref_inf = torch.isneginf(lse_ref)
+    got_inf = torch.isneginf(lse)
+    assert torch.equal(got_inf, ref_inf), (
+        f"{what}: -inf mismatch at {(got_inf != ref_inf).nonzero()[:5].tolist()} "
+        f"(got {lse[got_inf != ref_inf][:5].tolist()}, ref {lse_ref[got_inf != ref_inf][:5].tolist()})"
+    )
+    assert torch.isfinite(lse[~ref_inf]).all(), f"{what}: +inf in lse"
+    diff = (lse - lse_ref)[~ref_inf].abs()
+    bound = 1e-3 + 1e-3 * lse_ref[~ref_inf].abs()
+    if diff.numel():
+        worst = (diff - bound).argmax()
+        assert (diff <= bound).all(), (
+            f"{what}: |lse - ref| = {diff[worst].item():.3e} > {bound[worst].item():.3e}"
+        )
+
+
+def check_attention(out, lse, q, k, v, what="", **kw):
+    """Checks a dense result (lse may be None) against the reference of SPEC §3."""
+    out_ref, lse_ref = attention_ref(q, k, v, **kw)
+    out_lp, _ = attention_ref(q, k, v, lowp=True, **kw)
+    check_out(out, out_ref, out_lp, what)
+    if lse is not None:
+        check_lse(lse, lse_ref, what)
+
+
+def bits(t):
+    """A tensor's bit pattern, for bitwise comparisons (NaN == NaN, -0 != 0)."""
+    t = t.contiguous()
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_bitwise_equal(a, b, what=""):
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    assert torch.equal(bits(a), bits(b)), f"{what}: results differ bitwise"
+
+
+# ---- Inputs ----------------------------------------------------------------------------------
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, dim, dtype, device="cpu", seed=0):
+    """Random q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (generated on the CPU: reproducible)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads_q, dim, generator=g).to(dtype)
+    k = torch.randn(batch, seqlen_k, heads_kv, dim, generator=g).to(dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, dim, generator=g).to(dtype)
+    return q.to(device), k.to(device), v.to(device)
+
+
+def make_varlen(lens_q, lens_k, heads_q, heads_kv, dim, dtype, device="cpu", seed=0):
+    """Packed q [total_q, Hq, D], k/v [total_k, Hkv, D] and int32 cu_seqlens for the lengths."""
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0] + list(lens_q), dtype=torch.int64).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + list(lens_k), dtype=torch.int64).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads_q, dim, generator=g).to(dtype)
+    k = torch.randn(int(cu_k[-1]), heads_kv, dim, generator=g).to(dtype)
+    v = torch.randn(int(cu_k[-1]), heads_kv, dim, generator=g).to(dtype)
+    return (q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device))
+
+
+def view_in_nan_storage(t, pad=8):
+    """A copy of `t` [B, S, H, D] living as a strided view inside a NaN-filled buffer: any read
+    outside the view (or of its padding) poisons the result."""
+    b, s, h, d = t.shape
+    storage = torch.full((b, s + 2 * pad, h + 1, d + 2 * pad), float("nan"), dtype=t.dtype,
+                         device=t.device)
+    view = storage[:, pad:pad + s, 1:, pad:pad + d]
+    view.copy_(t)
+    return view

@@ -1,0 +1,335 @@
+"""hipflash on CUDA/HIP tensors (the GPU kernels) against the reference of SPEC §3.
+
+Skipped unless torch sees a GPU and this hipflash was built with GPU kernels. The reference runs
+on the GPU too (fp32, TF32 off: see conftest.py). Budget: about three minutes on an H200.
+
+HIPFLASH_TEST_DEVICE=cpu runs the same checks on CPU tensors (the large cases are skipped):
+a way to check this file itself on a machine without a GPU.
+"""
+import os
+
+import pytest
+import torch
+
+import hipflash
+from reference import (
+    assert_bitwise_equal,
+    check_attention,
+    check_lse,
+    check_out,
+    make_qkv,
+    make_varlen,
+    varlen_attention_ref,
+    view_in_nan_storage,
+)
+
+DEVICE = os.environ.get("HIPFLASH_TEST_DEVICE", "cuda")
+ON_CPU = DEVICE == "cpu"
+
+pytestmark = pytest.mark.skipif(
+    not ON_CPU and not (torch.cuda.is_available() and hipflash.gpu_available()),
+    reason="needs a GPU visible to torch and a hipflash built with GPU kernels "
+    f"(HIPFLASH_GPU=cuda or hip); this build: {hipflash.build_info()!r}, "
+    f"torch.cuda.is_available()={torch.cuda.is_available()}",
+)
+large = pytest.mark.skipif(ON_CPU, reason="too large for the CPU backend")
+
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [32, 64, 96, 128, 256]
+# (Sq, Sk): single row/key, odd lengths, one-off block edges both ways, cross-attention.
+SEQLENS = [(1, 1), (113, 203), (128, 217), (1023, 1024), (1024, 1023), (239, 1), (799, 3),
+           (2, 5), (5, 2)]
+
+
+def dtype_id(d):
+    return str(d).replace("torch.", "")
+
+
+def seq_id(s):
+    return f"sq{s[0]}_sk{s[1]}"
+
+
+def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, seed=0):
+    return make_qkv(b, sq, sk, hq, hkv, d, dtype, device=DEVICE, seed=seed)
+
+
+def sync():
+    if not ON_CPU:
+        torch.cuda.synchronize()
+
+
+# ---- Correctness grids -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=seq_id)
+@pytest.mark.parametrize("dim", HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_grid(dtype, dim, seqlens, causal):
+    sq, sk = seqlens
+    q, k, v = qkv(2, sq, sk, 6, 2, dim, dtype)
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+    if not ON_CPU:
+        assert hipflash.last_kernel_name().startswith("fwd_"), hipflash.last_kernel_name()
+
+
+@large
+@pytest.mark.parametrize("dtype,dim,heads,causal", [
+    (torch.bfloat16, 128, (6, 6), True),
+    (torch.float16, 64, (6, 2), False),
+], ids=["bf16_d128_causal", "f16_d64_gqa"])
+def test_long_square(dtype, dim, heads, causal):
+    q, k, v = qkv(1, 4224, 4224, heads[0], heads[1], dim, dtype, seed=1)
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(128, 217), (1, 1000)], ids=seq_id)
+@pytest.mark.parametrize("dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("heads", [(6, 6), (6, 2), (6, 1), (32, 8)], ids=lambda h: f"h{h[0]}_{h[1]}")
+def test_heads(heads, dim, seqlens, causal):
+    sq, sk = seqlens
+    q, k, v = qkv(2, sq, sk, heads[0], heads[1], dim, seed=2)
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+
+
+WINDOWS = [(0, 0), (16, -1), (-1, 8), (64, 64), (256, 0)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("seqlens", [(113, 203), (1024, 1023), (799, 3)], ids=seq_id)
+@pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 128), (torch.float16, 64)],
+                         ids=["bf16_d128", "f16_d64"])
+def test_windows(dtype, dim, seqlens, window, causal):
+    sq, sk = seqlens
+    q, k, v = qkv(1, sq, sk, 6, 2, dim, dtype, seed=3)
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                        return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal, window_size=window)
+
+
+# ---- Varlen ----------------------------------------------------------------------------------
+
+# Zero-length sequences on both sides, a long one, and one of each length class.
+LENS_Q = [0, 113, 1, 1023, 0, 64, 5]
+LENS_K = [5, 203, 0, 1024, 0, 300, 2]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (32, 16))],
+                         ids=["full", "causal", "w32_16"])
+@pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 128), (torch.float16, 64),
+                                       (torch.bfloat16, 256)], ids=["bf16_d128", "f16_d64", "bf16_d256"])
+def test_varlen(dtype, dim, causal, window, num_splits):
+    q, k, v, cu_q, cu_k = make_varlen(LENS_Q, LENS_K, 6, 2, dim, dtype, device=DEVICE, seed=4)
+    max_q, max_k = max(LENS_Q), max(LENS_K)
+    kw = dict(causal=causal, window_size=window)
+    out_ref, lse_packed_ref, lse_padded_ref = varlen_attention_ref(q, k, v, cu_q, cu_k, max_q, **kw)
+    out_lp, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, max_q, lowp=True, **kw)
+
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                               num_splits=num_splits, return_lse=True, **kw)
+    check_out(out, out_ref, out_lp, "padded")
+    check_lse(lse, lse_padded_ref, "padded")  # includes the -inf padding rows
+
+    out_k, lse_k = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                   num_splits=num_splits, return_lse=True,
+                                                   lse_layout="packed", **kw)
+    check_out(out_k, out_ref, out_lp, "packed")
+    check_lse(lse_k, lse_packed_ref, "packed")
+    out_n = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                            num_splits=num_splits, **kw)
+    assert_bitwise_equal(out, out_n, "with vs without lse")
+
+
+# ---- Split-K ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 4096, 8, 8), (16, 8192, 32, 8), (128, 2048, 6, 2)],
+                         ids=lambda s: "sq{}_sk{}_h{}_{}".format(*s))
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 17, 0])
+def test_num_splits(num_splits, shape, causal):
+    sq, sk, hq, hkv = shape
+    q, k, v = qkv(1, sq, sk, hq, hkv, 128, seed=5)
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, num_splits=num_splits,
+                                        return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+    _, lse_1 = hipflash.flash_attn_func(q, k, v, causal=causal, num_splits=1, return_lse=True)
+    finite = torch.isfinite(lse_1)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - lse_1[finite]).abs().max().item() <= 1e-4
+    if num_splits == 0:
+        resolved = hipflash.resolve_num_splits(q, k, causal=causal)
+        out_n, lse_n = hipflash.flash_attn_func(q, k, v, causal=causal, num_splits=resolved,
+                                                return_lse=True)
+        assert_bitwise_equal(out, out_n, f"num_splits=0 vs {resolved}")
+        assert_bitwise_equal(lse, lse_n, f"num_splits=0 vs {resolved}")
+
+
+@large
+@pytest.mark.parametrize("seqlens,causal", [((1, 100_000), False), ((3, 32_768), True),
+                                            ((16, 100_000), True), ((1, 4096), False)],
+                         ids=["sq1_sk100k", "sq3_sk32k_causal", "sq16_sk100k_causal", "sq1_sk4k"])
+def test_decode(seqlens, causal):
+    """Decode shapes (few query rows, long KV cache) where split-K matters; GQA 32/8."""
+    sq, sk = seqlens
+    q, k, v = qkv(2, sq, sk, 32, 8, 128, seed=6)
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+    _, lse_1 = hipflash.flash_attn_func(q, k, v, causal=causal, num_splits=1, return_lse=True)
+    assert (lse - lse_1).abs().max().item() <= 1e-4
+
+
+# ---- Determinism, poisoned buffers, streams --------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 0])
+def test_deterministic(num_splits):
+    q, k, v = qkv(2, 300, 2000, 8, 2, 128, seed=7)
+    first = hipflash.flash_attn_func(q, k, v, causal=True, num_splits=num_splits, return_lse=True)
+    for _ in range(3):
+        again = hipflash.flash_attn_func(q, k, v, causal=True, num_splits=num_splits,
+                                         return_lse=True)
+        assert_bitwise_equal(first[0], again[0], "out")
+        assert_bitwise_equal(first[1], again[1], "lse")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dim", [64, 96, 256], ids=lambda d: f"d{d}")
+def test_nan_poisoned_out_and_kv_views_in_nan_storage(dim, num_splits):
+    """out starts as NaN (every element must be written) and q/k/v are views inside NaN-filled
+    buffers (no element outside a view may be read, padding of the head dim included)."""
+    q, k, v = qkv(2, 129, 517, 6, 2, dim, torch.float16, seed=8)
+    qn, kn, vn = view_in_nan_storage(q), view_in_nan_storage(k), view_in_nan_storage(v)
+    out = torch.full_like(q, float("nan"))
+    res, lse = hipflash.flash_attn_func(qn, kn, vn, causal=True, num_splits=num_splits,
+                                        return_lse=True, out=out)
+    assert res is out
+    check_attention(out, lse, q, k, v, causal=True)
+
+
+def test_varlen_nan_poisoned_out():
+    q, k, v, cu_q, cu_k = make_varlen(LENS_Q, LENS_K, 4, 4, 128, torch.bfloat16, device=DEVICE,
+                                      seed=9)
+    out = torch.full_like(q, float("nan"))
+    hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), out=out)
+    out_ref, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, max(LENS_Q))
+    out_lp, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, max(LENS_Q), lowp=True)
+    check_out(out, out_ref, out_lp)
+
+
+@pytest.mark.skipif(ON_CPU, reason="streams are a GPU matter")
+def test_runs_on_the_current_stream():
+    q, k, v = qkv(2, 257, 1500, 8, 2, 128, seed=10)
+    expected, lse_expected = hipflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out, lse = hipflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    stream.synchronize()
+    assert_bitwise_equal(out, expected)
+    assert_bitwise_equal(lse, lse_expected)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 7), (2, 0, 7), (2, 5, 0)], ids=["b0", "sq0", "sk0"])
+def test_empty(shape):
+    b, sq, sk = shape
+    q, k, v = qkv(b, sq, sk, 4, 2, 64)
+    out = torch.full_like(q, float("nan"))
+    res, lse = hipflash.flash_attn_func(q, k, v, causal=True, return_lse=True, out=out)
+    sync()
+    assert lse.shape == (b, 4, sq)
+    if sk == 0:
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ---- Limits: 64-bit offsets, large grids -----------------------------------------------------
+
+
+def _free_gib():
+    return torch.cuda.mem_get_info()[0] / 2**30
+
+
+@large
+def test_more_than_2_31_elements():
+    """q and out of more than 2^31 elements: 64-bit offsets (rows past 2^31 elements checked)."""
+    if _free_gib() < 24:
+        pytest.skip("needs about 20 GiB of free GPU memory")
+    rows = 2**31 // 128 + 64
+    q = torch.empty(1, rows, 1, 128, dtype=torch.bfloat16, device=DEVICE).normal_()
+    _, k, v = qkv(1, 1, 16, 1, 1, 128, seed=11)
+    out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True)
+    for sl in (slice(0, 64), slice(rows - 64, rows)):
+        check_attention(out[:, sl], lse[:, :, sl].contiguous(), q[:, sl], k, v, what=f"rows {sl}")
+    del q, out, lse
+
+
+@large
+@pytest.mark.parametrize("shape", [(65536, 1, 2, 2), (1, 2, 65536, 1)],
+                         ids=["batch65536", "heads65536"])
+def test_large_grid_works_or_fails_cleanly(shape):
+    """B >= 65536 or Hq >= 65536: the right answer, or a clear error before launch."""
+    b, sq, hq, hkv = shape
+    q, k, v = qkv(b, sq, 4, hq, hkv, 64, seed=12)
+    out = torch.full_like(q, float("nan"))
+    try:
+        _, lse = hipflash.flash_attn_func(q, k, v, return_lse=True, out=out)
+    except (ValueError, NotImplementedError) as e:
+        assert "65536" in str(e) or "grid" in str(e) or "limit" in str(e), str(e)
+        sync()
+        assert torch.isnan(out).all(), "a rejected call wrote into out"
+        return
+    check_attention(out, lse, q, k, v)
+
+
+# ---- Errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(ON_CPU, reason="device mismatch needs a GPU")
+def test_device_mismatch():
+    q, k, v = qkv(1, 8, 8, 2, 2, 64)
+    with pytest.raises(ValueError, match="k is on cpu but q is on cuda"):
+        hipflash.flash_attn_func(q, k.cpu(), v)
+    out = torch.full_like(q, float("nan")).cpu()
+    with pytest.raises(ValueError, match="out is on cpu"):
+        hipflash.flash_attn_func(q, k, v, out=out)
+    qv, kv, vv, cu_q, cu_k = make_varlen([3, 5], [4, 4], 2, 2, 64, torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens_q is on cpu"):
+        hipflash.flash_attn_varlen_func(qv, kv, vv, cu_q.cpu(), cu_k, 5, 4)
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda q, k, v: (q, k.half(), v.half()), TypeError, "k must have dtype bfloat16"),
+    (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "float16 or bfloat16"),
+    (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), ValueError, "supported head dims"),
+    (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "must divide"),
+    (lambda q, k, v: (torch.cat([q, q], -1)[..., ::2], k, v), ValueError, "contiguous last dimension"),
+], ids=["dtype_mismatch", "float32", "headdim48", "heads", "last_dim_stride"])
+def test_errors_write_nothing(make, exc, match):
+    q, k, v = make(*qkv(2, 8, 8, 4, 2, 64))
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(exc, match=match):
+        hipflash.flash_attn_func(q, k, v, out=out, return_lse=True)
+    sync()
+    assert torch.isnan(out).all()
+
+
+def test_varlen_errors_on_device():
+    """cu_seqlens live on the device: bad ones are still caught before anything runs."""
+    q, k, v, cu_q, cu_k = make_varlen([3, 5], [4, 6], 2, 2, 64, torch.bfloat16, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    bad_q = torch.tensor([0, 5, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        hipflash.flash_attn_varlen_func(q, k, v, bad_q, cu_k, 5, 6, out=out)
+    with pytest.raises(ValueError, match="max_seqlen_k = 5 is too small"):
+        hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, out=out)
+    with pytest.raises(ValueError, match="int32"):
+        hipflash.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, 5, 6, out=out)
+    sync()
+    assert torch.isnan(out).all()
