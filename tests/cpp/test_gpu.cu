@@ -84,6 +84,7 @@ float max_abs_diff(const HostTensor& a, const HostTensor& b) {
   const int64_t n = a.storage_elems();
   for (int64_t i = 0; i < n; ++i) {
     const float x = a.get_raw(i), y = b.get_raw(i);
+    if (std::isnan(x) && std::isnan(y)) continue;  // the poisoned guard words around the view
     if (std::isnan(x) || std::isnan(y)) return kInf;
     if (std::isinf(x) && x == y) continue;
     worst = std::max(worst, std::abs(x - y));
