@@ -34,9 +34,32 @@ is marked FAIL and never timed. How to reproduce it and how the numbers are made
 """
 
 
+def _load_run(spec, allow_partial):
+    """spec: DIR or DIR:suite,suite (render only those suites of that run)."""
+    path, _, only = spec.partition(":")
+    meta, rows = rep.read_json(os.path.join(path, "results.json"))
+    if meta.get("device") != "cuda":
+        raise SystemExit(f"refusing: {path} is a {meta.get('device')} run (the runner's "
+                         "test mode), not a GPU benchmark")
+    if meta.get("suite") != "full" and not allow_partial:
+        raise SystemExit(f"refusing: suite is {meta.get('suite')!r}, docs/benchmarks.md carries a "
+                         "full run (pass --allow-partial to override)")
+    if not any(r["backend"].startswith("hipflash") and r["status"] == "ok" for r in rows) \
+            and not allow_partial:
+        raise SystemExit("refusing: no hipflash result in this run (hipflash n/a or FAIL "
+                         "everywhere: see its results.md); pass --allow-partial to override")
+    if only:
+        keep = set(only.split(","))
+        rows = [r for r in rows if r["suite"] in keep]
+    return path, meta, rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", help="directory holding results.json (+ the PNGs)")
+    ap.add_argument("results", nargs="+",
+                    help="directories holding results.json (+ the PNGs); DIR:suite,suite renders "
+                         "only those suites of a run. Several runs become several sections, "
+                         "each with its own GPU, commit and command.")
     ap.add_argument("--doc", default=os.path.join(REPO, "docs", "benchmarks.md"))
     ap.add_argument("--images", default=None,
                     help="where the plots go (default: <doc dir>/benchmarks/)")
@@ -44,37 +67,47 @@ def main(argv=None):
                     help="overrides the recorded commit (when the GPU machine had no .git)")
     ap.add_argument("--allow-partial", action="store_true",
                     help="accept a suite other than 'full' (the page says which)")
+    ap.add_argument("--note", default="", help="a paragraph placed under the preamble")
     args = ap.parse_args(argv)
-
-    meta, rows = rep.read_json(os.path.join(args.results, "results.json"))
-    if meta.get("device") != "cuda":
-        raise SystemExit(f"refusing: {args.results} is a {meta.get('device')} run (the runner's "
-                         "test mode), not a GPU benchmark")
-    if meta.get("suite") != "full" and not args.allow_partial:
-        raise SystemExit(f"refusing: suite is {meta.get('suite')!r}, docs/benchmarks.md carries a "
-                         "full run (pass --allow-partial to override)")
-    if not any(r["backend"].startswith("hipflash") and r["status"] == "ok" for r in rows) \
-            and not args.allow_partial:
-        raise SystemExit("refusing: no hipflash result in this run (hipflash n/a or FAIL "
-                         "everywhere: see its results.md); pass --allow-partial to override")
-    if args.commit:
-        meta["commit"] = args.commit
 
     doc_dir = os.path.dirname(os.path.abspath(args.doc))
     img_dir = args.images or os.path.join(doc_dir, "benchmarks")
     os.makedirs(img_dir, exist_ok=True)
-    images = {}
-    for s in rep.suites_in(rows):
-        fname = s.replace("-", "_") + ".png"
-        src = os.path.join(args.results, fname)
-        if os.path.exists(src):
-            shutil.copyfile(src, os.path.join(img_dir, fname))
-            images[s] = fname
     prefix = os.path.relpath(img_dir, doc_dir).replace(os.sep, "/") + "/"
-    body = rep.render_markdown(meta, rows, images, image_prefix=prefix, heading="##")
+    runs = [_load_run(spec, args.allow_partial) for spec in args.results]
+    sections, nrows, nimg = [], 0, 0
+    for path, meta, rows in runs:
+        if args.commit:
+            meta["commit"] = args.commit
+        images = {}
+        missing = []
+        for s in rep.suites_in(rows):
+            fname = s.replace("-", "_") + ".png"
+            src = os.path.join(path, fname)
+            if os.path.exists(src):
+                shutil.copyfile(src, os.path.join(img_dir, fname))
+                images[s] = fname
+            else:
+                missing.append(s)
+        if missing:  # a run cut short wrote no plots: draw them from its own rows
+            drawn, why = rep.make_plots([r for r in rows if r["suite"] in missing], img_dir,
+                                        gpu_name=meta.get("gpu", ""), dtype=meta.get("dtype", "bf16"))
+            images.update(drawn or {})
+            if why:
+                print(f"plots skipped for {path}: {why}")
+        heading = "##" if len(runs) == 1 else "###"
+        body = rep.render_markdown(meta, rows, images, image_prefix=prefix, heading=heading)
+        if len(runs) > 1:
+            body = body.replace(f"{heading} hipflash attention benchmark: results",
+                                f"## Run: {', '.join(rep.suites_in(rows))} "
+                                f"(`{os.path.relpath(path, REPO)}`)", 1)
+        sections.append(body)
+        nrows += len(rows)
+        nimg += len(images)
+    note = (args.note.strip() + "\n\n") if args.note.strip() else ""
     with open(args.doc, "w") as f:
-        f.write("# Benchmarks\n\n" + PREAMBLE + "\n" + body)
-    print(f"wrote {args.doc} ({len(rows)} rows) and {len(images)} plots in {img_dir}")
+        f.write("# Benchmarks\n\n" + PREAMBLE + "\n" + note + "\n".join(sections))
+    print(f"wrote {args.doc} ({nrows} rows from {len(runs)} run(s)) and {nimg} plots in {img_dir}")
     return 0
 
 
