@@ -151,8 +151,7 @@ int resolve_splits(const FwdParams& p, int requested, Location loc) {
   // launcher), so count work items the way the kernel will.
   int64_t work = p.batch * p.heads_q * ceil_div(sq, bm);
   int64_t sms = loc.kind == Location::gpu ? gpu::device_arch(loc.index).num_sms : cpu::num_threads();
-  if (loc.kind == Location::gpu && sq == 1 && !p.has_window() && !p.is_varlen() &&
-      p.heads_q > p.heads_kv)
+  if (loc.kind == Location::gpu && p.packs_gqa_decode())
     work = p.batch * p.heads_kv * ceil_div(p.heads_q / p.heads_kv, bm);
   return num_splits_heuristic(work, sms, key_blocks);
 }

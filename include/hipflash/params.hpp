@@ -55,6 +55,11 @@ struct FwdParams {
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  /// GQA decode (one query row, no window, dense): the GPU launcher packs the query heads that
+  /// share a kv head into the rows of one query block (see gpu_backend.cu).
+  bool packs_gqa_decode() const {
+    return seqlen_q == 1 && !has_window() && !is_varlen() && heads_q > heads_kv;
+  }
 };
 
 }  // namespace hipflash

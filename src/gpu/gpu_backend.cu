@@ -136,8 +136,7 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
     HIPFLASH_CHECK(s % 8 == 0, name,
                    " strides must be multiples of 8 elements (16 bytes) for the GPU kernels, got ", s);
 
-  if (p.seqlen_q == 1 && !p.has_window() && !p.is_varlen() && p.heads_q > p.heads_kv)
-    pack_gqa_decode(p);
+  if (p.packs_gqa_decode()) pack_gqa_decode(p);
 
   DeviceGuard guard(device);
   const int hd = sel.key.head_dim;
