@@ -118,7 +118,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
     Arguments:
         q: (batch_size, seqlen_q, nheads, headdim), bfloat16 or float16. The last dimension
-            must be contiguous (stride 1); other strides are free (views, packed QKV).
+            must be contiguous (stride 1); other strides are free (views, packed QKV). On the
+            GPU the kernels move 16-byte vectors, so data pointers must be 16-byte aligned and
+            the other strides multiples of 8 elements (true of any view that starts on a head
+            boundary); anything else raises ValueError: pass ``.contiguous()``.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device as q.
         v: (batch_size, seqlen_k, nheads_k, headdim). nheads_k must divide nheads (MHA, GQA,
             MQA): query head h reads k/v head h // (nheads // nheads_k).
