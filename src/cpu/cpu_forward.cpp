@@ -55,26 +55,29 @@ void attend(const FwdParams& p, const Seq& s, int64_t b, int64_t h, int64_t m0, 
   const int64_t v_off = b * p.v_batch_stride + s.k_start * p.v_row_stride + hk * p.v_head_stride;
   for (int64_t n0 = key_lo; n0 < key_hi; n0 += kBlockN) {
     const int64_t cols = std::min(kBlockN, key_hi - n0);
+    // K is kept transposed ([D][kBlockN]) so that the score loop runs along contiguous keys.
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t d = 0; d < D; ++d) {
-        kf[j * D + d] = detail::load_as_float(kbase, k_off + (n0 + j) * p.k_row_stride + d, p.dtype);
+        kf[d * kBlockN + j] =
+            detail::load_as_float(kbase, k_off + (n0 + j) * p.k_row_stride + d, p.dtype);
         vf[j * D + d] = detail::load_as_float(vbase, v_off + (n0 + j) * p.v_row_stride + d, p.dtype);
       }
     const float scale_log2 = p.softmax_scale * kLog2e;
     for (int64_t r = 0; r < rows; ++r) {
       int64_t lo, hi;
       key_range(p, s, m0 + r, lo, hi);
+      // Scores of the whole tile (vectorises along the keys), then the mask.
+      std::fill(x.begin(), x.begin() + cols, 0.f);
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qf[r * D + d];
+        const float* kd = &kf[d * kBlockN];
+        for (int64_t j = 0; j < cols; ++j) x[j] += qd * kd[j];
+      }
       float tile_max = kNegInf;
       for (int64_t j = 0; j < cols; ++j) {
         const int64_t key = n0 + j;
-        float xv = kNegInf;
-        if (key >= lo && key < hi) {
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qf[r * D + d] * kf[j * D + d];
-          xv = dot * scale_log2;
-        }
-        x[j] = xv;
-        tile_max = std::max(tile_max, xv);
+        x[j] = key >= lo && key < hi ? x[j] * scale_log2 : kNegInf;
+        tile_max = std::max(tile_max, x[j]);
       }
       SoftmaxState& st = state[r];
       const float factor = st.update_max(tile_max);
