@@ -102,34 +102,7 @@ class Gpu : public ::testing::Test {
 
 // ---- The dense grid ----------------------------------------------------------------------------
 
-struct Case {
-  DType dtype = DType::bf16;
-  int64_t b = 1, sq = 1, sk = 1, hq = 6, hkv = 6, d = 64;
-  bool causal = false;
-  int64_t wl = -1, wr = -1;
-  int splits = 0;
-
-  std::string name() const {
-    std::string s = std::string(dtype == DType::bf16 ? "bf16" : "f16") + "_b" + std::to_string(b) +
-                    "_sq" + std::to_string(sq) + "_sk" + std::to_string(sk) + "_h" +
-                    std::to_string(hq) + "x" + std::to_string(hkv) + "_d" + std::to_string(d);
-    if (causal) s += "_causal";
-    if (wl >= 0 || wr >= 0)
-      s += "_win" + (wl < 0 ? std::string("inf") : std::to_string(wl)) + "x" +
-           (wr < 0 ? std::string("inf") : std::to_string(wr));
-    return s + "_splits" + std::to_string(splits);
-  }
-  friend std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name(); }
-};
-
-Dense make(const Case& c, uint32_t seed = 5) {
-  Dense t(c.dtype, c.b, c.sq, c.sk, c.hq, c.hkv, c.d, seed);
-  t.opts.causal = c.causal;
-  t.opts.window_left = c.wl;
-  t.opts.window_right = c.wr;
-  t.opts.num_splits = c.splits;
-  return t;
-}
+Dense make(const Case& c, uint32_t seed = 5) { return make_dense(c, seed); }
 
 class GpuForward : public ::testing::TestWithParam<Case> {
  protected:
@@ -381,7 +354,7 @@ TEST_F(Gpu, EmptyProblems) {
 // ---- Errors on the device path -----------------------------------------------------------------
 
 TEST_F(Gpu, MixedDevicesAreRejectedBeforeLaunch) {
-  Dense t = make({DType::bf16, 1, 17, 33, 6, 2, 64});
+  Dense t = make({DType::bf16, 1, 17, 33, 6, 2, 64, false, -1, -1, 0});
   DeviceTensor q(t.q), v(t.v), out(t.out), lse(t.lse);
   EXPECT_THROW(forward(q.ref, t.k.ref, v.ref, out.ref, &lse.ref, t.opts), invalid_argument);
   HostTensor back = t.out;

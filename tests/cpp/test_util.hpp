@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -197,7 +198,40 @@ struct Varlen {
   }
 };
 
+/// One dense case of the numerics grids (CPU and GPU suites). Windows: -1 unbounded; causal
+/// folds in as right = 0.
+struct Case {
+  DType dtype = DType::bf16;
+  int64_t b = 1, sq = 1, sk = 1, hq = 1, hkv = 1, d = 64;
+  bool causal = false;
+  int64_t wl = -1, wr = -1;
+  int splits = 1;
+
+  std::string name() const {
+    std::string s = std::string(dtype == DType::bf16 ? "bf16" : "f16") + "_b" + std::to_string(b) +
+                    "_sq" + std::to_string(sq) + "_sk" + std::to_string(sk) + "_h" +
+                    std::to_string(hq) + "x" + std::to_string(hkv) + "_d" + std::to_string(d);
+    if (causal) s += "_causal";
+    if (wl >= 0 || wr >= 0)
+      s += "_win" + (wl < 0 ? std::string("inf") : std::to_string(wl)) + "x" +
+           (wr < 0 ? std::string("inf") : std::to_string(wr));
+    return s + "_splits" + std::to_string(splits);
+  }
+  friend std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name(); }
+};
+
+/// The host problem of a Case, inputs drawn from `seed`.
+inline Dense make_dense(const Case& c, uint32_t seed) {
+  Dense t(c.dtype, c.b, c.sq, c.sk, c.hq, c.hkv, c.d, seed);
+  t.opts.causal = c.causal;
+  t.opts.window_left = c.wl;
+  t.opts.window_right = c.wr;
+  t.opts.num_splits = c.splits;
+  return t;
+}
+
 }  // namespace hipflash::test
+
 
 /// EXPECT that a ref::CheckResult passed, printing its message otherwise.
 #define EXPECT_REF_OK(res) EXPECT_TRUE((res).ok) << (res).message
