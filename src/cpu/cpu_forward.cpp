@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <exception>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -199,12 +201,20 @@ void run_forward(const FwdParams& p) {
   const int64_t items = p.batch * p.heads_q * m_blocks;
   if (items == 0) return;
   std::atomic<int64_t> next{0};
+  std::mutex error_mu;
+  std::exception_ptr error;  // the first failure of any worker (e.g. bad_alloc), rethrown here
   auto worker = [&] {
-    for (int64_t it; (it = next.fetch_add(1)) < items;) {
-      const int64_t mb = it % m_blocks;
-      const int64_t h = (it / m_blocks) % p.heads_q;
-      const int64_t b = it / (m_blocks * p.heads_q);
-      run_block(p, b, h, mb * kBlockM);
+    try {
+      for (int64_t it; (it = next.fetch_add(1)) < items;) {
+        const int64_t mb = it % m_blocks;
+        const int64_t h = (it / m_blocks) % p.heads_q;
+        const int64_t b = it / (m_blocks * p.heads_q);
+        run_block(p, b, h, mb * kBlockM);
+      }
+    } catch (...) {
+      next = items;  // stop the others early
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!error) error = std::current_exception();
     }
   };
   const int n = int(std::min<int64_t>(num_threads(), items));
@@ -212,6 +222,7 @@ void run_forward(const FwdParams& p) {
   for (int i = 1; i < n; ++i) pool.emplace_back(worker);
   worker();
   for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace hipflash::cpu
