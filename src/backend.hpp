@@ -39,9 +39,12 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream);
 void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream,
                  Workspace ws);
 
-/// Query-block and key-block sizes of the generic kernel for a padded head dim.
-int block_m(int padded_head_dim);
-int block_n(int padded_head_dim);
+/// The tile of a GPU kernel: query rows and keys per block, resident blocks per multiprocessor
+/// (what the split heuristic fills). All zero when this build has no such kernel.
+struct TileShape {
+  int block_m = 0, block_n = 0, blocks_per_sm = 0;
+};
+TileShape tile_shape(KernelKind kind, int padded_head_dim);
 
 }  // namespace hipflash::gpu
 

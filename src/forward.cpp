@@ -137,35 +137,8 @@ void fill_window(FwdParams& p, const FwdOptions& opts) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/// Resolves num_splits (0 -> heuristic) for the backend that will run the call.
-int resolve_splits(const FwdParams& p, int requested, Location loc) {
-  int64_t sk = p.seqlen_k;
-  if (requested == 1 || sk == 0) return 1;
-  int bn = loc.kind == Location::gpu ? gpu::block_n(padded_head_dim(int(p.head_dim))) : 64;
-  int bm = loc.kind == Location::gpu ? gpu::block_m(padded_head_dim(int(p.head_dim))) : 64;
-  if (bn <= 0 || bm <= 0) return 1;
-  int64_t key_blocks = ceil_div(sk, bn);
-  if (requested > 0) return int(std::min<int64_t>(requested, std::max<int64_t>(key_blocks, 1)));
-  int64_t sq = p.seqlen_q;
-  // Decode with GQA packs the query heads of one kv head into the query block (see the GPU
-  // launcher), so count work items the way the kernel will.
-  int64_t work = p.batch * p.heads_q * ceil_div(sq, bm);
-  int64_t sms = loc.kind == Location::gpu ? gpu::device_arch(loc.index).num_sms : cpu::num_threads();
-  if (loc.kind == Location::gpu && p.packs_gqa_decode())
-    work = p.batch * p.heads_kv * ceil_div(p.heads_q / p.heads_kv, bm);
-  return num_splits_heuristic(work, sms, key_blocks);
-}
-
-/// validate (done by the caller) -> select -> dispatch.
-void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream, Workspace ws) {
-  p.num_splits = resolve_splits(p, opts.num_splits, loc);
-  if (loc.kind == Location::cpu) {
-    detail::set_last_kernel_name("cpu_reference");
-    if (p.batch == 0 || p.seqlen_q == 0) return;
-    cpu::run_forward(p);
-    return;
-  }
-  Arch arch = gpu::device_arch(loc.index);
+/// What the selector needs to know about a (validated) call.
+Problem make_problem(const FwdParams& p) {
   Problem prob;
   prob.dtype = p.dtype;
   prob.head_dim = int(p.head_dim);
@@ -173,10 +146,58 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
   prob.masked = p.has_window();
   prob.varlen = p.is_varlen();
   prob.num_splits = p.num_splits;
-  Selection sel = select_kernel(prob, arch, gpu::build_caps());
+  // GQA decode packs the query heads of one kv head into the query block (see the GPU
+  // launcher), so count rows the way the kernel will.
+  prob.query_rows = p.packs_gqa_decode() ? p.heads_q / p.heads_kv : p.seqlen_q;
+  return prob;
+}
+
+/// Resolves num_splits (0 -> heuristic) for the kernel that will run the call: the work items
+/// are its (batch, head, query block)s, the slots its resident blocks on every multiprocessor.
+int resolve_splits(const FwdParams& p, int requested, Location loc, KernelKind kind) {
+  const int64_t sk = p.seqlen_k;
+  if (requested == 1 || sk == 0) return 1;
+  const gpu::TileShape tile = loc.kind == Location::gpu
+                                  ? gpu::tile_shape(kind, padded_head_dim(int(p.head_dim)))
+                                  : gpu::TileShape{64, 64, 1};
+  if (tile.block_n <= 0 || tile.block_m <= 0) return 1;
+  const int64_t key_blocks = ceil_div(sk, tile.block_n);
+  if (requested > 0) return int(std::min<int64_t>(requested, std::max<int64_t>(key_blocks, 1)));
+  const Problem prob = make_problem(p);
+  const int64_t heads = p.packs_gqa_decode() && loc.kind == Location::gpu ? p.heads_kv : p.heads_q;
+  const int64_t rows = loc.kind == Location::gpu ? prob.query_rows : p.seqlen_q;
+  const int64_t work = p.batch * heads * ceil_div(rows, tile.block_m);
+  const int64_t slots = loc.kind == Location::gpu
+                            ? int64_t(gpu::device_arch(loc.index).num_sms) * tile.blocks_per_sm
+                            : cpu::num_threads();
+  return num_splits_heuristic(work, slots, key_blocks);
+}
+
+/// The kernel a call runs on (splits not yet resolved: key.split is set by the caller).
+Selection select_for(const FwdParams& p, Location loc) {
+  if (loc.kind == Location::cpu) {
+    Selection sel;
+    sel.kind = KernelKind::cpu_reference;
+    return sel;
+  }
+  Selection sel = select_kernel(make_problem(p), gpu::device_arch(loc.index), gpu::build_caps());
   HIPFLASH_CHECK_AS(not_implemented, sel.kind != KernelKind::unsupported, sel.reason);
+  return sel;
+}
+
+/// validate (done by the caller) -> select -> dispatch.
+void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream, Workspace ws) {
+  Selection sel = select_for(p, loc);
+  p.num_splits = resolve_splits(p, opts.num_splits, loc, sel.kind);
+  sel.key.split = p.num_splits > 1;
+  if (loc.kind == Location::cpu) {
+    detail::set_last_kernel_name("cpu_reference");
+    if (p.batch == 0 || p.seqlen_q == 0) return;
+    cpu::run_forward(p);
+    return;
+  }
   detail::set_last_kernel_name(std::string("fwd_") + kernel_kind_name(sel.kind) + "_" +
-                               sel.key.name() + "_" + arch.name());
+                               sel.key.name() + "_" + gpu::device_arch(loc.index).name());
   if (p.batch == 0 || p.seqlen_q == 0) return;
   gpu::run_forward(p, sel, loc.index, stream, ws);
 }
@@ -263,11 +284,12 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   check_rank(k, "k", 4, "[batch, seqlen_k, heads_kv, head_dim]");
   FwdParams p;
   p.batch = q.sizes[0]; p.seqlen_q = q.sizes[1]; p.heads_q = q.sizes[2]; p.head_dim = q.sizes[3];
-  p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2];
+  p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2]; p.dtype = q.dtype;
   fill_window(p, opts);
   HIPFLASH_CHECK(padded_head_dim(int(p.head_dim)) != 0, "head dim ", p.head_dim,
                  " is not supported; supported head dims are 32, 64, 96, 128, 256");
-  return resolve_splits(p, opts.num_splits, resolve_location(q));
+  const Location loc = resolve_location(q);
+  return resolve_splits(p, opts.num_splits, loc, select_for(p, loc).kind);
 }
 
 void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,

@@ -21,6 +21,7 @@ const char* kernel_kind_name(KernelKind k) {
   switch (k) {
     case KernelKind::cpu_reference: return "cpu";
     case KernelKind::generic: return "generic";
+    case KernelKind::decode: return "decode";
     case KernelKind::sm90: return "sm90";
     case KernelKind::gfx950_dualwave: return "gfx950_dualwave";
     case KernelKind::unsupported: return "unsupported";
@@ -63,11 +64,13 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
       sel.reason = arch.name() + " is not supported: the generic kernel needs sm_80 or newer";
       return sel;
     }
-    // The sm90 TMA/wgmma kernel is not built yet: Hopper runs the generic mma.sync kernel.
-    sel.kind = KernelKind::generic;
+    // Few query rows per head (decode): the 16-row decode kernel. Otherwise the generic one
+    // (the sm90 TMA/wgmma kernel is not built yet: Hopper runs the generic mma.sync kernel).
+    sel.kind = p.query_rows <= kDecodeMaxRows ? KernelKind::decode : KernelKind::generic;
     return sel;
   }
-  // AMD: CDNA2/CDNA3/CDNA4 have MFMA; gfx950 dualwave is not built yet, so it runs generic.
+  // AMD: CDNA2/CDNA3/CDNA4 have MFMA; gfx950 dualwave is not built yet, so it runs generic
+  // (the decode kernel is mma.sync only, so AMD decode also runs generic).
   if (arch.version == 0x90a || arch.version == 0x940 || arch.version == 0x941 ||
       arch.version == 0x942 || arch.version == 0x950) {
     sel.kind = KernelKind::generic;
@@ -77,22 +80,22 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
   return sel;
 }
 
-int num_splits_heuristic(int64_t work_items, int64_t num_sms, int64_t num_key_blocks,
+int num_splits_heuristic(int64_t work_items, int64_t num_slots, int64_t num_key_blocks,
                          int max_splits) {
-  if (work_items <= 0 || num_sms <= 0 || num_key_blocks <= 1) return 1;
+  if (work_items <= 0 || num_slots <= 0 || num_key_blocks <= 1) return 1;
   // Enough work for most of one wave already: splitting only adds the combine pass.
-  if (work_items * 10 >= num_sms * 8) return 1;
-  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks, num_sms});
+  if (work_items * 10 >= num_slots * 8) return 1;
+  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks, num_slots});
   // Wave efficiency of s splits: the filled fraction of the last wave.
   auto efficiency = [&](int64_t s) {
-    double waves = double(work_items * s) / double(num_sms);
+    double waves = double(work_items * s) / double(num_slots);
     return waves / std::ceil(waves);
   };
   double best = 0;
   for (int64_t s = 1; s <= limit; ++s) best = std::max(best, efficiency(s));
   // The fewest splits within 85% of the best efficiency that fill 85% of one wave.
   for (int64_t s = 1; s <= limit; ++s)
-    if (efficiency(s) >= 0.85 * best && work_items * s * 100 >= num_sms * 85) return int(s);
+    if (efficiency(s) >= 0.85 * best && work_items * s * 100 >= num_slots * 85) return int(s);
   return int(limit);
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "decode/decode_tile.hpp"
 #include "generic/tile_config.hpp"
 #include "gpu/launch_api.hpp"
 #include "hipflash/detail/static_switch.hpp"
@@ -113,13 +114,24 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream) {
               "copying cu_seqlens to the host");
 }
 
-int block_m(int hd) {
-  return hd == 64 ? generic::Tile<64>::kBlockM : hd == 128 ? generic::Tile<128>::kBlockM
-       : hd == 256 ? generic::Tile<256>::kBlockM : 0;
+template <class Tile>
+TileShape shape_of(int blocks_per_sm) {
+  return TileShape{Tile::kBlockM, Tile::kBlockN, blocks_per_sm};
 }
-int block_n(int hd) {
-  return hd == 64 ? generic::Tile<64>::kBlockN : hd == 128 ? generic::Tile<128>::kBlockN
-       : hd == 256 ? generic::Tile<256>::kBlockN : 0;
+
+TileShape tile_shape(KernelKind kind, int hd) {
+  HIPFLASH_CHECK(hd == 64 || hd == 128 || hd == 256, "no kernel tile for padded head dim ", hd);
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+  if (kind == KernelKind::decode) {
+    // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).
+    return hd == 64 ? shape_of<decode::DecodeTile<64>>(2)
+         : hd == 128 ? shape_of<decode::DecodeTile<128>>(2)
+         : shape_of<decode::DecodeTile<256>>(1);
+  }
+#endif  // HIPFLASH_PLATFORM_NVIDIA
+  (void)kind;
+  return hd == 64 ? shape_of<generic::Tile<64>>(1) : hd == 128 ? shape_of<generic::Tile<128>>(1)
+       : shape_of<generic::Tile<256>>(1);
 }
 
 void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream_arg,
@@ -158,7 +170,16 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
         HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {
           HIPFLASH_BOOL_SWITCH(p.return_lse && !kSplit, kLse, [&] {
             if constexpr ((HIPFLASH_HEAD_DIM_MASK >> (kHD == 64 ? 0 : kHD == 128 ? 1 : 2)) & 1) {
-              launch_generic_fwd<FwdTraits<kDT, kHD, kLse, kMasked, kSplit>>(p, stream);
+              using Traits = FwdTraits<kDT, kHD, kLse, kMasked, kSplit>;
+              switch (sel.kind) {
+                case KernelKind::generic: launch_generic_fwd<Traits>(p, stream); break;
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+                case KernelKind::decode: launch_decode_fwd<Traits>(p, stream); break;
+#endif  // HIPFLASH_PLATFORM_NVIDIA
+                default:
+                  throw not_implemented(std::string("kernel kind ") + kernel_kind_name(sel.kind) +
+                                        " is not built for " + HIPFLASH_GPU_NAME);
+              }
             } else {
               throw not_implemented("head dim kernel hd" + std::to_string(kHD) + " was not built");
             }

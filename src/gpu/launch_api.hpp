@@ -13,6 +13,10 @@ namespace hipflash::gpu {
 template <class Traits>
 void launch_generic_fwd(const FwdParams& p, port::stream_t stream);
 
+/// Launches decode::fwd_decode_kernel<Traits> (NVIDIA builds only; see kernels/decode).
+template <class Traits>
+void launch_decode_fwd(const FwdParams& p, port::stream_t stream);
+
 /// Launches the split-K combine for `p` (p.out_partial / p.lse_partial filled).
 void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream);
 
@@ -34,4 +38,21 @@ void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stre
                                                                           port::stream_t);      \
   template void launch_generic_fwd<FwdTraits<DT, HD, false, true, true>>(const FwdParams&,      \
                                                                          port::stream_t);       \
+  }
+
+/// The same flag combinations for the decode kernel (NVIDIA builds).
+#define HIPFLASH_INSTANTIATE_DECODE_FWD(DT, HD)                                                 \
+  namespace hipflash::gpu {                                                                     \
+  template void launch_decode_fwd<FwdTraits<DT, HD, false, false, false>>(const FwdParams&,     \
+                                                                          port::stream_t);      \
+  template void launch_decode_fwd<FwdTraits<DT, HD, true, false, false>>(const FwdParams&,      \
+                                                                         port::stream_t);       \
+  template void launch_decode_fwd<FwdTraits<DT, HD, false, true, false>>(const FwdParams&,      \
+                                                                         port::stream_t);       \
+  template void launch_decode_fwd<FwdTraits<DT, HD, true, true, false>>(const FwdParams&,       \
+                                                                        port::stream_t);        \
+  template void launch_decode_fwd<FwdTraits<DT, HD, false, false, true>>(const FwdParams&,      \
+                                                                         port::stream_t);       \
+  template void launch_decode_fwd<FwdTraits<DT, HD, false, true, true>>(const FwdParams&,       \
+                                                                        port::stream_t);        \
   }

@@ -17,7 +17,6 @@ Arch device_arch(int) { no_gpu(); }
 int pointer_device(const void*) { return -1; }
 void copy_to_host(void*, const void*, size_t, Stream) { no_gpu(); }
 void run_forward(const FwdParams&, const Selection&, int, Stream, Workspace) { no_gpu(); }
-int block_m(int) { return 0; }
-int block_n(int) { return 0; }
+TileShape tile_shape(KernelKind, int) { return TileShape{}; }
 
 }  // namespace hipflash::gpu

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <stdexcept>
+#include <tuple>
 
 #include "test_util.hpp"
 
@@ -177,6 +178,39 @@ std::vector<Case> decode() {
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Decode, GpuForward, ::testing::ValuesIn(decode()), case_name);
+
+/// The decode kernel (<= 16 query rows per head, GQA decode packed): every head dim, causal and
+/// windows, split counts; lengths that end inside a 64-key block and inside a warp's 16 keys.
+std::vector<Case> decode_kernel() {
+  const std::pair<int64_t, int64_t> lens[] = {{1, 1}, {1, 1000}, {3, 517}, {16, 2049}, {7, 64}};
+  const std::pair<int64_t, int64_t> heads[] = {{8, 1}, {6, 2}, {4, 4}, {32, 8}};
+  const std::pair<int64_t, int64_t> wins[] = {{-1, -1}, {-1, 0}, {40, 0}, {100, 9}};
+  const int splits[] = {1, 0, 5};
+  std::vector<Case> v;
+  int i = 0;
+  for (int64_t d : {32, 64, 96, 128, 256})
+    for (auto [sq, sk] : lens) {
+      auto [hq, hkv] = heads[i % 4];
+      auto [wl, wr] = wins[(i / 4) % 4];
+      v.push_back({i % 2 ? DType::f16 : DType::bf16, 2, sq, sk, hq, hkv, d, false, wl, wr,
+                   splits[i % 3]});
+      ++i;
+    }
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(DecodeKernel, GpuForward, ::testing::ValuesIn(decode_kernel()), case_name);
+
+TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
+  // GQA decode (32/8 packs 4 rows) and Sq <= 16 take the decode kernel; longer queries do not.
+  for (auto [sq, hq, hkv, kind] : {std::tuple<int64_t, int64_t, int64_t, const char*>{1, 32, 8, "fwd_decode_"},
+                                   {16, 6, 6, "fwd_decode_"},
+                                   {17, 6, 6, "fwd_generic_"},
+                                   {1, 64, 2, "fwd_generic_"}}) {  // 32 packed rows
+    Dense t = make({DType::bf16, 1, sq, 300, hq, hkv, 128, false, -1, -1, 1});
+    run_gpu(t);
+    EXPECT_EQ(last_kernel_name().rfind(kind, 0), 0u) << last_kernel_name() << " for Sq=" << sq;
+  }
+}
 
 // ---- Split count, determinism ------------------------------------------------------------------
 

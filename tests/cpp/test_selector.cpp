@@ -78,6 +78,21 @@ TEST(Selector, NvidiaArchs) {
   EXPECT_NE(old.reason.find("sm_80"), std::string::npos) << old.reason;
 }
 
+TEST(Selector, FewQueryRowsTakeTheDecodeKernelOnNvidia) {
+  for (int64_t rows : {int64_t(1), int64_t(4), kDecodeMaxRows}) {
+    Problem p = problem(DType::bf16, 128);
+    p.query_rows = rows;
+    EXPECT_EQ(select_kernel(p, kSm80, kCuda).kind, KernelKind::decode) << rows;
+    EXPECT_EQ(select_kernel(p, kSm90, kCuda).kind, KernelKind::decode) << rows;
+    EXPECT_EQ(select_kernel(p, kGfx942, kHip).kind, KernelKind::generic) << rows;  // mma.sync only
+    EXPECT_EQ(select_kernel(p, kHost, kCuda).kind, KernelKind::cpu_reference) << rows;
+  }
+  Problem p = problem(DType::f16, 64);
+  p.query_rows = kDecodeMaxRows + 1;
+  EXPECT_EQ(select_kernel(p, kSm90, kCuda).kind, KernelKind::generic);
+  EXPECT_STREQ(kernel_kind_name(KernelKind::decode), "decode");
+}
+
 TEST(Selector, AmdArchs) {
   for (Arch a : {kGfx90a, kGfx942, kGfx950})
     EXPECT_EQ(select_kernel(problem(DType::bf16, 128), a, kHip).kind, KernelKind::generic)

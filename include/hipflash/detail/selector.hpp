@@ -22,6 +22,7 @@ struct Arch {
 enum class KernelKind : int {
   cpu_reference,    ///< the CPU backend
   generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
+  decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
   sm90,             ///< kernels/sm90 (TMA + wgmma): not built yet
   gfx950_dualwave,  ///< kernels/gfx950: not built yet
   unsupported,
@@ -37,7 +38,14 @@ struct Problem {
   bool masked = false;  ///< causal or a bounded window
   bool varlen = false;
   int num_splits = 1;   ///< resolved (>= 1)
+  /// Query rows per (batch, head) as the kernel sees them: Sq (max_seqlen_q for varlen), or
+  /// Hq / Hkv for GQA decode, whose query heads are packed into the rows of one block.
+  int64_t query_rows = 128;
 };
+
+/// Problems with at most this many query rows per (batch, head) take the decode kernel
+/// (its query block; checked against the kernel's tile where it is launched).
+inline constexpr int64_t kDecodeMaxRows = 16;
 
 /// What this build contains (from CMake options).
 struct BuildCaps {
@@ -62,9 +70,10 @@ constexpr int padded_head_dim(int head_dim) {
        : head_dim == 256 ? 256 : 0;
 }
 
-/// The split-count heuristic for num_splits = 0 (pure): fill `num_sms` with the
-/// (batch * heads * query-block) work items, never splitting into fewer than one key block each.
-int num_splits_heuristic(int64_t work_items, int64_t num_sms, int64_t num_key_blocks,
+/// The split-count heuristic for num_splits = 0 (pure): fill `num_slots` (multiprocessors x
+/// resident thread blocks per multiprocessor) with the (batch * heads * query-block) work
+/// items, never splitting into fewer than one key block each.
+int num_splits_heuristic(int64_t work_items, int64_t num_slots, int64_t num_key_blocks,
                          int max_splits = 128);
 
 }  // namespace hipflash

@@ -1,0 +1,225 @@
+// hipflash — the decode forward kernel (NVIDIA sm_80+, mma.sync).
+//
+// For problems with at most 16 query rows per (batch, head) — decode, with the GQA heads of one
+// kv head packed into those rows — the generic kernel's 128-row block would spend most of its
+// matrix-core work on rows that do not exist. Here a thread block owns one 16-row block and
+// its 4 warps split every 64-key block: warp w takes keys [16w, 16w + 16) and keeps its own
+// online-softmax state and O accumulator. A kStages-deep cp.async ring streams K/V; at the end
+// the warps' states are merged through shared memory with the shared SoftmaxState, and the
+// epilogue writes O (or the split's fp32 partial) and, for RETURN_LSE kernels only, the LSE.
+// Same FwdParams, BlockInfo (varlen, windows, split range) and flags as the generic kernel.
+#pragma once
+
+#include "decode/decode_tile.hpp"
+#include "generic/block_info.hpp"
+#include "generic/element.hpp"
+#include "generic/epilogue.hpp"
+#include "generic/mainloop_sm80.hpp"
+#include "generic/softmax.hpp"
+#include "hipflash/detail/kernel_traits.hpp"
+#include "hipflash/params.hpp"
+
+namespace hipflash::decode {
+
+#if defined(HIPFLASH_HAS_MMA_SYNC)
+
+template <class Traits>
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+  using namespace generic::sm80;
+  using Cfg = DecodeTile<Traits::kHeadDim>;
+  using T = typename generic::Element<Traits::kDType>::type;
+  using Info = generic::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
+  constexpr int kBN = Cfg::kBlockN, kStages = Cfg::kStages, kRowBytes = Cfg::kChunks * 16;
+  constexpr DType kDT = Traits::kDType;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sRing = sQ + Cfg::kSmemQ;  // stage s: K tile, then V tile
+
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int g = lane / 4, t = lane % 4;
+  const Info bi(p, blockIdx.x, num_m_blocks, false);
+  const int64_t m0 = int64_t(bi.m_block) * Cfg::kBlockM;
+  if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
+    if constexpr (Traits::kReturnLse && !Traits::kSplit)
+      generic::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+    return;
+  }
+
+  const int hd = int(p.head_dim);
+  const T* gQ = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride +
+                bi.q_start * p.q_row_stride + bi.h * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride +
+                bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
+                bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
+
+  const int n_begin = bi.n_block_min, num_n = bi.n_block_max - bi.n_block_min;
+  // Key block n_begin + i goes to stage i % kStages; one commit group per block, empty ones
+  // included, so that "all but the newest kStages - 2 groups" always means block i landed.
+  auto load_kv = [&](int i) {
+    if (i < num_n) {
+      T* sK = sRing + (i % kStages) * Cfg::kSmemStage;
+      const int64_t row0 = int64_t(n_begin + i) * kBN;
+      load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, row0, bi.len_k, hd);
+      load_tile<Cfg, kBN>(sK + Cfg::kSmemKV, gV, p.v_row_stride, row0, bi.len_k, hd);
+    }
+    cp_async_commit();
+  };
+  load_tile<Cfg, Cfg::kBlockM>(sQ, gQ, p.q_row_stride, m0, bi.len_q, hd);  // joins group 0
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) load_kv(i);
+
+  uint32_t qf[Cfg::kDSteps][4];  // Q as the A operand, loaded once
+  float O[2][2 * Cfg::kDTiles];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] = 0.f;
+  generic::RowSoftmax<2> softmax;
+  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+
+  // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
+  const uint32_t q_row = smem_addr(sQ) + (lane % 16) * kRowBytes;
+  const uint32_t q_x = ((lane / 16) ^ (lane % 8)) * 16;
+  const uint32_t k_off = (warp * Cfg::kWarpKeys + lane % 8 + (lane / 16) * 8) * kRowBytes;
+  const uint32_t k_x = (((lane / 8) % 2) ^ (lane % 8)) * 16;
+  const uint32_t v_off = (warp * Cfg::kWarpKeys + lane % 16) * kRowBytes;
+  const uint32_t v_x = ((lane / 16) ^ (lane % 8)) * 16;
+
+  for (int i = 0; i < num_n; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // block i landed; every warp is done with block i - 1's stage
+    if (i == 0) {
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kDSteps; ++ks) ldmatrix_x4(qf[ks], q_row + ((ks * 32) ^ q_x));
+    }
+    load_kv(i + kStages - 1);  // into the stage block i - 1 used
+
+    const uint32_t sK = smem_addr(sRing + (i % kStages) * Cfg::kSmemStage);
+    const uint32_t sV = sK + Cfg::kSmemKV * 2;
+    float S[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kDSteps; ++ks) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sK + k_off + ((ks * 32) ^ k_x));
+      mma<kDT>(S[0][0], S[0][1], S[1][0], S[1][1], qf[ks], b[0], b[1]);
+      mma<kDT>(S[0][2], S[0][3], S[1][2], S[1][3], qf[ks], b[2], b[3]);
+    }
+    const int n = n_begin + i;
+    if (bi.needs_mask(p, n, Traits::kMasked)) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int64_t j = int64_t(n) * kBN + warp * Cfg::kWarpKeys + (c / 2) * 8 + 2 * t + c % 2;
+          if (!Info::key_valid(p, m0 + g + 8 * r, j, bi.len_k, bi.diag, Traits::kMasked))
+            S[r][c] = detail::kNegInf;
+        }
+    }
+    float rescale[2];
+    softmax.update(S, scale_log2, rescale);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
+    // The C fragment of the two 8-key score tiles is the A fragment of one 16-key step.
+    const uint32_t a[4] = {pack2<kDT>(S[0][0], S[0][1]), pack2<kDT>(S[1][0], S[1][1]),
+                           pack2<kDT>(S[0][2], S[0][3]), pack2<kDT>(S[1][2], S[1][3])};
+#pragma unroll
+    for (int dp = 0; dp < Cfg::kDTiles / 2; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sV + v_off + ((dp * 32) ^ v_x));
+      mma<kDT>(O[0][4 * dp], O[0][4 * dp + 1], O[1][4 * dp], O[1][4 * dp + 1], a, b[0], b[1]);
+      mma<kDT>(O[0][4 * dp + 2], O[0][4 * dp + 3], O[1][4 * dp + 2], O[1][4 * dp + 3], a, b[2],
+               b[3]);
+    }
+  }
+  softmax.finalize();
+
+  // ---- Merge the warps' partial states (the ring is reused as the merge buffer) ----
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring
+  constexpr int kPitch = Cfg::kMergePitch;
+  float* sO = reinterpret_cast<float*>(sRing);  // [warp][row][kPitch]
+  float* sM = sO + Cfg::kNWarps * Cfg::kBlockM * kPitch;
+  float* sL = sM + Cfg::kNWarps * Cfg::kBlockM;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * Cfg::kBlockM + g + 8 * r;
+#pragma unroll
+    for (int c = 0; c < 2 * Cfg::kDTiles; c += 2)
+      *reinterpret_cast<float2*>(sO + row * kPitch + (c / 2) * 8 + 2 * t) =
+          make_float2(O[r][c], O[r][c + 1]);
+    if (t == 0) {
+      sM[row] = softmax.m[r];
+      sL[row] = softmax.l[r];
+    }
+  }
+  __syncthreads();
+
+  // ---- Epilogue: one thread per (row, 8-column chunk) ----
+  T* gO = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.q_start * p.o_row_stride +
+          bi.h * p.o_head_stride;
+  for (int idx = int(threadIdx.x); idx < Cfg::kBlockM * Cfg::kChunks; idx += Cfg::kThreads) {
+    const int row = idx / Cfg::kChunks, ch = idx % Cfg::kChunks;
+    const int64_t q_row_idx = m0 + row;
+    if (q_row_idx >= bi.len_q) continue;
+    detail::SoftmaxState total;
+    float w[Cfg::kNWarps];
+#pragma unroll
+    for (int wp = 0; wp < Cfg::kNWarps; ++wp)
+      total.merge({sM[wp * Cfg::kBlockM + row], sL[wp * Cfg::kBlockM + row]});
+    const float inv = detail::SoftmaxState::inv_sum(total.l);
+#pragma unroll
+    for (int wp = 0; wp < Cfg::kNWarps; ++wp)
+      w[wp] = detail::SoftmaxState::rescale(sM[wp * Cfg::kBlockM + row], total.m) * inv;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < Cfg::kNWarps; ++wp) {
+      const float* src = sO + (wp * Cfg::kBlockM + row) * kPitch + ch * 8;
+      const float4 lo = *reinterpret_cast<const float4*>(src);
+      const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+      acc[0] += w[wp] * lo.x, acc[1] += w[wp] * lo.y, acc[2] += w[wp] * lo.z, acc[3] += w[wp] * lo.w;
+      acc[4] += w[wp] * hi.x, acc[5] += w[wp] * hi.y, acc[6] += w[wp] * hi.z, acc[7] += w[wp] * hi.w;
+    }
+    if constexpr (Traits::kSplit) {
+      const int64_t prow = generic::partial_row(p, bi.split, bi.b, bi.h, q_row_idx);
+      float* dst = p.out_partial + prow * Cfg::kHeadDim + ch * 8;
+      *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      if (ch == 0) p.lse_partial[prow] = total.lse();
+    } else {
+      if (ch * 8 < hd) {
+        uint4 packed;
+        packed.x = pack2<kDT>(acc[0], acc[1]);
+        packed.y = pack2<kDT>(acc[2], acc[3]);
+        packed.z = pack2<kDT>(acc[4], acc[5]);
+        packed.w = pack2<kDT>(acc[6], acc[7]);
+        *reinterpret_cast<uint4*>(gO + q_row_idx * p.o_row_stride + ch * 8) = packed;
+      }
+      if constexpr (Traits::kReturnLse) {
+        if (ch == 0) p.lse[generic::lse_index(p, bi.b, bi.h, bi.q_start, q_row_idx)] = total.lse();
+      }
+    }
+  }
+  if constexpr (Traits::kReturnLse && !Traits::kSplit)
+    generic::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+}
+
+#endif  // HIPFLASH_HAS_MMA_SYNC
+
+/// The decode forward kernel: one thread block per (16-row query block, split, head, batch).
+template <class Traits>
+__global__ void __launch_bounds__(DecodeTile<Traits::kHeadDim>::kThreads)
+    fwd_decode_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
+#if defined(HIPFLASH_HAS_MMA_SYNC)
+  fwd_block<Traits>(p, num_m_blocks);
+#else
+  port::trap();  // the decode kernel exists for mma.sync targets only; the selector knows
+#endif  // HIPFLASH_HAS_MMA_SYNC
+}
+
+}  // namespace hipflash::decode
