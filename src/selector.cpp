@@ -64,9 +64,15 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
       sel.reason = arch.name() + " is not supported: the generic kernel needs sm_80 or newer";
       return sel;
     }
-    // Few query rows per head (decode): the 16-row decode kernel. Otherwise the generic one
-    // (the sm90 TMA/wgmma kernel is not built yet: Hopper runs the generic mma.sync kernel).
-    sel.kind = p.query_rows <= kDecodeMaxRows ? KernelKind::decode : KernelKind::generic;
+    // Few query rows per head (decode): the 16-row decode kernel. Otherwise Hopper (sm_90
+    // exactly: wgmma does not exist on later archs) runs the wgmma kernel for head dims up to
+    // 128 where it was built, and everything else the generic mma.sync kernel.
+    if (p.query_rows <= kDecodeMaxRows)
+      sel.kind = KernelKind::decode;
+    else if (arch.version == 90 && caps.sm90 && hd <= 128)
+      sel.kind = KernelKind::sm90;
+    else
+      sel.kind = KernelKind::generic;
     return sel;
   }
   // AMD: CDNA2/CDNA3/CDNA4 have MFMA; gfx950 dualwave is not built yet, so it runs generic

@@ -12,6 +12,7 @@
 namespace hipflash::combine {
 
 inline constexpr int kWarpsPerBlock = 4;
+inline constexpr int kMaxSplits = 256;  ///< the launcher's num_splits bound
 
 /// Rows are (b, h, row) over the padded query length; kPaddedDim is the workspace row pitch.
 template <class T, int kPaddedDim, bool kReturnLse>
@@ -43,32 +44,56 @@ __global__ void __launch_bounds__(kWarpsPerBlock * port::kWarpSize)
   const int64_t split_stride = p.batch * p.heads_q * p.seqlen_q;
   const int64_t base = (b * p.heads_q + h) * p.seqlen_q + row;
 
+  // Lane l holds the LSEs of splits l, l + 32, ... (num_splits <= kMaxSplits, validated).
+  constexpr int kSplitRegs = kMaxSplits / kWarp;
+  float lse_s[kSplitRegs];
   SoftmaxState total;
-  for (int s = lane; s < p.num_splits; s += kWarp) total.merge(SoftmaxState::from_lse(p.lse_partial[s * split_stride + base]));
+#pragma unroll
+  for (int i = 0; i < kSplitRegs; ++i) {
+    const int s = lane + i * kWarp;
+    lse_s[i] = s < p.num_splits ? p.lse_partial[s * split_stride + base] : detail::kNegInf;
+    total.merge(SoftmaxState::from_lse(lse_s[i]));
+  }
   for (int off = kWarp / 2; off > 0; off /= 2) {
     SoftmaxState other{port::shfl_xor(total.m, off), port::shfl_xor(total.l, off)};
     total.merge(other);
   }
 
-  constexpr int kPerLane = (kPaddedDim + kWarp - 1) / kWarp;
+  // Lane l accumulates columns [l * kPerLane, (l + 1) * kPerLane) with vector loads; the
+  // splits' rows are independent loads, unrolled so that several are in flight.
+  constexpr int kPerLane = kPaddedDim / kWarp;
+  static_assert(kPaddedDim % kWarp == 0, "whole columns per lane");
   float acc[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float w = detail::combine_weight(p.lse_partial[s * split_stride + base], total);
-    if (w == 0.f) continue;  // empty split (uniform across the warp)
-    const float* src = p.out_partial + (s * split_stride + base) * kPaddedDim;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int col = lane + i * kWarp;
-      if (col < p.head_dim) acc[i] += w * src[col];
+  for (int i = 0; i < kSplitRegs; ++i) {
+    if (i * kWarp >= p.num_splits) break;
+    const float w_mine = detail::combine_weight(lse_s[i], total);
+    const int n = p.num_splits - i * kWarp < kWarp ? p.num_splits - i * kWarp : kWarp;
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const float w = port::shfl(w_mine, j);
+      if (w == 0.f) continue;  // empty split (uniform across the warp)
+      const float* src =
+          p.out_partial + (int64_t(i * kWarp + j) * split_stride + base) * kPaddedDim + lane * kPerLane;
+      if constexpr (kPerLane % 4 == 0) {
+#pragma unroll
+        for (int e = 0; e < kPerLane; e += 4) {
+          const float4 v = *reinterpret_cast<const float4*>(src + e);
+          acc[e] += w * v.x, acc[e + 1] += w * v.y, acc[e + 2] += w * v.z, acc[e + 3] += w * v.w;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) acc[e] += w * src[e];
+      }
     }
   }
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + (q_start + row) * p.o_row_stride +
            h * p.o_head_stride;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    const int col = lane + i * kWarp;
+    const int col = lane * kPerLane + i;
     if (col < p.head_dim) out[col] = port::from_float<T>(acc[i]);
   }
   if constexpr (kReturnLse) {

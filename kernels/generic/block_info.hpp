@@ -70,6 +70,20 @@ struct BlockInfo {
     return false;
   }
 
+  /// The valid keys of query row i inside the key block starting at n0, as columns [lo, hi]
+  /// relative to n0 and clamped to [-1, kBlockN] (empty when lo > hi): the same rule as
+  /// key_valid, evaluated once per row so the per-element test is two int compares.
+  __device__ __forceinline__ void key_range(const FwdParams& p, int64_t i, int64_t n0,
+                                            bool masked, int& lo, int& hi) const {
+    int64_t l = 0, h = len_k - 1;
+    if (masked && p.window_left >= 0 && i + diag - p.window_left > l) l = i + diag - p.window_left;
+    if (masked && p.window_right >= 0 && i + diag + p.window_right < h) h = i + diag + p.window_right;
+    l -= n0;
+    h -= n0;
+    lo = int(l < -1 ? -1 : l > kBlockN ? kBlockN : l);
+    hi = int(h < -1 ? -1 : h > kBlockN ? kBlockN : h);
+  }
+
   /// Whether key j is valid for query row i (both relative to this sequence).
   __device__ __forceinline__ static bool key_valid(const FwdParams& p, int64_t i, int64_t j,
                                                    int64_t len_k, int64_t diag, bool masked) {

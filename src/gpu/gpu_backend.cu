@@ -7,6 +7,7 @@
 
 #include "backend.hpp"
 #include "decode/decode_tile.hpp"
+#include "sm90/tile.hpp"
 #include "generic/tile_config.hpp"
 #include "gpu/launch_api.hpp"
 #include "hipflash/detail/static_switch.hpp"
@@ -71,12 +72,21 @@ BuildCaps build_caps() {
   c.gpu = true;
   c.gpu_vendor = kVendor;
   c.head_dim_mask = HIPFLASH_HEAD_DIM_MASK;
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+  // HIPFLASH_DISABLE_SM90=1 hides them, so that Hopper runs (and tests) the generic kernel.
+  const char* off = std::getenv("HIPFLASH_DISABLE_SM90");
+  c.sm90 = !(off && off[0] == '1');
+#endif  // HIPFLASH_HAS_SM90_KERNELS
   return c;
 }
 
 std::string build_info() {
-  return std::string("cpu+") + HIPFLASH_GPU_NAME + " (head-dim mask " +
-         std::to_string(HIPFLASH_HEAD_DIM_MASK) + ")";
+  std::string s = std::string("cpu+") + HIPFLASH_GPU_NAME + " (head-dim mask " +
+                  std::to_string(HIPFLASH_HEAD_DIM_MASK);
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+  s += ", sm90 kernels";
+#endif  // HIPFLASH_HAS_SM90_KERNELS
+  return s + ")";
 }
 
 Arch device_arch(int device) {
@@ -122,6 +132,10 @@ TileShape shape_of(int blocks_per_sm) {
 TileShape tile_shape(KernelKind kind, int hd) {
   HIPFLASH_CHECK(hd == 64 || hd == 128 || hd == 256, "no kernel tile for padded head dim ", hd);
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
+  if (kind == KernelKind::sm90) {
+    return hd == 64 ? shape_of<sm90::Tile<64>>(sm90::Tile<64>::kMinBlocks)
+                    : shape_of<sm90::Tile<128>>(sm90::Tile<128>::kMinBlocks);
+  }
   if (kind == KernelKind::decode) {
     // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).
     return hd == 64 ? shape_of<decode::DecodeTile<64>>(2)
@@ -176,6 +190,14 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
                 case KernelKind::decode: launch_decode_fwd<Traits>(p, stream); break;
 #endif  // HIPFLASH_PLATFORM_NVIDIA
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+                case KernelKind::sm90:
+                  if constexpr (kHD <= 128) {
+                    launch_sm90_fwd<Traits>(p, stream);
+                    break;
+                  }
+                  [[fallthrough]];
+#endif  // HIPFLASH_HAS_SM90_KERNELS
                 default:
                   throw not_implemented(std::string("kernel kind ") + kernel_kind_name(sel.kind) +
                                         " is not built for " + HIPFLASH_GPU_NAME);

@@ -17,6 +17,10 @@ void launch_generic_fwd(const FwdParams& p, port::stream_t stream);
 template <class Traits>
 void launch_decode_fwd(const FwdParams& p, port::stream_t stream);
 
+/// Launches sm90::fwd_sm90_kernel<Traits> (CUDA builds with sm_90a; see kernels/sm90).
+template <class Traits>
+void launch_sm90_fwd(const FwdParams& p, port::stream_t stream);
+
 /// Launches the split-K combine for `p` (p.out_partial / p.lse_partial filled).
 void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream);
 
@@ -54,5 +58,22 @@ void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stre
   template void launch_decode_fwd<FwdTraits<DT, HD, false, false, true>>(const FwdParams&,      \
                                                                          port::stream_t);       \
   template void launch_decode_fwd<FwdTraits<DT, HD, false, true, true>>(const FwdParams&,       \
+                                                                        port::stream_t);        \
+  }
+
+/// The same flag combinations for the sm90 kernel (CUDA builds with sm_90a).
+#define HIPFLASH_INSTANTIATE_SM90_FWD(DT, HD)                                                   \
+  namespace hipflash::gpu {                                                                     \
+  template void launch_sm90_fwd<FwdTraits<DT, HD, false, false, false>>(const FwdParams&,     \
+                                                                          port::stream_t);      \
+  template void launch_sm90_fwd<FwdTraits<DT, HD, true, false, false>>(const FwdParams&,      \
+                                                                         port::stream_t);       \
+  template void launch_sm90_fwd<FwdTraits<DT, HD, false, true, false>>(const FwdParams&,      \
+                                                                         port::stream_t);       \
+  template void launch_sm90_fwd<FwdTraits<DT, HD, true, true, false>>(const FwdParams&,       \
+                                                                        port::stream_t);        \
+  template void launch_sm90_fwd<FwdTraits<DT, HD, false, false, true>>(const FwdParams&,      \
+                                                                         port::stream_t);       \
+  template void launch_sm90_fwd<FwdTraits<DT, HD, false, true, true>>(const FwdParams&,       \
                                                                         port::stream_t);        \
   }

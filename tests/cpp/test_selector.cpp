@@ -93,6 +93,21 @@ TEST(Selector, FewQueryRowsTakeTheDecodeKernelOnNvidia) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::decode), "decode");
 }
 
+TEST(Selector, HopperTakesTheWgmmaKernelWhereBuilt) {
+  BuildCaps with_sm90 = kCuda;
+  with_sm90.sm90 = true;
+  for (int d : {32, 64, 96, 128}) {
+    EXPECT_EQ(select_kernel(problem(DType::bf16, d), kSm90, with_sm90).kind, KernelKind::sm90) << d;
+    EXPECT_EQ(select_kernel(problem(DType::bf16, d), kSm90, kCuda).kind, KernelKind::generic) << d;
+    EXPECT_EQ(select_kernel(problem(DType::bf16, d), kSm80, with_sm90).kind, KernelKind::generic) << d;
+  }
+  EXPECT_EQ(select_kernel(problem(DType::f16, 256), kSm90, with_sm90).kind, KernelKind::generic);
+  Problem decode = problem(DType::f16, 128);
+  decode.query_rows = 4;
+  EXPECT_EQ(select_kernel(decode, kSm90, with_sm90).kind, KernelKind::decode);
+  EXPECT_STREQ(kernel_kind_name(KernelKind::sm90), "sm90");
+}
+
 TEST(Selector, AmdArchs) {
   for (Arch a : {kGfx90a, kGfx942, kGfx950})
     EXPECT_EQ(select_kernel(problem(DType::bf16, 128), a, kHip).kind, KernelKind::generic)

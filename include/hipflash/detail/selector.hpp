@@ -23,7 +23,7 @@ enum class KernelKind : int {
   cpu_reference,    ///< the CPU backend
   generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
   decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
-  sm90,             ///< kernels/sm90 (TMA + wgmma): not built yet
+  sm90,             ///< kernels/sm90: wgmma (sm_90a), head dims <= 128
   gfx950_dualwave,  ///< kernels/gfx950: not built yet
   unsupported,
 };
@@ -52,6 +52,7 @@ struct BuildCaps {
   bool gpu = false;             ///< built with GPU kernels
   Arch::Vendor gpu_vendor = Arch::host;
   unsigned head_dim_mask = ~0u;  ///< bit i set: padded head dim (64 << i) built (64, 128, 256)
+  bool sm90 = false;             ///< the sm90 kernels were built (CUDA with sm_90a)
 };
 
 struct Selection {

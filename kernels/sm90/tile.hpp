@@ -1,0 +1,36 @@
+// hipflash — tile shapes of the sm90 (Hopper, wgmma) forward kernel, per padded head dim.
+#pragma once
+
+namespace hipflash::sm90 {
+
+/// A thread block is one warpgroup owning 64 query rows (one wgmma M); it walks the keys in
+/// blocks of kBlockN with K and V double-buffered in shared memory. Blocks are independent,
+/// so kMinBlocks of them per SM overlap one block's softmax with another's wgmma.
+template <int kHeadDim>
+struct TileConfig;
+template <>
+struct TileConfig<64> {
+  static constexpr int kBlockN = 128, kMinBlocks = 3;  // 72 KiB of shared memory per block
+};
+template <>
+struct TileConfig<128> {
+  static constexpr int kBlockN = 64, kMinBlocks = 2;  // 80 KiB
+};
+
+template <int kHeadDim_>
+struct Tile : TileConfig<kHeadDim_> {
+  using Base = TileConfig<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = Base::kBlockN;
+  static constexpr int kThreads = 128;            ///< one warpgroup
+  static constexpr int kChunks = kHeadDim / 8;    ///< 16-byte chunks per row
+  static constexpr int kSmemQ = kBlockM * kHeadDim * 2;   // bytes
+  static constexpr int kSmemKV = kBlockN * kHeadDim * 2;  // bytes, one K or V stage
+  /// Q, K[2], V[2], plus slack to align the tiles to 1024 bytes (the swizzle atom).
+  static constexpr int kSmemBytes = kSmemQ + 4 * kSmemKV + 1024;
+  static_assert(kHeadDim % 64 == 0, "whole 64-element panels");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a wgmma N and whole 16-key steps");
+};
+
+}  // namespace hipflash::sm90

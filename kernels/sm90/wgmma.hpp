@@ -1,0 +1,70 @@
+// hipflash — the Hopper (sm_90a) warpgroup MMA atom: shared-memory matrix descriptors for the
+// 128-byte-swizzled tiles the sm90 kernel keeps, and the wgmma fence / commit / wait.
+//
+// Tile layout ("panelled SW128"): a [rows x D] tile of 16-bit elements is stored as D / 64
+// panels of [rows x 64]; a panel row is one 128-byte line whose 16-byte chunk c sits at chunk
+// c ^ (row % 8). Panels start at multiples of 1024 bytes, so that pattern is the hardware's
+// 128-byte swizzle of the absolute address (PTX ISA, "Shared memory matrix layout").
+#pragma once
+
+#include <cstdint>
+
+#include "hipflash/port/port.hpp"
+
+namespace hipflash::sm90 {
+
+/// Byte offset of 16-byte chunk `chunk` (of D / 8) of row `row` in a panelled SW128 tile.
+template <int kRows>
+__host__ __device__ __forceinline__ uint32_t sw128_offset(int row, int chunk) {
+  return uint32_t((chunk / 8) * kRows * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16);
+}
+
+#if defined(HIPFLASH_HAS_WGMMA)
+
+namespace wgmma {
+
+/// Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading- and
+/// stride-dimension byte offsets (all >> 4), layout 1 = 128-byte swizzle in bits 62-63.
+__device__ __forceinline__ uint64_t make_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((smem_addr & 0x3FFFF) >> 4) | uint64_t((lbo & 0x3FFFF) >> 4) << 16 |
+         uint64_t((sbo & 0x3FFFF) >> 4) << 32 | uint64_t(1) << 62;
+}
+
+/// K-major operand (Q or K: the reduction dim is contiguous): rows at 128 B, 8-row groups at
+/// 1024 B; the 16-wide k-step lies inside one 128-byte line (LBO unused).
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t addr) { return make_desc(addr, 16, 1024); }
+
+/// MN-major operand (V in P V: the output dim is contiguous): 64-wide panels `panel_bytes`
+/// apart (LBO), 8-key groups at 1024 B (SBO).
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t addr, uint32_t panel_bytes) {
+  return make_desc(addr, panel_bytes, 1024);
+}
+
+/// Orders this thread's register writes before the warpgroup's next wgmma reads them.
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/// Keeps the compiler from moving accesses of accumulator registers across wait / issue.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+}  // namespace wgmma
+
+/// Makes this thread's generic-proxy shared-memory writes (cp.async included, once waited on)
+/// visible to the async proxy that wgmma reads through.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#endif  // HIPFLASH_HAS_WGMMA
+
+}  // namespace hipflash::sm90
