@@ -1,8 +1,9 @@
 // hipflash — the Hopper forward kernel (sm_90a): the FlashAttention-2 schedule on warpgroup
 // MMAs. S = Q K^T reads Q and K from 128-byte-swizzled shared memory (wgmma SS); the
 // probabilities stay in registers as the A operand of O += P V (wgmma RS, V MN-major).
-// K and V are double-buffered with cp.async; the online softmax, the mask (BlockInfo) and the
-// epilogue conventions are the generic kernel's. One warpgroup per thread block (64 rows).
+// K and V are double-buffered with cp.async and the loop is software-pipelined: the softmax of
+// one key block overlaps the P V of the previous one. The online softmax, the mask (BlockInfo)
+// and the epilogue conventions are the generic kernel's.
 #pragma once
 
 #include "generic/block_info.hpp"
@@ -21,24 +22,41 @@ namespace hipflash::sm90 {
 
 #if defined(HIPFLASH_HAS_WGMMA)
 
-/// Copies rows [row0, row0 + kRows) of a [len, D] operand into a panelled SW128 tile at shared
-/// address `dst`; rows >= len and columns >= head_dim are zero-filled (and never read).
+/// Copies [kRows x D] tiles of one [len, D] operand (row stride `ld`) into panelled SW128 tiles
+/// with cp.async; rows >= len and columns >= head_dim are zero-filled (and never read). Each
+/// thread owns one 16-byte column chunk of every kStep-th row, so its source pointer, shared
+/// offset and column check are set up once and a tile costs a pointer bump per row.
 template <int kRows, int kHeadDim, int kThreads, class T>
-__device__ __forceinline__ void load_tile(uint32_t dst, const T* gmem, int64_t ld, int64_t row0,
-                                          int64_t len, int head_dim) {
-  constexpr int kChunks = kHeadDim / 8, kTotal = kRows * kChunks;
-  static_assert(kTotal % kThreads == 0, "whole chunks per thread");
-#pragma unroll
-  for (int i = 0; i < kTotal / kThreads; ++i) {
-    const int idx = int(threadIdx.x) + i * kThreads;
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = row0 + r < len && c * 8 < head_dim;
-    const T* src = valid ? gmem + (row0 + r) * ld + c * 8 : gmem;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     dst + sw128_offset<kRows>(r, c)),
-                 "l"(src), "r"(valid ? 16 : 0));
+struct TileLoader {
+  static constexpr int kChunks = kHeadDim / 8, kStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0 && kStep % 8 == 0,
+                "whole rows per pass; a pass keeps the row's swizzle phase");
+  const T* src;      ///< this thread's chunk of row 0
+  int64_t ld;
+  uint32_t smem_off;  ///< this thread's chunk of row 0 in a tile
+  int row;            ///< this thread's first row
+  bool col_ok;
+
+  __device__ __forceinline__ TileLoader(const T* gmem, int64_t ld_, int head_dim) : ld(ld_) {
+    const int c = int(threadIdx.x) % kChunks;
+    row = int(threadIdx.x) / kChunks;
+    col_ok = c * 8 < head_dim;
+    src = gmem + row * ld + c * 8;
+    smem_off = sw128_offset<kRows>(row, c);
   }
-}
+
+  /// Rows [row0, row0 + kRows) into the tile at shared address `dst`.
+  __device__ __forceinline__ void load(uint32_t dst, int64_t row0, int64_t len) const {
+    const T* s = src + row0 * ld;
+#pragma unroll
+    for (int i = 0; i < kRows / kStep; ++i) {
+      const bool valid = col_ok && row0 + row + i * kStep < len;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                       dst + smem_off + i * kStep * 128),
+                   "l"(valid ? s + i * kStep * ld : src), "r"(valid ? 16 : 0));
+    }
+  }
+};
 
 template <class Traits>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
@@ -47,6 +65,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   using T = typename generic::Element<Traits::kDType>::type;
   using Info = generic::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
+  constexpr int kThreads = Cfg::kThreads;
   constexpr DType kDT = Traits::kDType;
   using QK = wgmma::Op<kDT, kBN>;
   using PV = wgmma::Op<kDT, kHD>;
@@ -54,17 +73,17 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sQ = smem0;
-  // Then K stage 0, K stage 1, V stage 0, V stage 1 (addresses, not arrays: no local memory).
-  auto sK = [&](int s) { return sQ + Cfg::kSmemQ + uint32_t(s) * Cfg::kSmemKV; };
-  auto sV = [&](int s) { return sQ + Cfg::kSmemQ + uint32_t(2 + s) * Cfg::kSmemKV; };
+  // Then K stages 0 and 1, V stages 0 and 1; key block n lives in stage n % 2.
+  auto sK = [&](int n) { return sQ + Cfg::kSmemQ + uint32_t(n & 1) * Cfg::kSmemKV; };
+  auto sV = [&](int n) { return sQ + Cfg::kSmemQ + uint32_t(2 + (n & 1)) * Cfg::kSmemKV; };
 
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;  // warp / 4: warpgroup
   const int g = lane / 4, t = lane % 4;
   const Info bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
   if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
     if constexpr (Traits::kReturnLse && !Traits::kSplit)
-      generic::write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+      generic::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
     return;
   }
 
@@ -75,46 +94,42 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
                 bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
   const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
                 bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
+  const TileLoader<kBN, kHD, kThreads, T> k_loader(gK, p.k_row_stride, hd);
+  const TileLoader<kBN, kHD, kThreads, T> v_loader(gV, p.v_row_stride, hd);
+  auto load_k = [&](int n) { k_loader.load(sK(n), int64_t(n) * kBN, bi.len_k); };
+  auto load_v = [&](int n) { v_loader.load(sV(n), int64_t(n) * kBN, bi.len_k); };
 
   // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h (of this warp's 16), column
-  // 8i + 2t + e.
+  // 8i + 2t + e. This warpgroup's Q rows start 64 * (warp / 4) rows into the tile.
   float O[kHD / 2];
 #pragma unroll
   for (int i = 0; i < kHD / 2; ++i) O[i] = 0.f;
   generic::RowSoftmax<2> softmax;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
   auto row_of = [&](int h) { return m0 + warp * 16 + h * 8 + g; };
+  const uint32_t sQ_wg = sQ + (warp / 4) * 64 * 128;
 
-  int n = bi.n_block_max - 1, stage = 0;
-  if (n >= bi.n_block_min) {
-    load_tile<kBM, kHD, Cfg::kThreads>(sQ, gQ, p.q_row_stride, m0, bi.len_q, hd);
-    load_tile<kBN, kHD, Cfg::kThreads>(sK(0), gK, p.k_row_stride, int64_t(n) * kBN, bi.len_k, hd);
-    cp_async_commit();
-    load_tile<kBN, kHD, Cfg::kThreads>(sV(0), gV, p.v_row_stride, int64_t(n) * kBN, bi.len_k, hd);
-    cp_async_commit();
-  }
-  for (; n >= bi.n_block_min; --n, stage ^= 1) {
-    cp_async_wait<1>();  // K(n) landed (V(n) may still be in flight)
-    fence_proxy_async();
-    __syncthreads();
-    if (n > bi.n_block_min)
-      load_tile<kBN, kHD, Cfg::kThreads>(sK(stage ^ 1), gK, p.k_row_stride,
-                                         int64_t(n - 1) * kBN, bi.len_k, hd);
-    cp_async_commit();
-
-    // S = Q K^T over head-dim steps of 16: panel ks / 4, 32 bytes per step inside the line.
-    float S[kBN / 2];
+  // S = Q K(n)^T over head-dim steps of 16: panel ks / 4, 32 bytes per step inside the line.
+  auto issue_qk = [&](float(&S)[kBN / 2], int n) {
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < kHD / 16; ++ks) {
       const uint32_t step = (ks % 4) * 32;
-      QK::ss(S, wgmma::desc_k_major(sQ + (ks / 4) * kBM * 128 + step),
-             wgmma::desc_k_major(sK(stage) + (ks / 4) * kBN * 128 + step), ks > 0);
+      QK::ss(S, wgmma::desc_k_major(sQ_wg + (ks / 4) * kBM * 128 + step),
+             wgmma::desc_k_major(sK(n) + (ks / 4) * kBN * 128 + step), ks > 0);
     }
     wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(S);
-
+  };
+  // O += P V(n) over key steps of 16 (2048 bytes of V rows); panels kBN * 128 bytes apart.
+  auto issue_pv = [&](const uint32_t(&P)[kBN / 16][4], int n) {
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      PV::rs(O, P[kk], wgmma::desc_mn_major(sV(n) + kk * 16 * 128, kBN * 128), 1);
+    wgmma::commit();
+  };
+  // Scores of key block n -> masked online softmax; S is left holding the probabilities.
+  auto softmax_step = [&](float(&S)[kBN / 2], int n, float(&rescale)[2]) {
     float sc[2][kBN / 4];  // [row h][column 2i + e]
 #pragma unroll
     for (int i = 0; i < kBN / 8; ++i)
@@ -135,41 +150,86 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
         }
       }
     }
-    float rescale[2];
     softmax.update(sc, scale_log2, rescale);
 #pragma unroll
-    for (int i = 0; i < kHD / 8; ++i)
+    for (int i = 0; i < kBN / 8; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        O[4 * i + 2 * h] *= rescale[h];
-        O[4 * i + 2 * h + 1] *= rescale[h];
+        S[4 * i + 2 * h] = sc[h][2 * i];
+        S[4 * i + 2 * h + 1] = sc[h][2 * i + 1];
       }
-    // The C fragment of two 8-key score tiles is the A fragment of one 16-key step.
-    uint32_t P[kBN / 16][4];
+  };
+  // Probabilities -> P V's A fragments: the C fragment of two 8-key score tiles (wgmma order
+  // 8kk .. 8kk + 7) is the A fragment of one 16-key step.
+  auto pack_p = [&](const float(&S)[kBN / 2], uint32_t(&P)[kBN / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) {
-      P[kk][0] = pack2<kDT>(sc[0][4 * kk], sc[0][4 * kk + 1]);
-      P[kk][1] = pack2<kDT>(sc[1][4 * kk], sc[1][4 * kk + 1]);
-      P[kk][2] = pack2<kDT>(sc[0][4 * kk + 2], sc[0][4 * kk + 3]);
-      P[kk][3] = pack2<kDT>(sc[1][4 * kk + 2], sc[1][4 * kk + 3]);
+      P[kk][0] = pack2<kDT>(S[8 * kk], S[8 * kk + 1]);
+      P[kk][1] = pack2<kDT>(S[8 * kk + 2], S[8 * kk + 3]);
+      P[kk][2] = pack2<kDT>(S[8 * kk + 4], S[8 * kk + 5]);
+      P[kk][3] = pack2<kDT>(S[8 * kk + 6], S[8 * kk + 7]);
     }
+  };
 
-    cp_async_wait<1>();  // V(n) landed (K(n - 1) may still be in flight)
-    fence_proxy_async();
-    __syncthreads();
-    if (n > bi.n_block_min)
-      load_tile<kBN, kHD, Cfg::kThreads>(sV(stage ^ 1), gV, p.v_row_stride,
-                                         int64_t(n - 1) * kBN, bi.len_k, hd);
-    cp_async_commit();
-
-    // O += P V over key steps of 16 (2048 bytes of V rows); panels kBN * 128 bytes apart.
-    wgmma::fence();
+  // Software pipeline (key blocks from last to first): while P(n) V(n) runs on the tensor
+  // cores, the softmax of the already computed S(n - 1) runs on the CUDA cores. Loads run one
+  // block ahead: iteration n reads K(n - 1), V(n) and fills K(n - 2), V(n - 1).
+  const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
+  if (n_hi >= n_lo) {
+    uint32_t P[kBN / 16][4];
+    {
+      TileLoader<kBM, kHD, kThreads, T>(gQ, p.q_row_stride, hd).load(sQ, m0, bi.len_q);
+      load_k(n_hi);
+      load_v(n_hi);
+      if (n_hi > n_lo) load_k(n_hi - 1);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();
+      float S[kBN / 2];
+      issue_qk(S, n_hi);
+      wgmma::wait<0>();
+      wgmma::fence_operands(S);
+      float unused[2];
+      softmax_step(S, n_hi, unused);
+      pack_p(S, P);
+    }
+    for (int n = n_hi; n >= n_lo; --n) {
+      cp_async_wait<0>();  // V(n) and K(n - 1) landed
+      fence_proxy_async();
+      __syncthreads();  // ... for every thread; every wgmma of iteration n + 1 is done
+      // S is zeroed although its first wgmma overwrites it: on the last block it is not issued,
+      // and ptxas serialises every wgmma when an accumulator may be undefined on some path.
+      float S[kBN / 2];
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      PV::rs(O, P[kk], wgmma::desc_mn_major(sV(stage) + kk * 16 * 128, kBN * 128), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(O);
+      for (int i = 0; i < kBN / 2; ++i) S[i] = 0.f;
+      const bool more = n > n_lo;
+      if (more) issue_qk(S, n - 1);
+      issue_pv(P, n);
+      // Stages free now: K(n)'s (its Q K^T finished) and V(n + 1)'s (its P V finished).
+      if (n - 2 >= n_lo) load_k(n - 2);
+      if (more) load_v(n - 1);
+      cp_async_commit();
+      if (more) {
+        wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
+        wgmma::fence_operands(S);
+        float rescale[2];
+        softmax_step(S, n - 1, rescale);
+        wgmma::wait<0>();  // P(n) V(n) done: P and O are free
+        wgmma::fence_operands(O);
+#pragma unroll
+        for (int i = 0; i < kHD / 8; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            O[4 * i + 2 * h] *= rescale[h];
+            O[4 * i + 2 * h + 1] *= rescale[h];
+          }
+        pack_p(S, P);
+      } else {
+        wgmma::wait<0>();
+        wgmma::fence_operands(O);
+      }
+    }
   }
   softmax.finalize();
 
@@ -196,7 +256,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
         if (t == 0 && row < bi.len_q)
           p.lse[generic::lse_index(p, bi.b, bi.h, bi.q_start, row)] = softmax.lse(h);
       }
-      generic::write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+      generic::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
     }
     // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.
     cp_async_wait<0>();
@@ -205,7 +265,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float inv = softmax.inv_sum(h);
-      const int srow = warp * 16 + h * 8 + g;
+      const int srow = warp * 16 + h * 8 + g;  // warps in order: warpgroup w owns rows 64w..
 #pragma unroll
       for (int i = 0; i < kHD / 8; ++i)
         *reinterpret_cast<uint32_t*>(sO + generic::swizzle<Cfg::kChunks>(srow, i) + 2 * t) =
@@ -228,7 +288,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
 #endif  // HIPFLASH_HAS_WGMMA
 
-/// The sm90 forward kernel: one warpgroup per (64-row query block, split, head, batch).
+/// The sm90 forward kernel: one thread block per (query block, split, head, batch).
 template <class Traits>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads,
                                   Tile<Traits::kHeadDim>::kMinBlocks)

@@ -3,27 +3,27 @@
 
 namespace hipflash::sm90 {
 
-/// A thread block is one warpgroup owning 64 query rows (one wgmma M); it walks the keys in
-/// blocks of kBlockN with K and V double-buffered in shared memory. Blocks are independent,
-/// so kMinBlocks of them per SM overlap one block's softmax with another's wgmma.
+/// A thread block is kWarpgroups warpgroups, each owning 64 query rows (one wgmma M), that
+/// share K and V: the keys are walked in blocks of kBlockN, K and V double-buffered in shared
+/// memory. Large N keeps the Q K^T wgmma off the shared-memory bandwidth limit.
 template <int kHeadDim>
 struct TileConfig;
 template <>
 struct TileConfig<64> {
-  static constexpr int kBlockN = 128, kMinBlocks = 3;  // 72 KiB of shared memory per block
+  static constexpr int kWarpgroups = 2, kBlockN = 128, kMinBlocks = 1;  // 80 KiB
 };
 template <>
 struct TileConfig<128> {
-  static constexpr int kBlockN = 64, kMinBlocks = 2;  // 80 KiB
+  static constexpr int kWarpgroups = 2, kBlockN = 128, kMinBlocks = 1;  // 160 KiB
 };
 
 template <int kHeadDim_>
 struct Tile : TileConfig<kHeadDim_> {
   using Base = TileConfig<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;
+  static constexpr int kBlockM = 64 * Base::kWarpgroups;
   static constexpr int kBlockN = Base::kBlockN;
-  static constexpr int kThreads = 128;            ///< one warpgroup
+  static constexpr int kThreads = 128 * Base::kWarpgroups;
   static constexpr int kChunks = kHeadDim / 8;    ///< 16-byte chunks per row
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;   // bytes
   static constexpr int kSmemKV = kBlockN * kHeadDim * 2;  // bytes, one K or V stage
