@@ -180,10 +180,11 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     {
       TileLoader<kBM, kHD, kThreads, T>(gQ, p.q_row_stride, hd).load(sQ, m0, bi.len_q);
       load_k(n_hi);
+      cp_async_commit();
       load_v(n_hi);
       if (n_hi > n_lo) load_k(n_hi - 1);
       cp_async_commit();
-      cp_async_wait<0>();
+      cp_async_wait<1>();  // Q and K(n_hi); the rest lands under the first softmax
       fence_proxy_async();
       __syncthreads();
       float S[kBN / 2];

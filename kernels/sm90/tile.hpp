@@ -6,11 +6,15 @@ namespace hipflash::sm90 {
 /// A thread block is kWarpgroups warpgroups, each owning 64 query rows (one wgmma M), that
 /// share K and V: the keys are walked in blocks of kBlockN, K and V double-buffered in shared
 /// memory. Large N keeps the Q K^T wgmma off the shared-memory bandwidth limit.
+/// Measured on the H200: docs/perf-notes.md.
 template <int kHeadDim>
 struct TileConfig;
 template <>
 struct TileConfig<64> {
-  static constexpr int kWarpgroups = 2, kBlockN = 128, kMinBlocks = 1;  // 80 KiB
+  // One warpgroup, two blocks per SM (72 KiB each): one block's prologue and epilogue overlap
+  // the other's main loop, which matters for short sequences (two warpgroups sharing K/V
+  // would need more registers than two blocks per SM leave).
+  static constexpr int kWarpgroups = 1, kBlockN = 128, kMinBlocks = 2;
 };
 template <>
 struct TileConfig<128> {
