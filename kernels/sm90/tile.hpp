@@ -11,10 +11,10 @@ template <int kHeadDim>
 struct TileConfig;
 template <>
 struct TileConfig<64> {
-  // One warpgroup, two blocks per SM (72 KiB each): one block's prologue and epilogue overlap
-  // the other's main loop, which matters for short sequences (two warpgroups sharing K/V
-  // would need more registers than two blocks per SM leave).
-  static constexpr int kWarpgroups = 1, kBlockN = 128, kMinBlocks = 2;
+  // One warpgroup and 64-key blocks (41 KiB, ~140 registers): three blocks per SM, so one
+  // block's prologue, epilogue and softmax overlap the others' wgmma. Measured against
+  // 128-key blocks at two per SM: faster in every FA-grid cell, most for short causal rows.
+  static constexpr int kWarpgroups = 1, kBlockN = 64, kMinBlocks = 3;
 };
 template <>
 struct TileConfig<128> {
