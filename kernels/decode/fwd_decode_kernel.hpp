@@ -47,12 +47,9 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   }
 
   const int hd = int(p.head_dim);
-  const T* gQ = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride +
-                bi.q_start * p.q_row_stride + bi.h * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride +
-                bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
-                bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
+  const T* gQ = bi.template q_rows<T>(p);
+  const T* gK = bi.template k_rows<T>(p);
+  const T* gV = bi.template v_rows<T>(p);
 
   const int n_begin = bi.n_block_min, num_n = bi.n_block_max - bi.n_block_min;
   // Key block n_begin + i goes to stage i % kStages; one commit group per block, empty ones
@@ -159,8 +156,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   __syncthreads();
 
   // ---- Epilogue: one thread per (row, 8-column chunk) ----
-  T* gO = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.q_start * p.o_row_stride +
-          bi.h * p.o_head_stride;
+  T* gO = bi.template o_rows<T>(p);
   for (int idx = int(threadIdx.x); idx < Cfg::kBlockM * Cfg::kChunks; idx += Cfg::kThreads) {
     const int row = idx / Cfg::kChunks, ch = idx % Cfg::kChunks;
     const int64_t q_row_idx = m0 + row;

@@ -84,6 +84,28 @@ struct BlockInfo {
     hi = int(h < -1 ? -1 : h > kBlockN ? kBlockN : h);
   }
 
+  /// Row 0 of this block's (batch, head) — of its sequence, for varlen — in q, k, v and out.
+  template <class T>
+  __device__ __forceinline__ const T* q_rows(const FwdParams& p) const {
+    return static_cast<const T*>(p.q) + b * p.q_batch_stride + q_start * p.q_row_stride +
+           h * p.q_head_stride;
+  }
+  template <class T>
+  __device__ __forceinline__ const T* k_rows(const FwdParams& p) const {
+    return static_cast<const T*>(p.k) + b * p.k_batch_stride + k_start * p.k_row_stride +
+           h_kv * p.k_head_stride;
+  }
+  template <class T>
+  __device__ __forceinline__ const T* v_rows(const FwdParams& p) const {
+    return static_cast<const T*>(p.v) + b * p.v_batch_stride + k_start * p.v_row_stride +
+           h_kv * p.v_head_stride;
+  }
+  template <class T>
+  __device__ __forceinline__ T* o_rows(const FwdParams& p) const {
+    return static_cast<T*>(p.out) + b * p.o_batch_stride + q_start * p.o_row_stride +
+           h * p.o_head_stride;
+  }
+
   /// Whether key j is valid for query row i (both relative to this sequence).
   __device__ __forceinline__ static bool key_valid(const FwdParams& p, int64_t i, int64_t j,
                                                    int64_t len_k, int64_t diag, bool masked) {

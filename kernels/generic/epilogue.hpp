@@ -4,6 +4,7 @@
 
 #include "generic/block_info.hpp"
 #include "generic/softmax.hpp"
+#include "generic/tile_config.hpp"
 #include "hipflash/params.hpp"
 
 namespace hipflash::generic {
@@ -32,6 +33,23 @@ __device__ __forceinline__ void write_padded_lse_tail(const FwdParams& p, int64_
     if (row >= len_q && row < p.seqlen_q)
       p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_row_stride] =
           detail::kNegInf;
+  }
+}
+
+/// Writes rows [m0, min(m0 + kRows, len_q)) of the output, staged (rounded) in shared memory as
+/// a swizzled [kRows][kChunks * 8] tile, to gO (row stride ld) in 16-byte pieces; columns past
+/// head_dim are not written. The caller synchronises the block before (staging done).
+template <int kRows, int kChunks, int kThreads, class T>
+__device__ __forceinline__ void store_staged_rows(T* gO, int64_t ld, const T* staged, int64_t m0,
+                                                  int64_t len_q, int head_dim) {
+  constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int idx = int(threadIdx.x) + i * kThreads;
+    const int r = idx / kChunks, c = idx % kChunks;
+    if (m0 + r < len_q && c * 8 < head_dim)
+      *reinterpret_cast<uint4*>(gO + (m0 + r) * ld + c * 8) =
+          *reinterpret_cast<const uint4*>(staged + swizzle<kChunks>(r, c));
   }
 }
 

@@ -96,12 +96,9 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     return;
   }
   const int hd = int(p.head_dim);
-  const T* gQ = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride +
-                bi.q_start * p.q_row_stride + bi.h * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride +
-                bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
-                bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
+  const T* gQ = bi.template q_rows<T>(p);
+  const T* gK = bi.template k_rows<T>(p);
+  const T* gV = bi.template v_rows<T>(p);
 
   // This lane's query (B operand of S^T = K Q^T): row i of the wave's tile, dims 4kg + 16 ds.
   const int64_t q_row = m0 + wave * 16 + i;
@@ -197,8 +194,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   softmax.l[0] += port::shfl_xor(softmax.l[0], 32);
 
   // ---- Epilogue: lane holds O[query 4kg + j][dim 16 dt + i] ----
-  T* gO = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.q_start * p.o_row_stride +
-          bi.h * p.o_head_stride;
+  T* gO = bi.template o_rows<T>(p);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int src = kg * 4 + j;

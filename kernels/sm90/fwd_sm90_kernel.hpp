@@ -88,12 +88,9 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   }
 
   const int hd = int(p.head_dim);
-  const T* gQ = static_cast<const T*>(p.q) + bi.b * p.q_batch_stride +
-                bi.q_start * p.q_row_stride + bi.h * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k) + bi.b * p.k_batch_stride +
-                bi.k_start * p.k_row_stride + bi.h_kv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v) + bi.b * p.v_batch_stride +
-                bi.k_start * p.v_row_stride + bi.h_kv * p.v_head_stride;
+  const T* gQ = bi.template q_rows<T>(p);
+  const T* gK = bi.template k_rows<T>(p);
+  const T* gV = bi.template v_rows<T>(p);
   const TileLoader<kBN, kHD, kThreads, T> k_loader(gK, p.k_row_stride, hd);
   const TileLoader<kBN, kHD, kThreads, T> v_loader(gV, p.v_row_stride, hd);
   auto load_k = [&](int n) { k_loader.load(sK(n), int64_t(n) * kBN, bi.len_k); };
@@ -273,17 +270,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
             pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
     }
     __syncthreads();
-    T* gO = static_cast<T*>(p.out) + bi.b * p.o_batch_stride + bi.q_start * p.o_row_stride +
-            bi.h * p.o_head_stride;
-    constexpr int kTotal = kBM * Cfg::kChunks;
-#pragma unroll
-    for (int i = 0; i < kTotal / Cfg::kThreads; ++i) {
-      const int idx = int(threadIdx.x) + i * Cfg::kThreads;
-      const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-      if (m0 + r < bi.len_q && c * 8 < hd)
-        *reinterpret_cast<uint4*>(gO + (m0 + r) * p.o_row_stride + c * 8) =
-            *reinterpret_cast<const uint4*>(sO + generic::swizzle<Cfg::kChunks>(r, c));
-    }
+    generic::store_staged_rows<kBM, Cfg::kChunks, kThreads>(bi.template o_rows<T>(p),
+                                                            p.o_row_stride, sO, m0, bi.len_q, hd);
   }
 }
 

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "decode/fwd_decode_kernel.hpp"
-#include "gpu/launch_api.hpp"
+#include "gpu/launch_fwd.hpp"
 #include "hipflash/detail/selector.hpp"
 
 namespace hipflash::gpu {
@@ -12,16 +12,7 @@ template <class Traits>
 void launch_decode_fwd(const FwdParams& p, port::stream_t stream) {
   using Cfg = decode::DecodeTile<Traits::kHeadDim>;
   static_assert(Cfg::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
-  const int64_t num_m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const int64_t blocks = num_m_blocks * p.num_splits * p.heads_q * p.batch;
-  HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one launch: ", blocks,
-                 " thread blocks (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
-  auto kernel = decode::fwd_decode_kernel<Traits>;
-  static const port::error_t attr = port::set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
-  port::check(attr, "setting the decode kernel's shared-memory size");
-  kernel<<<dim3(unsigned(blocks)), dim3(Cfg::kThreads), Cfg::kSmemBytes, stream>>>(
-      p, int(num_m_blocks));
-  port::check(port::get_last_error(), "launching the decode forward kernel");
+  launch_fwd_grid<Cfg, decode::fwd_decode_kernel<Traits>>(p, stream, "decode");
 }
 
 }  // namespace hipflash::gpu
