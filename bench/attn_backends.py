@@ -241,44 +241,37 @@ class TorchFlash(Backend):
         return run, _dense_extract(cell, "bhsd")
 
 
-class TorchCudnn(Backend):
+class _TorchSdpaKernel(Backend):
+    """An aten._scaled_dot_product_<kernel>_attention op taking compute_log_sumexp, with or
+    without the LSE. Subclasses name the op; cuDNN's takes return_debug_mask after is_causal."""
+    layout = "bhsd"
+    op_name = label = None
+    after_causal = ()
+
+    def __init__(self, compute_lse=True):
+        self.lse = compute_lse
+        self.name = self.label if compute_lse else self.label + "-nolse"
+
+    def prepare(self, cell, inp):
+        op = _aten(self.op_name)
+        _no_top_left_causal(cell)
+        q, k, v = inp.bhsd()
+        causal, scale, L, extra = cell.causal, cell.scale, self.lse, self.after_causal
+
+        def run(i):
+            r = op(q[i], k[i], v[i], None, L, 0.0, causal, *extra, scale=scale)
+            return (r[0], r[1]) if L else r[0]
+        return run, _dense_extract(cell, "bhsd")
+
+
+class TorchCudnn(_TorchSdpaKernel):
     """aten._scaled_dot_product_cudnn_attention with or without compute_log_sumexp."""
-    layout = "bhsd"
-
-    def __init__(self, compute_lse=True):
-        self.lse = compute_lse
-        self.name = "torch-cudnn" if compute_lse else "torch-cudnn-nolse"
-
-    def prepare(self, cell, inp):
-        op = _aten("_scaled_dot_product_cudnn_attention")
-        _no_top_left_causal(cell)
-        q, k, v = inp.bhsd()
-        causal, scale, L = cell.causal, cell.scale, self.lse
-
-        def run(i):
-            r = op(q[i], k[i], v[i], None, L, 0.0, causal, False, scale=scale)
-            return (r[0], r[1]) if L else r[0]
-        return run, _dense_extract(cell, "bhsd")
+    op_name, label, after_causal = "_scaled_dot_product_cudnn_attention", "torch-cudnn", (False,)
 
 
-class TorchEfficient(Backend):
+class TorchEfficient(_TorchSdpaKernel):
     """aten._scaled_dot_product_efficient_attention (memory-efficient / CUTLASS)."""
-    layout = "bhsd"
-
-    def __init__(self, compute_lse=True):
-        self.lse = compute_lse
-        self.name = "torch-efficient" if compute_lse else "torch-efficient-nolse"
-
-    def prepare(self, cell, inp):
-        op = _aten("_scaled_dot_product_efficient_attention")
-        _no_top_left_causal(cell)
-        q, k, v = inp.bhsd()
-        causal, scale, L = cell.causal, cell.scale, self.lse
-
-        def run(i):
-            r = op(q[i], k[i], v[i], None, L, 0.0, causal, scale=scale)
-            return (r[0], r[1]) if L else r[0]
-        return run, _dense_extract(cell, "bhsd")
+    op_name, label = "_scaled_dot_product_efficient_attention", "torch-efficient"
 
 
 class CudnnSdpaGqa(Backend):

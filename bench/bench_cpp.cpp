@@ -34,15 +34,7 @@
 #include "hipflash/hipflash.hpp"
 #include "hipflash/reference.hpp"
 
-#if defined(HIPFLASH_WITH_CUDA)
-#include <cuda_runtime.h>
-#define HF_RT(name) cuda##name
-using DeviceProp = cudaDeviceProp;
-#elif defined(HIPFLASH_WITH_HIP)
-#include <hip/hip_runtime.h>
-#define HF_RT(name) hip##name
-using DeviceProp = hipDeviceProp_t;
-#endif  // HIPFLASH_WITH_CUDA / HIPFLASH_WITH_HIP
+#include "device_runtime.hpp"
 
 namespace {
 
@@ -198,13 +190,6 @@ void fill_random(uint16_t* p, int64_t n, DType dt, uint64_t seed) {
 }
 
 // ---- Device memory (or host memory for the CPU backend) --------------------------------------
-
-#if defined(HF_RT)
-void rt_check(HF_RT(Error_t) e, const char* what) {
-  if (e != HF_RT(Success))
-    throw hipflash::runtime_error(std::string(what) + ": " + HF_RT(GetErrorString)(e));
-}
-#endif  // HF_RT
 
 /// One buffer on the benchmark's device: device memory on GPU, a vector on CPU.
 class Buffer {

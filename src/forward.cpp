@@ -99,8 +99,9 @@ void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
   HIPFLASH_CHECK(opts.window_left >= -1 && opts.window_right >= -1,
                  "window_size must be (left, right) with -1 (unbounded) or values >= 0, got (",
                  opts.window_left, ", ", opts.window_right, ")");
-  HIPFLASH_CHECK(opts.num_splits >= 0 && opts.num_splits <= 256,
-                 "num_splits must be in [0, 256] (0 = heuristic), got ", opts.num_splits);
+  HIPFLASH_CHECK(opts.num_splits >= 0 && opts.num_splits <= kMaxSplits,
+                 "num_splits must be in [0, ", kMaxSplits, "] (0 = heuristic), got ",
+                 opts.num_splits);
 }
 
 void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, const TensorRef& k,
@@ -146,60 +147,64 @@ Problem make_problem(const FwdParams& p) {
   prob.masked = p.has_window();
   prob.varlen = p.is_varlen();
   prob.num_splits = p.num_splits;
-  // GQA decode packs the query heads of one kv head into the query block (see the GPU
-  // launcher), so count rows the way the kernel will.
-  prob.query_rows = p.packs_gqa_decode() ? p.heads_q / p.heads_kv : p.seqlen_q;
+  prob.query_rows = p.gpu_query_rows();
   return prob;
 }
 
 /// Resolves num_splits (0 -> heuristic) for the kernel that will run the call: the work items
-/// are its (batch, head, query block)s, the slots its resident blocks on every multiprocessor.
-int resolve_splits(const FwdParams& p, int requested, Location loc, KernelKind kind) {
+/// are its (batch, head, query block)s, the slots `processors` x its resident blocks on each.
+/// `gpu` counts heads and rows the way the GPU kernels do (GQA decode packed).
+int resolve_splits(const FwdParams& p, int requested, const gpu::TileShape& tile,
+                   int64_t processors, bool gpu) {
   const int64_t sk = p.seqlen_k;
   if (requested == 1 || sk == 0) return 1;
-  const gpu::TileShape tile = loc.kind == Location::gpu
-                                  ? gpu::tile_shape(kind, padded_head_dim(int(p.head_dim)))
-                                  : gpu::TileShape{64, 64, 1};
   if (tile.block_n <= 0 || tile.block_m <= 0) return 1;
   const int64_t key_blocks = ceil_div(sk, tile.block_n);
   if (requested > 0) return int(std::min<int64_t>(requested, std::max<int64_t>(key_blocks, 1)));
-  const Problem prob = make_problem(p);
-  const int64_t heads = p.packs_gqa_decode() && loc.kind == Location::gpu ? p.heads_kv : p.heads_q;
-  const int64_t rows = loc.kind == Location::gpu ? prob.query_rows : p.seqlen_q;
+  const int64_t heads = gpu ? p.gpu_heads() : p.heads_q;
+  const int64_t rows = gpu ? p.gpu_query_rows() : p.seqlen_q;
   const int64_t work = p.batch * heads * ceil_div(rows, tile.block_m);
-  const int64_t slots = loc.kind == Location::gpu
-                            ? int64_t(gpu::device_arch(loc.index).num_sms) * tile.blocks_per_sm
-                            : cpu::num_threads();
-  return num_splits_heuristic(work, slots, key_blocks);
+  return num_splits_heuristic(work, processors * tile.blocks_per_sm, key_blocks);
 }
 
-/// The kernel a call runs on (splits not yet resolved: key.split is set by the caller).
-Selection select_for(const FwdParams& p, Location loc) {
+/// The kernel a call runs on, on which device, and its resolved split count.
+struct Plan {
+  Selection sel;
+  Arch arch;  ///< host for the CPU backend
+  int num_splits = 1;
+};
+
+Plan plan_call(const FwdParams& p, int requested, Location loc) {
+  Plan plan;
   if (loc.kind == Location::cpu) {
-    Selection sel;
-    sel.kind = KernelKind::cpu_reference;
-    return sel;
+    plan.sel.kind = KernelKind::cpu_reference;
+    plan.num_splits =
+        resolve_splits(p, requested, gpu::TileShape{64, 64, 1}, cpu::num_threads(), false);
+    return plan;
   }
-  Selection sel = select_kernel(make_problem(p), gpu::device_arch(loc.index), gpu::build_caps());
-  HIPFLASH_CHECK_AS(not_implemented, sel.kind != KernelKind::unsupported, sel.reason);
-  return sel;
+  plan.arch = gpu::device_arch(loc.index);
+  plan.sel = select_kernel(make_problem(p), plan.arch, gpu::build_caps());
+  HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);
+  const gpu::TileShape tile = gpu::tile_shape(plan.sel.kind, padded_head_dim(int(p.head_dim)));
+  plan.num_splits = resolve_splits(p, requested, tile, plan.arch.num_sms, true);
+  plan.sel.key.split = plan.num_splits > 1;
+  return plan;
 }
 
 /// validate (done by the caller) -> select -> dispatch.
 void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream, Workspace ws) {
-  Selection sel = select_for(p, loc);
-  p.num_splits = resolve_splits(p, opts.num_splits, loc, sel.kind);
-  sel.key.split = p.num_splits > 1;
+  const Plan plan = plan_call(p, opts.num_splits, loc);
+  p.num_splits = plan.num_splits;
   if (loc.kind == Location::cpu) {
     detail::set_last_kernel_name("cpu_reference");
     if (p.batch == 0 || p.seqlen_q == 0) return;
     cpu::run_forward(p);
     return;
   }
-  detail::set_last_kernel_name(std::string("fwd_") + kernel_kind_name(sel.kind) + "_" +
-                               sel.key.name() + "_" + gpu::device_arch(loc.index).name());
+  detail::set_last_kernel_name(std::string("fwd_") + kernel_kind_name(plan.sel.kind) + "_" +
+                               plan.sel.key.name() + "_" + plan.arch.name());
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  gpu::run_forward(p, sel, loc.index, stream, ws);
+  gpu::run_forward(p, plan.sel, loc.index, stream, ws);
 }
 
 Location resolve_location(const TensorRef& q) {
@@ -288,8 +293,7 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   fill_window(p, opts);
   HIPFLASH_CHECK(padded_head_dim(int(p.head_dim)) != 0, "head dim ", p.head_dim,
                  " is not supported; supported head dims are 32, 64, 96, 128, 256");
-  const Location loc = resolve_location(q);
-  return resolve_splits(p, opts.num_splits, loc, select_for(p, loc).kind);
+  return plan_call(p, opts.num_splits, resolve_location(q)).num_splits;
 }
 
 void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,

@@ -10,6 +10,10 @@
 
 namespace hipflash {
 
+/// The largest split-K count a call may ask for (FwdOptions::num_splits); the combine kernel
+/// keeps one LSE per split in registers, sized by it.
+inline constexpr int kMaxSplits = 256;
+
 struct FwdParams {
   // Operands. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]. Varlen: the batch stride is 0 and
   // sequence b starts at row cu_seqlens_q[b] (cu_seqlens_k[b]).
@@ -46,7 +50,7 @@ struct FwdParams {
   int64_t window_left = -1, window_right = -1;
 
   bool return_lse = false;
-  int num_splits = 1;  ///< resolved split count (>= 1); the heuristic has already run
+  int num_splits = 1;  ///< resolved split count (1 .. kMaxSplits); the heuristic has already run
 
   // Split-K workspace (num_splits > 1): fp32 partial out [splits, B, Hq, Sq, D] and
   // partial lse [splits, B, Hq, Sq], contiguous, indexed by the padded row.
@@ -60,6 +64,9 @@ struct FwdParams {
   bool packs_gqa_decode() const {
     return seqlen_q == 1 && !has_window() && !is_varlen() && heads_q > heads_kv;
   }
+  /// Query rows and heads per batch as the GPU kernels see them (the packing above applied).
+  int64_t gpu_query_rows() const { return packs_gqa_decode() ? heads_q / heads_kv : seqlen_q; }
+  int64_t gpu_heads() const { return packs_gqa_decode() ? heads_kv : heads_q; }
 };
 
 }  // namespace hipflash

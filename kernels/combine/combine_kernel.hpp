@@ -12,7 +12,6 @@
 namespace hipflash::combine {
 
 inline constexpr int kWarpsPerBlock = 4;
-inline constexpr int kMaxSplits = 256;  ///< the launcher's num_splits bound
 
 /// Rows are (b, h, row) over the padded query length; kPaddedDim is the workspace row pitch.
 template <class T, int kPaddedDim, bool kReturnLse>

@@ -9,8 +9,6 @@ template <class T, int kPaddedDim, bool kReturnLse>
 static void launch(const FwdParams& p, port::stream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   const int64_t blocks = (rows + combine::kWarpsPerBlock - 1) / combine::kWarpsPerBlock;
-  HIPFLASH_CHECK(p.num_splits <= combine::kMaxSplits, "split-K combine: at most ",
-                 combine::kMaxSplits, " splits, got ", p.num_splits);
   HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one combine launch (", rows,
                  " rows)");
   combine::combine_kernel<T, kPaddedDim, kReturnLse>

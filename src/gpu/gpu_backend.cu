@@ -68,16 +68,20 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 }  // namespace
 
 BuildCaps build_caps() {
-  BuildCaps c;
-  c.gpu = true;
-  c.gpu_vendor = kVendor;
-  c.head_dim_mask = HIPFLASH_HEAD_DIM_MASK;
+  // Fixed for the process: the environment is read once, at the first call.
+  static const BuildCaps caps = [] {
+    BuildCaps c;
+    c.gpu = true;
+    c.gpu_vendor = kVendor;
+    c.head_dim_mask = HIPFLASH_HEAD_DIM_MASK;
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
-  // HIPFLASH_DISABLE_SM90=1 hides them, so that Hopper runs (and tests) the generic kernel.
-  const char* off = std::getenv("HIPFLASH_DISABLE_SM90");
-  c.sm90 = !(off && off[0] == '1');
+    // HIPFLASH_DISABLE_SM90=1 hides them, so that Hopper runs (and tests) the generic kernel.
+    const char* off = std::getenv("HIPFLASH_DISABLE_SM90");
+    c.sm90 = !(off && off[0] == '1');
 #endif  // HIPFLASH_HAS_SM90_KERNELS
-  return c;
+    return c;
+  }();
+  return caps;
 }
 
 std::string build_info() {

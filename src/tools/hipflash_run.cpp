@@ -23,13 +23,7 @@
 #include "hipflash/hipflash.hpp"
 #include "hipflash/reference.hpp"
 
-#if defined(HIPFLASH_WITH_CUDA)
-#include <cuda_runtime.h>
-#define HF_RT(name) cuda##name
-#elif defined(HIPFLASH_WITH_HIP)
-#include <hip/hip_runtime.h>
-#define HF_RT(name) hip##name
-#endif  // HIPFLASH_WITH_CUDA / HIPFLASH_WITH_HIP
+#include "device_runtime.hpp"
 
 namespace {
 
@@ -141,11 +135,6 @@ struct Host {
 };
 
 #if defined(HF_RT)
-void rt_check(HF_RT(Error_t) e, const char* what) {
-  if (e != HF_RT(Success))
-    throw hipflash::runtime_error(std::string(what) + ": " + HF_RT(GetErrorString)(e));
-}
-
 /// A device copy of a host tensor, freed on scope exit.
 struct Device {
   void* ptr = nullptr;
