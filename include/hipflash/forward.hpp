@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -33,11 +34,15 @@ struct VarlenOptions : FwdOptions {
   LseLayout lse_layout = LseLayout::padded;
 };
 
-/// Split-K scratch. Optional: when absent (or too small) the GPU launcher allocates its own,
-/// stream-ordered. `bytes` must be >= splitk_workspace_bytes(...) to be used.
+/// Split-K scratch, all optional. A call that splits uses `data` when `bytes` is enough
+/// (>= splitk_workspace_bytes(...)); otherwise it asks `allocate` for the bytes it needs: device
+/// memory on the tensors' GPU, usable by work enqueued on the call's stream, that the caller
+/// keeps alive until the call returns (a framework's caching allocator: the PyTorch binding
+/// passes at::empty). Without either the launcher allocates and frees its own, stream-ordered.
 struct Workspace {
   void* data = nullptr;
   size_t bytes = 0;
+  std::function<void*(size_t bytes)> allocate;
 };
 
 /// Dense forward. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], out like q,

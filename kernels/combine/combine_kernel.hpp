@@ -1,8 +1,12 @@
 // hipflash — the split-K combine kernel (SPEC §3).
 //
-// One warp per (batch, head, row): merge the splits' LSEs with the shared SoftmaxState, then
-// out = sum_s w_s * out_s with w_s = exp(lse_s - lse) (0 for an empty split). All splits empty:
-// out = 0, lse = -inf. RETURN_LSE is a compile-time flag: without it no LSE store exists.
+// One thread block per (batch, head, row). Warp 0 merges the splits' LSEs with the shared
+// SoftmaxState into the row's LSE and each split's weight w_s = exp(lse_s - lse) (0 for an empty
+// split); meanwhile every warp has already issued the loads of its splits' partial rows
+// (split s belongs to warp s % kWarps), so the row costs about one memory round trip however
+// many splits there are. out = sum_s w_s * out_s is reduced across the warps in shared memory.
+// All splits empty: out = 0, lse = -inf. RETURN_LSE is a compile-time flag: without it no LSE
+// store exists.
 #pragma once
 
 #include "hipflash/detail/softmax_state.hpp"
@@ -11,18 +15,44 @@
 
 namespace hipflash::combine {
 
-inline constexpr int kWarpsPerBlock = 4;
+inline constexpr int kWarps = 4;  ///< warps per row
+inline constexpr int kThreads = kWarps * port::kWarpSize;
+/// Splits each warp has in flight at once.
+inline constexpr int kBatch = 8;
+
+/// kN consecutive floats of a partial row, in the widest aligned vectors.
+template <int kN>
+__device__ __forceinline__ void load_cols(const float* src, float (&v)[kN]) {
+  if constexpr (kN % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < kN; e += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(src + e);
+      v[e] = x.x, v[e + 1] = x.y, v[e + 2] = x.z, v[e + 3] = x.w;
+    }
+  } else if constexpr (kN % 2 == 0) {
+#pragma unroll
+    for (int e = 0; e < kN; e += 2) {
+      const float2 x = *reinterpret_cast<const float2*>(src + e);
+      v[e] = x.x, v[e + 1] = x.y;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kN; ++e) v[e] = src[e];
+  }
+}
 
 /// Rows are (b, h, row) over the padded query length; kPaddedDim is the workspace row pitch.
 template <class T, int kPaddedDim, bool kReturnLse>
-__global__ void __launch_bounds__(kWarpsPerBlock * port::kWarpSize)
-    combine_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p) {
+__global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p) {
   using detail::SoftmaxState;
   constexpr int kWarp = port::kWarpSize;
-  const int lane = int(threadIdx.x) % kWarp;
-  const int64_t item = int64_t(blockIdx.x) * kWarpsPerBlock + int(threadIdx.x) / kWarp;
-  const int64_t rows_total = p.batch * p.heads_q * p.seqlen_q;
-  if (item >= rows_total) return;
+  constexpr int kPerLane = kPaddedDim / kWarp;  // columns per lane
+  static_assert(kPaddedDim % kWarp == 0, "whole columns per lane");
+  __shared__ float s_weight[kMaxSplits];
+  __shared__ float s_acc[kWarps][kPaddedDim];
+
+  const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
+  const int64_t item = blockIdx.x;
   const int64_t row = item % p.seqlen_q;
   const int64_t h = (item / p.seqlen_q) % p.heads_q;
   const int64_t b = item / (p.seqlen_q * p.heads_q);
@@ -33,7 +63,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * port::kWarpSize)
   }
   if (row >= len_q) {  // padded varlen LSE rows are -inf; there is no output row
     if constexpr (kReturnLse) {
-      if (lane == 0 && p.lse_layout == LseLayout::padded)
+      if (threadIdx.x == 0 && p.lse_layout == LseLayout::padded)
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_row_stride] =
             detail::kNegInf;
     }
@@ -42,64 +72,79 @@ __global__ void __launch_bounds__(kWarpsPerBlock * port::kWarpSize)
   // Split s's partial row: ((s * B + b) * Hq + h) * Sq + row.
   const int64_t split_stride = p.batch * p.heads_q * p.seqlen_q;
   const int64_t base = (b * p.heads_q + h) * p.seqlen_q + row;
-
-  // Lane l holds the LSEs of splits l, l + 32, ... (num_splits <= kMaxSplits, validated).
-  constexpr int kSplitRegs = kMaxSplits / kWarp;
-  float lse_s[kSplitRegs];
-  SoftmaxState total;
+  const int splits = p.num_splits;
+  auto partial = [&](int s) {
+    return p.out_partial + (int64_t(s) * split_stride + base) * kPaddedDim + lane * kPerLane;
+  };
+  // Split warp + kWarps * j of batch `first` (j < kBatch). Workspace rows of splits that exist
+  // are always readable; an empty split's row may hold anything and gets weight 0 below.
+  auto load_batch = [&](int first, float (&v)[kBatch][kPerLane]) {
 #pragma unroll
-  for (int i = 0; i < kSplitRegs; ++i) {
-    const int s = lane + i * kWarp;
-    lse_s[i] = s < p.num_splits ? p.lse_partial[s * split_stride + base] : detail::kNegInf;
-    total.merge(SoftmaxState::from_lse(lse_s[i]));
-  }
-  for (int off = kWarp / 2; off > 0; off /= 2) {
-    SoftmaxState other{port::shfl_xor(total.m, off), port::shfl_xor(total.l, off)};
-    total.merge(other);
-  }
-
-  // Lane l accumulates columns [l * kPerLane, (l + 1) * kPerLane) with vector loads; the
-  // splits' rows are independent loads, unrolled so that several are in flight.
-  constexpr int kPerLane = kPaddedDim / kWarp;
-  static_assert(kPaddedDim % kWarp == 0, "whole columns per lane");
+    for (int j = 0; j < kBatch; ++j) {
+      const int s = first + warp + kWarps * j;
+      if (s < splits) load_cols<kPerLane>(partial(s), v[j]);
+    }
+  };
   float acc[kPerLane];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+  for (int e = 0; e < kPerLane; ++e) acc[e] = 0.f;
+  auto accumulate = [&](int first, const float (&v)[kBatch][kPerLane]) {
 #pragma unroll
-  for (int i = 0; i < kSplitRegs; ++i) {
-    if (i * kWarp >= p.num_splits) break;
-    const float w_mine = detail::combine_weight(lse_s[i], total);
-    const int n = p.num_splits - i * kWarp < kWarp ? p.num_splits - i * kWarp : kWarp;
-#pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const float w = port::shfl(w_mine, j);
-      if (w == 0.f) continue;  // empty split (uniform across the warp)
-      const float* src =
-          p.out_partial + (int64_t(i * kWarp + j) * split_stride + base) * kPaddedDim + lane * kPerLane;
-      if constexpr (kPerLane % 4 == 0) {
+    for (int j = 0; j < kBatch; ++j) {
+      const int s = first + warp + kWarps * j;
+      const float w = s < splits ? s_weight[s] : 0.f;
 #pragma unroll
-        for (int e = 0; e < kPerLane; e += 4) {
-          const float4 v = *reinterpret_cast<const float4*>(src + e);
-          acc[e] += w * v.x, acc[e + 1] += w * v.y, acc[e + 2] += w * v.z, acc[e + 3] += w * v.w;
-        }
-      } else {
+      for (int e = 0; e < kPerLane; ++e) acc[e] += w != 0.f ? w * v[j][e] : 0.f;  // no 0 * NaN
+    }
+  };
+
+  float v[kBatch][kPerLane];
+  load_batch(0, v);
+  if (warp == 0) {
+    // Lane l holds the LSEs of splits l, l + kWarp, ... (num_splits <= kMaxSplits, validated).
+    constexpr int kSplitRegs = kMaxSplits / kWarp;
+    float lse_s[kSplitRegs];
+    SoftmaxState total;
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) acc[e] += w * src[e];
+    for (int i = 0; i < kSplitRegs; ++i) {
+      const int s = lane + i * kWarp;
+      lse_s[i] = s < splits ? p.lse_partial[s * split_stride + base] : detail::kNegInf;
+      total.merge(SoftmaxState::from_lse(lse_s[i]));
+    }
+    for (int off = kWarp / 2; off > 0; off /= 2) {
+      const SoftmaxState other{port::shfl_xor(total.m, off), port::shfl_xor(total.l, off)};
+      total.merge(other);
+    }
+#pragma unroll
+    for (int i = 0; i < kSplitRegs; ++i) {
+      const int s = lane + i * kWarp;
+      if (s < splits) s_weight[s] = detail::combine_weight(lse_s[i], total);
+    }
+    if constexpr (kReturnLse) {
+      if (lane == 0) {
+        const int64_t r = p.lse_layout == LseLayout::packed && p.cu_seqlens_q ? q_start + row : row;
+        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + r * p.lse_row_stride] = total.lse();
       }
     }
   }
+  __syncthreads();  // the weights are in shared memory
+  accumulate(0, v);
+  for (int first = kWarps * kBatch; first < splits; first += kWarps * kBatch) {
+    load_batch(first, v);
+    accumulate(first, v);
+  }
+
+  // Sum the warps' partial rows; every thread stores whole columns.
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) s_acc[warp][lane * kPerLane + e] = acc[e];
+  __syncthreads();
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + (q_start + row) * p.o_row_stride +
            h * p.o_head_stride;
+  for (int col = int(threadIdx.x); col < kPaddedDim && col < p.head_dim; col += kThreads) {
+    float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int col = lane * kPerLane + i;
-    if (col < p.head_dim) out[col] = port::from_float<T>(acc[i]);
-  }
-  if constexpr (kReturnLse) {
-    if (lane == 0) {
-      const int64_t r = p.lse_layout == LseLayout::packed && p.cu_seqlens_q ? q_start + row : row;
-      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + r * p.lse_row_stride] = total.lse();
-    }
+    for (int w = 0; w < kWarps; ++w) sum += s_acc[w][col];
+    out[col] = port::from_float<T>(sum);
   }
 }
 

@@ -247,19 +247,12 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       if (t == 0) p.lse_partial[prow] = softmax.lse(h);
     }
   } else {
-    if constexpr (Traits::kReturnLse) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t row = row_of(h);
-        if (t == 0 && row < bi.len_q)
-          p.lse[generic::lse_index(p, bi.b, bi.h, bi.q_start, row)] = softmax.lse(h);
-      }
-      generic::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    }
     // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.
     cp_async_wait<0>();
     __syncthreads();  // every wgmma reading sQ is done; no copy is in flight
     T* sO = reinterpret_cast<T*>(smem_raw + (sQ - smem_addr(smem_raw)));
+    // The rows' LSEs are staged too (in K's first stage, free now), for one coalesced store.
+    float* sL = reinterpret_cast<float*>(smem_raw + (sK(0) - smem_addr(smem_raw)));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float inv = softmax.inv_sum(h);
@@ -268,10 +261,18 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       for (int i = 0; i < kHD / 8; ++i)
         *reinterpret_cast<uint32_t*>(sO + generic::swizzle<Cfg::kChunks>(srow, i) + 2 * t) =
             pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
+      if constexpr (Traits::kReturnLse)
+        if (t == 0) sL[srow] = softmax.lse(h);
     }
     __syncthreads();
     generic::store_staged_rows<kBM, Cfg::kChunks, kThreads>(bi.template o_rows<T>(p),
                                                             p.o_row_stride, sO, m0, bi.len_q, hd);
+    if constexpr (Traits::kReturnLse) {
+      const int r = int(threadIdx.x);  // one row per thread
+      if (r < kBM && m0 + r < bi.len_q)
+        p.lse[generic::lse_index(p, bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
+      generic::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+    }
   }
 }
 

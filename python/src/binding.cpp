@@ -4,11 +4,13 @@
 // dtype, sizes, strides, device), forwards the call with the GIL released, and turns the typed
 // C++ errors into Python exceptions. The CUDA/HIP stream arrives from Python as an integer
 // (torch.cuda.current_stream(dev).cuda_stream), so no device headers are needed here.
+#include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "hipflash/hipflash.hpp"
 
@@ -95,6 +97,17 @@ hipflash::FwdOptions fwd_options(std::optional<double> softmax_scale, bool causa
 
 hipflash::Stream as_stream(uintptr_t stream) { return reinterpret_cast<hipflash::Stream>(stream); }
 
+/// Split-K workspace from PyTorch's caching allocator (on q's device, current stream), held in
+/// `keep` until the call returns: no cudaMallocAsync/free per call.
+hipflash::Workspace torch_workspace(const at::Tensor& q, std::vector<at::Tensor>& keep) {
+  hipflash::Workspace ws;
+  ws.allocate = [&q, &keep](size_t bytes) {
+    keep.push_back(at::empty({int64_t(bytes)}, q.options().dtype(at::kByte)));
+    return keep.back().data_ptr();
+  };
+  return ws;
+}
+
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
              const std::optional<at::Tensor>& lse, std::optional<double> softmax_scale,
              bool causal, int64_t window_left, int64_t window_right, int num_splits,
@@ -105,8 +118,10 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   if (lse) lser = to_ref(*lse, "lse", Role::lse);
   const auto opts =
       fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+  std::vector<at::Tensor> keep;
   py::gil_scoped_release no_gil;
-  hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr, opts, as_stream(stream));
+  hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr, opts, as_stream(stream),
+                    torch_workspace(q, keep));
 }
 
 void varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -131,9 +146,10 @@ void varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   opts.max_seqlen_k = max_seqlen_k;
   opts.lse_layout =
       lse_layout == "packed" ? hipflash::LseLayout::packed : hipflash::LseLayout::padded;
+  std::vector<at::Tensor> keep;
   py::gil_scoped_release no_gil;
   hipflash::varlen_forward(qr, kr, vr, outr, lser ? &*lser : nullptr, cuq, cuk, opts,
-                           as_stream(stream));
+                           as_stream(stream), torch_workspace(q, keep));
 }
 
 int resolve_num_splits(const at::Tensor& q, const at::Tensor& k, bool causal,

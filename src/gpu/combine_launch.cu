@@ -7,12 +7,11 @@ namespace hipflash::gpu {
 
 template <class T, int kPaddedDim, bool kReturnLse>
 static void launch(const FwdParams& p, port::stream_t stream) {
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  const int64_t blocks = (rows + combine::kWarpsPerBlock - 1) / combine::kWarpsPerBlock;
-  HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one combine launch (", rows,
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;  // one thread block each
+  HIPFLASH_CHECK(rows <= 0x7fffffff, "problem too large for one combine launch (", rows,
                  " rows)");
   combine::combine_kernel<T, kPaddedDim, kReturnLse>
-      <<<dim3(unsigned(blocks)), dim3(combine::kWarpsPerBlock * port::kWarpSize), 0, stream>>>(p);
+      <<<dim3(unsigned(rows)), dim3(combine::kThreads), 0, stream>>>(p);
   port::check(port::get_last_error(), "launching the split-K combine kernel");
 }
 

@@ -175,8 +175,14 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
     const size_t need = splitk_workspace_bytes(p);
     void* base = ws.data;
     if (base == nullptr || ws.bytes < need) {
-      scratch = std::make_unique<ScratchBuffer>(need, stream);
-      base = scratch->ptr;
+      if (ws.allocate) {
+        base = ws.allocate(need);
+        HIPFLASH_CHECK_AS(runtime_error, base != nullptr,
+                          "the workspace allocator returned no memory for ", need, " bytes");
+      } else {
+        scratch = std::make_unique<ScratchBuffer>(need, stream);
+        base = scratch->ptr;
+      }
     }
     const size_t rows = need / ((size_t(hd) + 1) * sizeof(float));
     p.out_partial = static_cast<float*>(base);

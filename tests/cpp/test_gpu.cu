@@ -168,6 +168,12 @@ std::vector<Case> splits() {
     v.push_back({DType::bf16, 1, 1, 4097, 6, 1, 128, false, -1, -1, s});
     v.push_back({DType::f16, 1, 113, 2000, 6, 2, 64, true, -1, -1, s});
   }
+  // More splits than the combine kernel keeps in flight in one round (4 warps x 8), up to
+  // kMaxSplits; every padded head-dim pitch of the workspace (64, 256).
+  for (int s : {40, kMaxSplits}) {
+    v.push_back({DType::bf16, 1, 1, 20000, 8, 2, 256, false, -1, -1, s});
+    v.push_back({DType::f16, 2, 3, 17000, 4, 4, 64, true, -1, -1, s});
+  }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Splits, GpuForward, ::testing::ValuesIn(splits()), case_name);

@@ -152,7 +152,7 @@ def test_varlen(dtype, dim, causal, window, num_splits):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(1, 4096, 8, 8), (16, 8192, 32, 8), (128, 2048, 6, 2)],
                          ids=lambda s: "sq{}_sk{}_h{}_{}".format(*s))
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 17, 0])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 17, 40, 0])
 def test_num_splits(num_splits, shape, causal):
     sq, sk, hq, hkv = shape
     q, k, v = qkv(1, sq, sk, hq, hkv, 128, seed=5)
