@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -579,6 +580,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget", default=None, choices=sorted(BUDGETS),
                     help="timing budget (default: quick for the quick suite, else full)")
     ap.add_argument("--progress", default="auto", choices=["auto", "bar", "plain", "none"])
+    ap.add_argument("--cells", default=None,
+                    help="only the cells whose label matches this regular expression")
     ap.add_argument("--max-cells", type=int, default=0, help="debug: stop after N cells")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     return ap.parse_args(argv)
@@ -600,6 +603,9 @@ def main(argv=None):
         for c in cells:
             c.backends = [b for b in c.backends if b in keep]
         cells = [c for c in cells if c.backends]
+    if args.cells:
+        pattern = re.compile(args.cells)
+        cells = [c for c in cells if pattern.search(c.label)]
     if args.max_cells:
         cells = cells[:args.max_cells]
     out_dir = args.out or os.path.join(HERE, "results", args.suite)

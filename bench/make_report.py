@@ -54,6 +54,51 @@ def _load_run(spec, allow_partial):
     return path, meta, rows
 
 
+# The speed targets of the issue that asked for the GPU kernels (hipflash with LSE against one
+# named peer per suite), checked cell by cell from the same rows as the tables below.
+TARGETS = [("fa-grid", "tflops", "TFLOP/s", "torch-flash"), ("decode", "gbps", "GB/s", "fa2-native")]
+
+
+def targets_markdown(rows):
+    """The targets table: hipflash+lse / the named peer per cell, and the LSE overhead."""
+    by = {(r["suite"], r["label"], r["backend"]): r for r in rows if r["status"] == "ok"}
+    labels = {}
+    for r in rows:
+        labels.setdefault(r["suite"], [])
+        if r["label"] not in labels[r["suite"]]:
+            labels[r["suite"]].append(r["label"])
+    out = []
+    for suite, metric, unit, peer in TARGETS:
+        cells = []
+        for label in labels.get(suite, []):
+            hf, pr = by.get((suite, label, "hipflash+lse")), by.get((suite, label, peer))
+            if hf and pr and hf.get(metric) and pr.get(metric):
+                cells.append((label, hf[metric], pr[metric], hf[metric] / pr[metric]))
+        if not cells:
+            continue
+        met = sum(1 for c in cells if c[3] >= 1.0)
+        out += [f"**{suite}: hipflash with LSE vs {peer}** ({unit}; target >= 1.00x in every "
+                f"cell): {met} of {len(cells)} cells met, lowest "
+                f"{min(c[3] for c in cells):.2f}x ({min(cells, key=lambda c: c[3])[0]}).", "",
+                f"| cell | hipflash+lse | {peer} | ratio |", "|---|---:|---:|---:|"]
+        out += [f"| {c[0]} | {c[1]:.1f} | {c[2]:.1f} | {c[3]:.3f}x |" for c in cells]
+        out.append("")
+    pairs = [(by[(r["suite"], r["label"], "hipflash")]["time_ms"], r["time_ms"]) for r in rows
+             if r["suite"] == "lse-overhead" and r["backend"] == "hipflash+lse"
+             and r["status"] == "ok" and (r["suite"], r["label"], "hipflash") in by]
+    if pairs:
+        geo = 1.0
+        for off, on in pairs:
+            geo *= on / off
+        geo **= 1.0 / len(pairs)
+        out += [f"**LSE overhead** (target <= 2%): {100 * (geo - 1):+.1f}% geomean over the "
+                f"{len(pairs)} lse-overhead cells, worst "
+                f"{100 * max(on / off - 1 for off, on in pairs):+.1f}%.", ""]
+    if not out:
+        return ""
+    return "### Targets\n\n" + "\n".join(out) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+",
@@ -97,6 +142,10 @@ def main(argv=None):
                 print(f"plots skipped for {path}: {why}")
         heading = "##" if len(runs) == 1 else "###"
         body = rep.render_markdown(meta, rows, images, image_prefix=prefix, heading=heading)
+        targets = targets_markdown(rows)
+        if targets:  # right after the run's header (before its first table)
+            at = body.find("\n### ")
+            body = body[:at + 1] + targets + body[at + 1:] if at >= 0 else body + "\n" + targets
         if len(runs) > 1:
             body = body.replace(f"{heading} hipflash attention benchmark: results",
                                 f"## Run: {', '.join(rep.suites_in(rows))} "
