@@ -267,6 +267,86 @@ TEST_F(Gpu, ZeroSplitsEqualsTheResolvedCountBitwise) {
   EXPECT_TRUE(saw_split) << "the decode cases should resolve to a split count > 1";
 }
 
+/// Device scratch for the workspace tests, every byte 0xFF (NaN as fp32).
+struct NaNBuffer {
+  void* ptr = nullptr;
+  explicit NaNBuffer(size_t bytes) {
+    CUDA_CHECK(cudaMalloc(&ptr, bytes));
+    CUDA_CHECK(cudaMemset(ptr, 0xFF, bytes));
+  }
+  ~NaNBuffer() { (void)cudaFree(ptr); }
+};
+
+TEST_F(Gpu, CallerWorkspaceGivesTheSameResult) {
+  // A split decode call with the launcher's own scratch, with a lent NaN-filled buffer, with a
+  // too-small buffer plus an allocator, and with an allocator alone: bitwise the same out and
+  // lse. An allocator that returns nothing is an error before any launch; a call that does not
+  // split never asks.
+  const Case c{DType::bf16, 1, 1, 20000, 8, 2, 128, false, -1, -1, 5};
+  constexpr size_t kBytes = size_t(1) << 20;
+  auto run_with = [&](const Case& cs, const Workspace& ws) {
+    Dense t = make(cs);
+    DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse);
+    forward(q.ref, k.ref, v.ref, out.ref, &lse.ref, t.opts, nullptr, ws);
+    sync();
+    out.download(t.out);
+    lse.download(t.lse);
+    return t;
+  };
+  const Dense own = run_with(c, {});
+  EXPECT_REF_OK(check_rows(own));
+
+  NaNBuffer lent(kBytes), pool(kBytes);
+  int calls = 0;
+  size_t asked = 0;
+  auto allocate = [&](size_t bytes) {
+    ++calls;
+    asked = bytes;
+    return bytes <= kBytes ? pool.ptr : nullptr;
+  };
+  Workspace given;
+  given.data = lent.ptr;
+  given.bytes = kBytes;
+  Workspace small_then_allocator;
+  small_then_allocator.data = lent.ptr;
+  small_then_allocator.bytes = 16;
+  small_then_allocator.allocate = allocate;
+  Workspace allocator_only;
+  allocator_only.allocate = allocate;
+  for (const Workspace* ws : {&given, &small_then_allocator, &allocator_only}) {
+    const int calls_before = calls;
+    const Dense t = run_with(c, *ws);
+    EXPECT_TRUE(t.out.bitwise_equal(own.out));
+    EXPECT_TRUE(t.lse.bitwise_equal(own.lse));
+    EXPECT_EQ(calls - calls_before, ws == &given ? 0 : 1);
+  }
+  EXPECT_GT(asked, size_t(16));
+
+  Workspace none;
+  none.allocate = [&](size_t) -> void* {
+    ++calls;
+    return nullptr;
+  };
+  {
+    Dense t = make(c);
+    const HostTensor out0 = t.out, lse0 = t.lse;
+    DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse);
+    EXPECT_THROW(forward(q.ref, k.ref, v.ref, out.ref, &lse.ref, t.opts, nullptr, none),
+                 hipflash::runtime_error);
+    sync();
+    out.download(t.out);
+    lse.download(t.lse);
+    EXPECT_TRUE(t.out.bitwise_equal(out0)) << "nothing may be written";
+    EXPECT_TRUE(t.lse.bitwise_equal(lse0)) << "nothing may be written";
+  }
+
+  Case unsplit = c;
+  unsplit.splits = 1;
+  const int calls_before = calls;
+  (void)run_with(unsplit, none);
+  EXPECT_EQ(calls, calls_before) << "a call that does not split needs no workspace";
+}
+
 TEST_F(Gpu, RepeatedRunsAreBitwiseIdentical) {
   for (int s : {1, 3, 0}) {
     Dense t = make({DType::bf16, 2, 1023, 1024, 6, 2, 128, true, -1, -1, s});
