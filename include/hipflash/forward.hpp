@@ -39,6 +39,7 @@ struct VarlenOptions : FwdOptions {
 /// memory on the tensors' GPU, usable by work enqueued on the call's stream, that the caller
 /// keeps alive until the call returns (a framework's caching allocator: the PyTorch binding
 /// passes at::empty). Without either the launcher allocates and frees its own, stream-ordered.
+/// Either must be 16-byte aligned.
 struct Workspace {
   void* data = nullptr;
   size_t bytes = 0;

@@ -184,6 +184,7 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
         base = scratch->ptr;
       }
     }
+    HIPFLASH_CHECK(aligned16(base), "the split-K workspace must be 16-byte aligned");
     const size_t rows = need / ((size_t(hd) + 1) * sizeof(float));
     p.out_partial = static_cast<float*>(base);
     p.lse_partial = p.out_partial + rows * size_t(hd);

@@ -280,8 +280,8 @@ struct NaNBuffer {
 TEST_F(Gpu, CallerWorkspaceGivesTheSameResult) {
   // A split decode call with the launcher's own scratch, with a lent NaN-filled buffer, with a
   // too-small buffer plus an allocator, and with an allocator alone: bitwise the same out and
-  // lse. An allocator that returns nothing is an error before any launch; a call that does not
-  // split never asks.
+  // lse. An allocator that returns nothing and a misaligned buffer are errors before any
+  // launch; a call that does not split never asks.
   const Case c{DType::bf16, 1, 1, 20000, 8, 2, 128, false, -1, -1, 5};
   constexpr size_t kBytes = size_t(1) << 20;
   auto run_with = [&](const Case& cs, const Workspace& ws) {
@@ -338,6 +338,20 @@ TEST_F(Gpu, CallerWorkspaceGivesTheSameResult) {
     lse.download(t.lse);
     EXPECT_TRUE(t.out.bitwise_equal(out0)) << "nothing may be written";
     EXPECT_TRUE(t.lse.bitwise_equal(lse0)) << "nothing may be written";
+  }
+
+  Workspace misaligned;
+  misaligned.data = static_cast<char*>(lent.ptr) + 4;
+  misaligned.bytes = kBytes - 4;
+  {
+    Dense t = make(c);
+    const HostTensor out0 = t.out;
+    DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse);
+    EXPECT_THROW(forward(q.ref, k.ref, v.ref, out.ref, &lse.ref, t.opts, nullptr, misaligned),
+                 hipflash::invalid_argument);
+    sync();
+    out.download(t.out);
+    EXPECT_TRUE(t.out.bitwise_equal(out0)) << "nothing may be written";
   }
 
   Case unsplit = c;
