@@ -56,44 +56,35 @@ def _load_run(spec, allow_partial):
 
 # The speed targets of the issue that asked for the GPU kernels (hipflash with LSE against one
 # named peer per suite), checked cell by cell from the same rows as the tables below.
-TARGETS = [("fa-grid", "tflops", "TFLOP/s", "torch-flash"), ("decode", "gbps", "GB/s", "fa2-native")]
+TARGETS = [("fa-grid", "torch-flash"), ("decode", "fa2-native")]
 
 
 def targets_markdown(rows):
     """The targets table: hipflash+lse / the named peer per cell, and the LSE overhead."""
-    by = {(r["suite"], r["label"], r["backend"]): r for r in rows if r["status"] == "ok"}
-    labels = {}
-    for r in rows:
-        labels.setdefault(r["suite"], [])
-        if r["label"] not in labels[r["suite"]]:
-            labels[r["suite"]].append(r["label"])
     out = []
-    for suite, metric, unit, peer in TARGETS:
+    for suite, peer in TARGETS:
+        metric = rep.suite_metric(suite)
         cells = []
-        for label in labels.get(suite, []):
-            hf, pr = by.get((suite, label, "hipflash+lse")), by.get((suite, label, peer))
-            if hf and pr and hf.get(metric) and pr.get(metric):
-                cells.append((label, hf[metric], pr[metric], hf[metric] / pr[metric]))
+        for _, bb in rep.cells_of(rows, suite):
+            hf, pr = rep.value(bb.get(rep.HF_LSE), metric), rep.value(bb.get(peer), metric)
+            if hf and pr:
+                cells.append((rep._cell_label(bb), hf, pr, hf / pr))
         if not cells:
             continue
         met = sum(1 for c in cells if c[3] >= 1.0)
-        out += [f"**{suite}: hipflash with LSE vs {peer}** ({unit}; target >= 1.00x in every "
-                f"cell): {met} of {len(cells)} cells met, lowest "
-                f"{min(c[3] for c in cells):.2f}x ({min(cells, key=lambda c: c[3])[0]}).", "",
+        low = min(cells, key=lambda c: c[3])
+        out += [f"**{suite}: hipflash with LSE vs {peer}** ({rep.METRIC_UNIT[metric]}; target "
+                f">= 1.00x in every cell): {met} of {len(cells)} cells met, lowest "
+                f"{low[3]:.2f}x ({low[0]}).", "",
                 f"| cell | hipflash+lse | {peer} | ratio |", "|---|---:|---:|---:|"]
         out += [f"| {c[0]} | {c[1]:.1f} | {c[2]:.1f} | {c[3]:.3f}x |" for c in cells]
         out.append("")
-    pairs = [(by[(r["suite"], r["label"], "hipflash")]["time_ms"], r["time_ms"]) for r in rows
-             if r["suite"] == "lse-overhead" and r["backend"] == "hipflash+lse"
-             and r["status"] == "ok" and (r["suite"], r["label"], "hipflash") in by]
-    if pairs:
-        geo = 1.0
-        for off, on in pairs:
-            geo *= on / off
-        geo **= 1.0 / len(pairs)
-        out += [f"**LSE overhead** (target <= 2%): {100 * (geo - 1):+.1f}% geomean over the "
-                f"{len(pairs)} lse-overhead cells, worst "
-                f"{100 * max(on / off - 1 for off, on in pairs):+.1f}%.", ""]
+    overheads = [o for _, bb in rep.cells_of(rows, "lse-overhead")
+                 if (o := rep.lse_overheads(bb).get(rep.HF_LSE)) is not None]
+    if overheads:
+        geo = rep.geomean([1.0 + o for o in overheads]) - 1.0
+        out += [f"**LSE overhead** (target <= 2%): {100 * geo:+.1f}% geomean over the "
+                f"{len(overheads)} lse-overhead cells, worst {100 * max(overheads):+.1f}%.", ""]
     if not out:
         return ""
     return "### Targets\n\n" + "\n".join(out) + "\n"
