@@ -14,6 +14,9 @@ namespace hipflash::cpu {
 /// The CPU backend: SPEC §3 on host memory, multi-threaded, tiled with the online softmax.
 void run_forward(const FwdParams& params);
 
+/// The function set by hipflash::set_interrupt_check (nullptr: none).
+InterruptCheck interrupt_check();
+
 /// Threads the CPU backend uses (its "multiprocessor count" for the split heuristic).
 int num_threads();
 

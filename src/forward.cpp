@@ -10,6 +10,7 @@
 #include "backend.hpp"
 #include "hipflash/detail/selector.hpp"
 #include "hipflash/forward.hpp"
+#include "tensor_checks.hpp"
 
 namespace hipflash {
 namespace {
@@ -26,11 +27,24 @@ std::string loc_str(Location l) {
   return l.kind == Location::cpu ? std::string("cpu") : "gpu:" + std::to_string(l.index);
 }
 
+/// Rank, sizes >= 0, and every element addressable in 64 bits (SPEC §2, §4): the first check
+/// of every tensor, so that nothing after it can overflow computing sizes or offsets.
 void check_rank(const TensorRef& t, const char* name, int rank, const char* layout) {
   HIPFLASH_CHECK(t.rank == rank, name, " must have rank ", rank, " (", layout, "), got shape ",
                  shape_str(t));
   for (int i = 0; i < rank; ++i)
     HIPFLASH_CHECK(t.sizes[i] >= 0, name, " has a negative size: ", shape_str(t));
+  const char* why = "";
+  HIPFLASH_CHECK(detail::indexable(t, &why), name, " with shape ", shape_str(t),
+                 " cannot be indexed in 64 bits: ", why);
+}
+
+/// a * b * ... in int64, or an invalid_argument naming `what`.
+int64_t checked_product(std::initializer_list<int64_t> factors, const char* what) {
+  int64_t r = 1;
+  for (int64_t f : factors)
+    HIPFLASH_CHECK(!__builtin_mul_overflow(r, f, &r), what, " overflows int64");
+  return r;
 }
 
 void check_half_dtype(const TensorRef& t, const char* name, DType expected) {
@@ -44,22 +58,27 @@ void check_last_dim(const TensorRef& t, const char* name) {
                  t.strides[t.rank - 1]);
 }
 
-// Byte range [lo, hi) a view can touch; empty views touch nothing.
-struct Span { uintptr_t lo = 0, hi = 0; };
-Span span_of(const TensorRef& t) {
-  if (t.numel() == 0 || t.data == nullptr) return {};
-  int64_t lo = 0, hi = 0;
-  for (int i = 0; i < t.rank; ++i) {
-    int64_t ext = (t.sizes[i] - 1) * t.strides[i];
-    (ext < 0 ? lo : hi) += ext;
-  }
-  auto base = reinterpret_cast<uintptr_t>(t.data);
-  int64_t es = dtype_size(t.dtype);
-  return {base + uintptr_t(lo * es), base + uintptr_t((hi + 1) * es)};
+/// An output `w` must share no element with `r` (element-exact: interleaved disjoint views of
+/// one buffer are fine; a layout the check cannot settle is refused, never guessed).
+void check_disjoint(const TensorRef& w, const char* w_name, const TensorRef& r, const char* r_name) {
+  const detail::Overlap o = detail::overlap(w, r);
+  HIPFLASH_CHECK(o == detail::Overlap::none, w_name, " must not alias ", r_name,
+                 o == detail::Overlap::some ? " (they share elements)"
+                     : " (their strides interleave in a way hipflash cannot prove disjoint; "
+                       "pass separate buffers)");
 }
-bool overlaps(const TensorRef& a, const TensorRef& b) {
-  Span x = span_of(a), y = span_of(b);
-  return x.lo < x.hi && y.lo < y.hi && x.lo < y.hi && y.lo < x.hi;
+
+/// An output must not write one element twice (an expanded, stride-0 view, or folded strides).
+void check_no_self_overlap(const TensorRef& t, const char* name) {
+  const detail::Overlap o = detail::self_overlap(t);
+  HIPFLASH_CHECK(o == detail::Overlap::none, name, " must not overlap itself (", shape_str(t),
+                 " with strides ", [&] {
+                   std::string s = "[";
+                   for (int i = 0; i < t.rank; ++i)
+                     s += (i ? ", " : "") + std::to_string(t.strides[i]);
+                   return s + "]";
+                 }(), o == detail::Overlap::some ? " maps two indices to one element)"
+                                                 : " may map two indices to one element)");
 }
 
 void check_location(const TensorRef& t, const char* name, Location expected) {
@@ -87,14 +106,21 @@ void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
   HIPFLASH_CHECK(padded_head_dim(int(d.head_dim)) != 0 && d.head_dim == int(d.head_dim),
                  "head dim ", d.head_dim,
                  " is not supported; supported head dims are 32, 64, 96, 128, 256");
+  // Row-indexed buffers (LSE, split-K partials) hold B * Hq * Sq rows of up to D + 2 floats.
+  checked_product({d.batch, d.heads_q, std::max<int64_t>(d.seqlen_q, 1), d.head_dim + 2,
+                   int64_t(sizeof(float))},
+                  "batch * heads_q * seqlen_q * (head_dim + 2) * 4 (the rows of the LSE and "
+                  "split-K buffers)");
   HIPFLASH_CHECK(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0,
                  "the number of k/v heads (", d.heads_kv,
                  ") must divide the number of query heads (", d.heads_q, ")");
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
-    HIPFLASH_CHECK(!overlaps(out, *t), "out must not alias ", name);
+  check_no_self_overlap(out, "out");
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_disjoint(out, "out", *t, name);
   HIPFLASH_CHECK(!opts.softmax_scale || (std::isfinite(*opts.softmax_scale) &&
-                                         *opts.softmax_scale > 0.f),
-                 "softmax_scale must be a finite positive number, got ",
+                                         *opts.softmax_scale > 0.f &&
+                                         *opts.softmax_scale <= kMaxSoftmaxScale),
+                 "softmax_scale must be a number in (0, ", kMaxSoftmaxScale,
+                 "] (larger scales overflow the fp32 scores), got ",
                  opts.softmax_scale.value_or(0.f));
   HIPFLASH_CHECK(opts.window_left >= -1 && opts.window_right >= -1,
                  "window_size must be (left, right) with -1 (unbounded) or values >= 0, got (",
@@ -125,15 +151,18 @@ void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, c
   for (int d = 0; d < expected.rank && expected.numel() > 0; ++d)
     HIPFLASH_CHECK(lse->sizes[d] <= 1 || lse->strides[d] == expected.strides[d],
                    "lse must be contiguous (row-major ", layout, ")");
-  HIPFLASH_CHECK(!overlaps(*lse, out), "lse must not alias out");
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
-    HIPFLASH_CHECK(!overlaps(*lse, *t), "lse must not alias ", name);
+  const char* why = "";
+  HIPFLASH_CHECK(detail::indexable(*lse, &why), "lse cannot be indexed in 64 bits: ", why);
+  check_disjoint(*lse, "lse", out, "out");
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_disjoint(*lse, "lse", *t, name);
 }
 
+/// The window of SPEC §3, saturated: a bound that reaches past every key of every row
+/// (left >= Sk, right >= Sq; max lengths for varlen) is the same as -1, however large the
+/// integer, so the kernels' window arithmetic never overflows. Needs p.seqlen_q / seqlen_k.
 void fill_window(FwdParams& p, const FwdOptions& opts) {
-  p.window_left = opts.window_left;
-  p.window_right = opts.causal ? 0 : opts.window_right;
-  if (opts.causal && opts.window_right > 0) p.window_right = 0;
+  p.window_left = opts.window_left >= p.seqlen_k ? -1 : opts.window_left;
+  p.window_right = opts.causal ? 0 : opts.window_right >= p.seqlen_q ? -1 : opts.window_right;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -176,10 +205,17 @@ struct Plan {
 
 Plan plan_call(const FwdParams& p, int requested, Location loc) {
   Plan plan;
+  // The split-K workspace: num_splits * B * Hq * Sq rows of (D + 2) floats.
+  const auto check_workspace_size = [&](int splits) {
+    checked_product({splits, p.batch, p.heads_q, p.seqlen_q, p.head_dim + 2, int64_t(sizeof(float))},
+                    "the split-K workspace size (num_splits * batch * heads_q * seqlen_q * "
+                    "(head_dim + 2) * 4)");
+  };
   if (loc.kind == Location::cpu) {
     plan.sel.kind = KernelKind::cpu_reference;
     plan.num_splits =
         resolve_splits(p, requested, gpu::TileShape{64, 64, 1}, cpu::num_threads(), false);
+    check_workspace_size(plan.num_splits);
     return plan;
   }
   plan.arch = gpu::device_arch(loc.index);
@@ -188,6 +224,7 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
   const gpu::TileShape tile = gpu::tile_shape(plan.sel.kind, padded_head_dim(int(p.head_dim)));
   plan.num_splits = resolve_splits(p, requested, tile, plan.arch.num_sms, true);
   plan.sel.key.split = plan.num_splits > 1;
+  check_workspace_size(plan.num_splits);
   return plan;
 }
 
@@ -318,6 +355,8 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                  "cu_seqlens_q and cu_seqlens_k must be contiguous");
   HIPFLASH_CHECK(cu_q.data != nullptr && cu_k.data != nullptr,
                  "cu_seqlens_q and cu_seqlens_k must have data pointers");
+  HIPFLASH_CHECK(detail::indexable(cu_q, nullptr) && detail::indexable(cu_k, nullptr),
+                 "cu_seqlens_q and cu_seqlens_k cannot be indexed in 64 bits");
   check_location(cu_q, "cu_seqlens_q", q.loc);
   check_location(cu_k, "cu_seqlens_k", q.loc);
   const int64_t batch = cu_q.sizes[0] - 1;
@@ -333,12 +372,16 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
   HIPFLASH_CHECK(opts.max_seqlen_q >= 0 && opts.max_seqlen_k >= 0,
                  "max_seqlen_q and max_seqlen_k must be >= 0");
   check_common(q, k, v, out, opts, d);
+  check_disjoint(out, "out", cu_q, "cu_seqlens_q");
+  check_disjoint(out, "out", cu_k, "cu_seqlens_k");
   if (opts.return_lse) {
     if (opts.lse_layout == LseLayout::padded)
       check_lse(lse, q, out, k, v, {batch, d.heads_q, d.seqlen_q},
                 "[batch, heads_q, max_seqlen_q] (lse_layout='padded')");
     else
       check_lse(lse, q, out, k, v, {d.heads_q, total_q}, "[heads_q, total_q] (lse_layout='packed')");
+    check_disjoint(*lse, "lse", cu_q, "cu_seqlens_q");
+    check_disjoint(*lse, "lse", cu_k, "cu_seqlens_k");
   }
   // cu_seqlens: read them (a small synchronous copy for device tensors) and check them.
   std::vector<int32_t> hq(size_t(batch + 1)), hk(size_t(batch + 1));
@@ -397,9 +440,10 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
 
 size_t splitk_workspace_bytes(const FwdParams& p) {
   if (p.num_splits <= 1) return 0;
+  // Bounded at validation: splits <= kMaxSplits and B * Hq * Sq * (D + 2) * 4 fits in int64.
   size_t rows = size_t(p.num_splits) * size_t(p.batch) * size_t(p.heads_q) * size_t(p.seqlen_q);
   size_t d = size_t(padded_head_dim(int(p.head_dim)));
-  return rows * (d + 1) * sizeof(float);
+  return rows * (d * sizeof(float) + sizeof(detail::SoftmaxState));
 }
 
 }  // namespace hipflash

@@ -2,7 +2,8 @@
 //
 // Every check of the public API throws one of these before anything is launched or written.
 // The Python binding maps them: invalid_argument -> ValueError, dtype_error -> TypeError,
-// not_implemented -> NotImplementedError, runtime_error -> RuntimeError.
+// not_implemented -> NotImplementedError, runtime_error -> RuntimeError,
+// interrupted -> KeyboardInterrupt.
 #pragma once
 
 #include <sstream>
@@ -30,6 +31,12 @@ struct not_implemented : std::logic_error {
 
 /// A device fault or launch error, carrying the device runtime's message.
 struct runtime_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// A long call stopped because the interrupt check (set_interrupt_check) asked it to; its
+/// outputs are partly written.
+struct interrupted : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 

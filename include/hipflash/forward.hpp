@@ -75,6 +75,13 @@ std::string build_info();
 /// Whether this build has GPU kernels and a GPU is visible.
 bool gpu_available();
 
+/// A function the CPU backend polls between tiles of a long call (on the calling thread, at
+/// most every few milliseconds); when it returns true the call stops and throws
+/// hipflash::interrupted. Process-wide; nullptr (the default) turns polling off. The PyTorch
+/// binding installs one that runs Python's signal handlers, so Ctrl-C interrupts a CPU call.
+using InterruptCheck = bool (*)();
+void set_interrupt_check(InterruptCheck check);
+
 /// Name of the kernel the last forward() on this thread ran, e.g.
 /// "fwd_generic_bf16_hd128_causal_lse_sm90" or "cpu_reference" (for benchmarks and logs).
 std::string last_kernel_name();

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "hipflash/detail/softmax_state.hpp"
 #include "hipflash/types.hpp"
 
 namespace hipflash {
@@ -13,6 +14,10 @@ namespace hipflash {
 /// The largest split-K count a call may ask for (FwdOptions::num_splits); the combine kernel
 /// keeps one LSE per split in registers, sized by it.
 inline constexpr int kMaxSplits = 256;
+
+/// The largest softmax_scale a call may pass: beyond it |q.k| * scale * log2(e) overflows fp32
+/// for ordinary inputs and the softmax turns into inf - inf.
+inline constexpr float kMaxSoftmaxScale = 65536.f;
 
 struct FwdParams {
   // Operands. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]. Varlen: the batch stride is 0 and
@@ -52,10 +57,12 @@ struct FwdParams {
   bool return_lse = false;
   int num_splits = 1;  ///< resolved split count (1 .. kMaxSplits); the heuristic has already run
 
-  // Split-K workspace (num_splits > 1): fp32 partial out [splits, B, Hq, Sq, D] and
-  // partial lse [splits, B, Hq, Sq], contiguous, indexed by the padded row.
+  // Split-K workspace (num_splits > 1): fp32 partial out [splits, B, Hq, Sq, D] (normalised by
+  // the split's own sum) and the split's softmax state (m, l) [splits, B, Hq, Sq], contiguous,
+  // indexed by the padded row. The state, not a rounded LSE, so the combine is exact for tied
+  // rows at any score magnitude (see detail::combine_weight).
   float* __restrict__ out_partial = nullptr;
-  float* __restrict__ lse_partial = nullptr;
+  detail::SoftmaxState* __restrict__ state_partial = nullptr;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }

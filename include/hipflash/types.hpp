@@ -5,6 +5,8 @@
 #include <initializer_list>
 #include <string_view>
 
+#include "hipflash/errors.hpp"
+
 namespace hipflash {
 
 enum class DType : int { f16 = 0, bf16 = 1, f32 = 2, i32 = 3 };
@@ -54,9 +56,11 @@ struct TensorRef {
   }
 };
 
-/// A contiguous (row-major) TensorRef over `data`.
+/// A contiguous (row-major) TensorRef over `data`; rank <= 4 (invalid_argument otherwise).
 inline TensorRef make_tensor(void* data, DType dtype, std::initializer_list<int64_t> sizes,
                              Location loc = {}) {
+  HIPFLASH_CHECK(sizes.size() <= 4, "make_tensor: a TensorRef has rank <= 4, got ",
+                 sizes.size(), " sizes");
   TensorRef t;
   t.data = data;
   t.dtype = dtype;
@@ -64,10 +68,10 @@ inline TensorRef make_tensor(void* data, DType dtype, std::initializer_list<int6
   t.rank = static_cast<int>(sizes.size());
   int i = 0;
   for (int64_t s : sizes) t.sizes[i++] = s;
-  int64_t stride = 1;
+  int64_t stride = 1;  // wraps only for sizes that validation refuses (64-bit check)
   for (int d = t.rank - 1; d >= 0; --d) {
     t.strides[d] = stride;
-    stride *= t.sizes[d];
+    stride = int64_t(uint64_t(stride) * uint64_t(t.sizes[d]));
   }
   return t;
 }

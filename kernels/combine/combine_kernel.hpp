@@ -1,8 +1,9 @@
 // hipflash — the split-K combine kernel (SPEC §3).
 //
-// One thread block per (batch, head, row). Warp 0 merges the splits' LSEs with the shared
-// SoftmaxState into the row's LSE and each split's weight w_s = exp(lse_s - lse) (0 for an empty
-// split); meanwhile every warp has already issued the loads of its splits' partial rows
+// One thread block per (batch, head, row). Warp 0 merges the splits' softmax states (m, l) with
+// the shared SoftmaxState into the row's LSE and each split's weight w_s = exp(lse_s - lse) (0
+// for an empty split; NaN when a split's sum is NaN, so a NaN input is never weighed away);
+// meanwhile every warp has already issued the loads of its splits' partial rows
 // (split s belongs to warp s % kWarps), so the row costs about one memory round trip however
 // many splits there are. out = sum_s w_s * out_s is reduced across the warps in shared memory.
 // All splits empty: out = 0, lse = -inf. RETURN_LSE is a compile-time flag: without it no LSE
@@ -49,6 +50,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_C
   constexpr int kPerLane = kPaddedDim / kWarp;  // columns per lane
   static_assert(kPaddedDim % kWarp == 0, "whole columns per lane");
   __shared__ float s_weight[kMaxSplits];
+  __shared__ bool s_live[kMaxSplits];  ///< the split saw a key: its partial row was written
   __shared__ float s_acc[kWarps][kPaddedDim];
 
   const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
@@ -92,24 +94,25 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_C
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int s = first + warp + kWarps * j;
-      const float w = s < splits ? s_weight[s] : 0.f;
+      if (s >= splits || !s_live[s]) continue;  // an empty split's row is never read
+      const float w = s_weight[s];
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) acc[e] += w != 0.f ? w * v[j][e] : 0.f;  // no 0 * NaN
+      for (int e = 0; e < kPerLane; ++e) acc[e] += w * v[j][e];  // 0 * NaN stays NaN
     }
   };
 
   float v[kBatch][kPerLane];
   load_batch(0, v);
   if (warp == 0) {
-    // Lane l holds the LSEs of splits l, l + kWarp, ... (num_splits <= kMaxSplits, validated).
+    // Lane l holds the states of splits l, l + kWarp, ... (num_splits <= kMaxSplits, validated).
     constexpr int kSplitRegs = kMaxSplits / kWarp;
-    float lse_s[kSplitRegs];
+    SoftmaxState state_s[kSplitRegs];
     SoftmaxState total;
 #pragma unroll
     for (int i = 0; i < kSplitRegs; ++i) {
       const int s = lane + i * kWarp;
-      lse_s[i] = s < splits ? p.lse_partial[s * split_stride + base] : detail::kNegInf;
-      total.merge(SoftmaxState::from_lse(lse_s[i]));
+      if (s < splits) state_s[i] = p.state_partial[s * split_stride + base];
+      total.merge(state_s[i]);
     }
     for (int off = kWarp / 2; off > 0; off /= 2) {
       const SoftmaxState other{port::shfl_xor(total.m, off), port::shfl_xor(total.l, off)};
@@ -118,7 +121,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_C
 #pragma unroll
     for (int i = 0; i < kSplitRegs; ++i) {
       const int s = lane + i * kWarp;
-      if (s < splits) s_weight[s] = detail::combine_weight(lse_s[i], total);
+      if (s < splits) {
+        s_weight[s] = detail::combine_weight(state_s[i], total);
+        s_live[s] = state_s[i].live();
+      }
     }
     if constexpr (kReturnLse) {
       if (lane == 0) {

@@ -186,7 +186,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       float* dst = p.out_partial + prow * Cfg::kHeadDim + ch * 8;
       *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
-      if (ch == 0) p.lse_partial[prow] = total.lse();
+      if (ch == 0) p.state_partial[prow] = total;
     } else {
       if (ch * 8 < hd) {
         uint4 packed;

@@ -200,13 +200,14 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     const int src = kg * 4 + j;
     const float inv = port::shfl(softmax.inv_sum(0), src);
     const float lse = port::shfl(softmax.lse(0), src);
+    const SoftmaxState state{port::shfl(softmax.m[0], src), port::shfl(softmax.l[0], src)};
     const int64_t row = m0 + wave * 16 + src;
     if (row >= bi.len_q) continue;
     if constexpr (Traits::kSplit) {
       const int64_t prow = partial_row(p, bi.split, bi.b, bi.h, row);
 #pragma unroll
       for (int dt = 0; dt < kDS; ++dt) p.out_partial[prow * kD + dt * 16 + i] = O[dt][j] * inv;
-      if (i == 0) p.lse_partial[prow] = lse;
+      if (i == 0) p.state_partial[prow] = state;
     } else {
 #pragma unroll
       for (int dt = 0; dt < kDS; ++dt)

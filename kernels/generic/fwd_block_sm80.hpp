@@ -110,7 +110,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
         const int col = (c / 2) * 8 + 2 * t;
         *reinterpret_cast<float2*>(dst + col) = make_float2(O[r][c] * inv, O[r][c + 1] * inv);
       }
-      if (t == 0) p.lse_partial[prow] = softmax.lse(r);
+      if (t == 0) p.state_partial[prow] = softmax.state(r);
     }
   } else {
     if constexpr (Traits::kReturnLse) {

@@ -63,6 +63,8 @@ struct RowSoftmax {
 
   __device__ __forceinline__ float inv_sum(int r) const { return SoftmaxState::inv_sum(l[r]); }
   __device__ __forceinline__ float lse(int r) const { return SoftmaxState::lse_of(m[r], l[r]); }
+  /// Row r's (m, l): what a split hands to the combine kernel.
+  __device__ __forceinline__ SoftmaxState state(int r) const { return SoftmaxState{m[r], l[r]}; }
 };
 
 }  // namespace hipflash::generic

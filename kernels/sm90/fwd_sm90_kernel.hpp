@@ -244,7 +244,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       for (int i = 0; i < kHD / 8; ++i)
         *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
             make_float2(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
-      if (t == 0) p.lse_partial[prow] = softmax.lse(h);
+      if (t == 0) p.state_partial[prow] = softmax.state(h);
     }
   } else {
     // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.

@@ -6,6 +6,7 @@
 // partial (out, lse) are reduced with the same combine math as the GPU combine kernel.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <exception>
 #include <mutex>
@@ -86,9 +87,11 @@ void attend(const FwdParams& p, const Seq& s, int64_t b, int64_t h, int64_t m0, 
       float* a = &acc[r * D];
       for (int64_t d = 0; d < D; ++d) a[d] *= factor;
       const float m = SoftmaxState::safe_max(st.m);
-      for (int64_t j = 0; j < cols; ++j) {
+      // Every valid key contributes, even when 2^(x - m) underflows to 0: 0 * NaN must stay NaN
+      // (SPEC §3). Masked keys contribute nothing.
+      const int64_t j_lo = std::max<int64_t>(lo - n0, 0), j_hi = std::min(hi - n0, cols);
+      for (int64_t j = j_lo; j < j_hi; ++j) {
         const float pj = detail::fast_exp2(x[j] - m);
-        if (pj == 0.f) continue;
         st.l += pj;
         for (int64_t d = 0; d < D; ++d) a[d] += pj * vf[j * D + d];
       }
@@ -99,12 +102,7 @@ void attend(const FwdParams& p, const Seq& s, int64_t b, int64_t h, int64_t m0, 
 void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
   const Seq s = sequence(p, b);
   const int64_t D = p.head_dim;
-  const int64_t rows_lse = std::min(kBlockM, p.seqlen_q - m0);  // padded LSE rows
   const int64_t rows = std::max<int64_t>(0, std::min(kBlockM, s.len_q - m0));
-  // Padded varlen LSE: rows past this sequence's length are -inf.
-  if (p.return_lse && p.is_varlen() && p.lse_layout == LseLayout::padded)
-    for (int64_t r = rows; r < rows_lse; ++r)
-      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + (m0 + r) * p.lse_row_stride] = kNegInf;
   if (rows <= 0) return;
 
   const auto* qbase = static_cast<const char*>(p.q);
@@ -130,10 +128,11 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
   std::vector<SoftmaxState> state(static_cast<size_t>(rows));
   std::vector<float> out_total(static_cast<size_t>(rows * D), 0.f);
   std::vector<SoftmaxState> total(static_cast<size_t>(rows));
-  std::vector<float> part_out, part_lse;
+  std::vector<float> part_out;
+  std::vector<SoftmaxState> part_state;
   if (splits > 1) {
     part_out.resize(size_t(splits * rows * D));
-    part_lse.resize(size_t(splits * rows));
+    part_state.resize(size_t(splits * rows));
   }
   for (int64_t sp = 0; sp < splits; ++sp) {
     const int64_t lo = std::max(key_lo, sp * blocks_per_split * kBlockN);
@@ -146,37 +145,40 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
       out_total = acc;
       break;
     }
-    // Partial result of this split: normalised out and its LSE, as the GPU split kernel writes.
+    // Partial result of this split, as the GPU split kernels write it: out normalised by the
+    // split's own sum, and the split's softmax state.
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = SoftmaxState::inv_sum(state[r].l);
       for (int64_t d = 0; d < D; ++d) part_out[(sp * rows + r) * D + d] = acc[r * D + d] * inv;
-      part_lse[sp * rows + r] = state[r].lse();
+      part_state[sp * rows + r] = state[r];
     }
   }
+  // Normalisation of out_total: 1/l unsplit; the combine's output is already normalised.
+  std::vector<float> inv(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) inv[r] = SoftmaxState::inv_sum(total[r].l);
   if (splits > 1) {
-    // Combine (SPEC §3): lse = ln sum exp(lse_s), out = sum w_s out_s.
+    // Combine (SPEC §3) with the combine kernel's math: total = merge of the splits' states,
+    // out = sum of w_s out_s over the splits that saw a key.
     for (int64_t r = 0; r < rows; ++r) {
       SoftmaxState t;
-      for (int64_t sp = 0; sp < splits; ++sp) t.merge(SoftmaxState::from_lse(part_lse[sp * rows + r]));
+      for (int64_t sp = 0; sp < splits; ++sp) t.merge(part_state[sp * rows + r]);
       for (int64_t sp = 0; sp < splits; ++sp) {
-        const float w = detail::combine_weight(part_lse[sp * rows + r], t);
-        if (w == 0.f) continue;
+        const SoftmaxState& st = part_state[sp * rows + r];
+        if (!st.live()) continue;
+        const float w = detail::combine_weight(st, t);
         for (int64_t d = 0; d < D; ++d) out_total[r * D + d] += w * part_out[(sp * rows + r) * D + d];
       }
-      // Already normalised: express as a state whose inv_sum is 1 (or 0 when empty).
       total[r] = t;
-      total[r].l = t.l > 0.f ? 1.f : 0.f;
-      total[r].m = t.l > 0.f ? t.m + std::log2(t.l) : kNegInf;
+      inv[r] = 1.f;
     }
   }
 
   auto* obase = static_cast<char*>(p.out);
   const int64_t o_off = b * p.o_batch_stride + s.q_start * p.o_row_stride + h * p.o_head_stride;
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = SoftmaxState::inv_sum(total[r].l);
     for (int64_t d = 0; d < D; ++d)
       detail::store_from_float(obase, o_off + (m0 + r) * p.o_row_stride + d,
-                               out_total[r * D + d] * inv, p.dtype);
+                               out_total[r * D + d] * inv[r], p.dtype);
     if (p.return_lse) {
       const int64_t row = p.is_varlen() && p.lse_layout == LseLayout::packed ? s.q_start + m0 + r
                                                                              : m0 + r;
@@ -197,32 +199,69 @@ int num_threads() {
 }
 
 void run_forward(const FwdParams& p) {
-  const int64_t m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  // Varlen: the work is the longest sequence's blocks, whatever max_seqlen_q says (it may pad
+  // far beyond); the padded LSE's rows past each sequence's length are -inf.
+  int64_t rows_q = p.seqlen_q;
+  if (p.is_varlen()) {
+    rows_q = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const Seq s = sequence(p, b);
+      rows_q = std::max(rows_q, s.len_q);
+      if (p.return_lse && p.lse_layout == LseLayout::padded)
+        for (int64_t h = 0; h < p.heads_q; ++h)
+          std::fill_n(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + s.len_q,
+                      p.seqlen_q - s.len_q, kNegInf);
+    }
+  }
+  const int64_t m_blocks = (rows_q + kBlockM - 1) / kBlockM;
   const int64_t items = p.batch * p.heads_q * m_blocks;
   if (items == 0) return;
   std::atomic<int64_t> next{0};
   std::mutex error_mu;
   std::exception_ptr error;  // the first failure of any worker (e.g. bad_alloc), rethrown here
-  auto worker = [&] {
+  auto fail = [&](std::exception_ptr e) {
+    next = items;  // stop the others early
+    std::lock_guard<std::mutex> lock(error_mu);
+    if (!error) error = std::move(e);
+  };
+  // The calling thread polls the interrupt check between its tiles, at most every kPoll.
+  const InterruptCheck check = interrupt_check();
+  constexpr auto kPoll = std::chrono::milliseconds(20);
+  auto worker = [&](bool polls) {
+    auto last_poll = std::chrono::steady_clock::now();
     try {
       for (int64_t it; (it = next.fetch_add(1)) < items;) {
         const int64_t mb = it % m_blocks;
         const int64_t h = (it / m_blocks) % p.heads_q;
         const int64_t b = it / (m_blocks * p.heads_q);
         run_block(p, b, h, mb * kBlockM);
+        if (polls && std::chrono::steady_clock::now() - last_poll >= kPoll) {
+          last_poll = std::chrono::steady_clock::now();
+          if (check()) throw interrupted("hipflash: the call was interrupted (its outputs are partly written)");
+        }
       }
     } catch (...) {
-      next = items;  // stop the others early
-      std::lock_guard<std::mutex> lock(error_mu);
-      if (!error) error = std::current_exception();
+      fail(std::current_exception());
     }
   };
   const int n = int(std::min<int64_t>(num_threads(), items));
   std::vector<std::thread> pool;
-  for (int i = 1; i < n; ++i) pool.emplace_back(worker);
-  worker();
+  for (int i = 1; i < n; ++i) pool.emplace_back(worker, false);
+  worker(check != nullptr);
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);
 }
 
+namespace {
+std::atomic<InterruptCheck> g_interrupt_check{nullptr};
+}  // namespace
+
+InterruptCheck interrupt_check() { return g_interrupt_check.load(std::memory_order_acquire); }
+
 }  // namespace hipflash::cpu
+
+namespace hipflash {
+void set_interrupt_check(InterruptCheck check) {
+  cpu::g_interrupt_check.store(check, std::memory_order_release);
+}
+}  // namespace hipflash

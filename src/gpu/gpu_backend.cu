@@ -185,9 +185,9 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
       }
     }
     HIPFLASH_CHECK(aligned16(base), "the split-K workspace must be 16-byte aligned");
-    const size_t rows = need / ((size_t(hd) + 1) * sizeof(float));
+    const size_t rows = need / (size_t(hd) * sizeof(float) + sizeof(detail::SoftmaxState));
     p.out_partial = static_cast<float*>(base);
-    p.lse_partial = p.out_partial + rows * size_t(hd);
+    p.state_partial = reinterpret_cast<detail::SoftmaxState*>(p.out_partial + rows * size_t(hd));
   }
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
     HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {

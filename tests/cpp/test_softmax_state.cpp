@@ -121,23 +121,40 @@ TEST(SoftmaxState, FromLseRoundTrips) {
   EXPECT_EQ(e.lse(), -kInf);
 }
 
-/// The split-K combine as the combine kernel does it: total = merge of from_lse(lse_s),
-/// out = sum_s combine_weight(lse_s, total) * out_s.
+/// The split-K combine as the combine kernel does it: total = merge of the splits' states,
+/// out = sum over the live splits of combine_weight(state_s, total) * out_s.
 struct Combined {
   float lse;
   float out;
   float weight_sum;
 };
-Combined combine(const std::vector<float>& lses, const std::vector<float>& outs) {
+Combined combine(const std::vector<SoftmaxState>& states, const std::vector<float>& outs) {
   SoftmaxState total;
-  for (float l : lses) total.merge(SoftmaxState::from_lse(l));
+  for (const SoftmaxState& st : states) total.merge(st);
   Combined c{total.lse(), 0.f, 0.f};
-  for (size_t s = 0; s < lses.size(); ++s) {
-    const float w = combine_weight(lses[s], total);
+  for (size_t s = 0; s < states.size(); ++s) {
+    if (!states[s].live()) continue;  // an empty split's row is never read
+    const float w = combine_weight(states[s], total);
     c.out += w * outs[s];
     c.weight_sum += w;
   }
   return c;
+}
+Combined combine(const std::vector<float>& lses, const std::vector<float>& outs) {
+  std::vector<SoftmaxState> states;
+  for (float l : lses) states.push_back(SoftmaxState::from_lse(l));
+  return combine(states, outs);
+}
+
+/// A split's state as a kernel builds it: x_j = s_j * scale * log2(e), in order.
+SoftmaxState state_of(const std::vector<float>& scores, float scale) {
+  SoftmaxState st;
+  for (float s : scores) {
+    const float x = s * scale * kLog2e;
+    st.update_max(x);
+    st.l += fast_exp2(x - SoftmaxState::safe_max(st.m));
+  }
+  return st;
 }
 
 TEST(Combine, WeightsAreSoftmaxOfSplitLse) {
@@ -177,7 +194,7 @@ TEST(Combine, EmptySplitHasZeroWeight) {
   const Combined c = combine({-kInf, 0.5f, -kInf}, {12345.f, 7.f, -999.f});
   EXPECT_NEAR(c.lse, 0.5f, 1e-6);
   EXPECT_NEAR(c.out, 7.f, 1e-5);
-  EXPECT_EQ(combine_weight(-kInf, SoftmaxState::from_lse(0.5f)), 0.f);
+  EXPECT_EQ(combine_weight(SoftmaxState{}, SoftmaxState::from_lse(0.5f)), 0.f);
 }
 
 TEST(Combine, AllSplitsEmptyGivesZeroAndMinusInf) {
@@ -186,8 +203,42 @@ TEST(Combine, AllSplitsEmptyGivesZeroAndMinusInf) {
   EXPECT_EQ(c.out, 0.f);
   EXPECT_EQ(c.weight_sum, 0.f);
   EXPECT_FALSE(std::isnan(c.lse) || std::isnan(c.out));
-  // A finite lse against an empty total (cannot happen in a real combine) is still not NaN.
-  EXPECT_EQ(combine_weight(1.f, SoftmaxState{}), 0.f);
+}
+
+TEST(Combine, TiedHugeScoresAreWeightedExactly) {
+  // q = k = 1e4 (bf16-exact), D = 64: every score is 6.4e9 * scale. Split A holds 16 tied keys,
+  // split B 9: the exact weights are 16/25 and 9/25. An fp32 LSE of ~1e9 keeps no bits of
+  // log(16) or log(9) and would weigh them 1/2 : 1/2.
+  const float scale = 0.125f, s = 6.4e9f;
+  const SoftmaxState a = state_of(std::vector<float>(16, s), scale);
+  const SoftmaxState b = state_of(std::vector<float>(9, s), scale);
+  const Combined c = combine({a, b}, {1.f, 0.f});
+  EXPECT_NEAR(c.out, 16.f / 25.f, 1e-6f);
+  EXPECT_NEAR(c.weight_sum, 1.f, 1e-6f);
+  EXPECT_NEAR(c.lse, double(s) * scale + std::log(25.0), 1e-6 * double(s) * scale);
+}
+
+TEST(Combine, NanInOneSplitReachesOutAndLse) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const SoftmaxState good = state_of({0.5f, 1.f}, 1.f);
+  const SoftmaxState bad = state_of({0.25f, nan}, 1.f);  // a NaN score: its sum turns NaN
+  EXPECT_TRUE(std::isnan(bad.l));
+  EXPECT_TRUE(std::isnan(bad.lse()));
+  EXPECT_TRUE(bad.live());
+  for (const auto& order : {std::vector<SoftmaxState>{good, bad}, {bad, good},
+                            {SoftmaxState{}, bad, good}}) {
+    const Combined c = combine(order, std::vector<float>(order.size(), 1.f));
+    EXPECT_TRUE(std::isnan(c.lse));
+    EXPECT_TRUE(std::isnan(c.out));
+  }
+  // A NaN partial output (NaN in v) is never weighed away, even where its weight underflows.
+  const SoftmaxState tiny = state_of({-1000.f}, 1.f), big = state_of({1000.f}, 1.f);
+  EXPECT_EQ(combine_weight(tiny, [&] { SoftmaxState t = tiny; t.merge(big); return t; }()), 0.f);
+  EXPECT_TRUE(std::isnan(combine({tiny, big}, {nan, 1.f}).out));
+  // An all-NaN row (a NaN query): every score NaN, the max stays -inf.
+  EXPECT_TRUE(std::isnan(state_of({nan, nan}, 1.f).lse()));
+  EXPECT_EQ(SoftmaxState::inv_sum(0.f), 0.f);
+  EXPECT_TRUE(std::isnan(SoftmaxState::inv_sum(nan)));
 }
 
 TEST(KernelTraits, SplitImpliesLseAndNamesDescribeTheKernel) {

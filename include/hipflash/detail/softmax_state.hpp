@@ -5,6 +5,11 @@
 //   m = running max of x,  l = sum of 2^(x - m).
 // The natural-log LSE of SPEC §3 is  lse = (m + log2(l)) * ln(2), and -inf when l == 0
 // (no valid key): set explicitly, never obtained from log(0) under fast math.
+//
+// Non-finite scores (SPEC §3): the maxima ignore NaN (fmaxf), but a NaN score makes its
+// 2^(x - m) NaN, so l turns NaN and stays NaN through every rescale and merge; every test on l
+// below is written so that NaN falls through to the arithmetic (l == 0 is "empty", anything
+// else, NaN included, is "has keys"), never to the empty-row answer.
 #pragma once
 
 #include <cmath>
@@ -44,13 +49,16 @@ struct SoftmaxState {
     return fast_exp2(m_old - safe_max(m_new));
   }
 
-  /// Natural-log LSE of a (m, l) pair; -inf for an empty row.
+  /// Natural-log LSE of a (m, l) pair; -inf for an empty row, NaN for a NaN sum.
   HIPFLASH_HD static float lse_of(float m, float l) {
-    return l > 0.f ? (m + log2f(l)) * kLn2 : kNegInf;
+    return l == 0.f ? kNegInf : (m + log2f(l)) * kLn2;
   }
 
-  /// 1/l for normalising the output; 0 for an empty row so that out = 0.
-  HIPFLASH_HD static float inv_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }
+  /// 1/l for normalising the output; 0 for an empty row so that out = 0 (NaN stays NaN).
+  HIPFLASH_HD static float inv_sum(float l) { return l == 0.f ? 0.f : 1.f / l; }
+
+  /// Whether the row has seen a valid key (a NaN sum counts: it must reach the output).
+  HIPFLASH_HD bool live() const { return l != 0.f; }
 
   HIPFLASH_HD float lse() const { return lse_of(m, l); }
 
@@ -89,11 +97,14 @@ struct SoftmaxState {
 
 namespace hipflash::detail {
 
-/// Split-K combine (SPEC §3): the weight of a partial result with natural-log LSE `lse_s` in
-/// the total state `total` (the merge of every split's from_lse). 0 for an empty split.
-HIPFLASH_HD float combine_weight(float lse_s, const SoftmaxState& total) {
-  if (lse_s == kNegInf || !(total.l > 0.f)) return 0.f;
-  return fast_exp2(lse_s * kLog2e - total.m) / total.l;
+/// Split-K combine (SPEC §3): the weight w_s = exp(lse_s - lse) of a partial result whose
+/// softmax state is `s` in the total state `total` (the merge of every split's state). The
+/// splits hand over their (m, l) rather than a rounded natural-log LSE: at large |scores| an
+/// fp32 LSE keeps no bits of log(l) (1e8 + log 16 == 1e8 in fp32), and tied rows would be
+/// weighted 1/2 : 1/2 instead of 16/25 : 9/25. 0 for an empty split; NaN propagates.
+HIPFLASH_HD float combine_weight(const SoftmaxState& s, const SoftmaxState& total) {
+  if (!s.live()) return 0.f;
+  return fast_exp2(s.m - total.m) * s.l / total.l;
 }
 
 }  // namespace hipflash::detail

@@ -1,0 +1,131 @@
+// hipflash — 64-bit indexability and element-exact overlap of strided views (see the header).
+#include "tensor_checks.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+namespace hipflash::detail {
+namespace {
+
+bool mul_ok(int64_t a, int64_t b, int64_t* r) { return !__builtin_mul_overflow(a, b, r); }
+bool add_ok(int64_t a, int64_t b, int64_t* r) { return !__builtin_add_overflow(a, b, r); }
+
+/// One term of a sum  sum_k x_k * step_k  with x_k in [0, count_k - 1] and step_k > 0 (bytes).
+struct Term {
+  int64_t step, count;
+};
+
+/// Depth-first search: is there an x with  lo <= sum_k x_k * step_k <= hi ? Terms sorted by
+/// step, largest first; `rest[k]` is the largest sum terms k.. can reach. Every call costs one
+/// unit of `budget`; at 0 the answer is "unknown".
+struct Search {
+  const std::vector<Term>& terms;
+  std::vector<int64_t> rest;
+  int64_t budget;
+
+  explicit Search(const std::vector<Term>& t, int64_t steps) : terms(t), budget(steps) {
+    rest.assign(t.size() + 1, 0);
+    for (size_t k = t.size(); k-- > 0;) rest[k] = rest[k + 1] + (t[k].count - 1) * t[k].step;
+  }
+
+  static int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b != 0 && a < 0); }
+  static int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+  Overlap run(size_t k, int64_t lo, int64_t hi) {
+    if (hi < 0 || lo > rest[k]) return Overlap::none;
+    if (k == terms.size()) return Overlap::some;  // lo <= 0 <= hi
+    if (--budget < 0) return Overlap::unknown;
+    const Term& t = terms[k];
+    const int64_t x_lo = std::max<int64_t>(0, ceil_div(lo - rest[k + 1], t.step));
+    const int64_t x_hi = std::min<int64_t>(t.count - 1, floor_div(hi, t.step));
+    bool unknown = false;
+    for (int64_t x = x_lo; x <= x_hi; ++x) {
+      const Overlap o = run(k + 1, lo - x * t.step, hi - x * t.step);
+      if (o == Overlap::some) return o;
+      if (o == Overlap::unknown) unknown = true;
+      if (budget < 0) return Overlap::unknown;
+    }
+    return unknown ? Overlap::unknown : Overlap::none;
+  }
+};
+
+constexpr int64_t kSearchSteps = 1 << 16;
+
+/// The terms of `t`'s addresses relative to its lowest address, and that lowest address.
+/// Valid for an indexable, non-empty t.
+void address_terms(const TensorRef& t, std::vector<Term>& terms, int64_t& lowest) {
+  const int64_t es = dtype_size(t.dtype);
+  lowest = int64_t(reinterpret_cast<uintptr_t>(t.data));
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.sizes[d] <= 1 || t.strides[d] == 0) continue;  // stride 0 adds no address
+    const int64_t step = t.strides[d] * es;
+    if (step < 0) lowest += (t.sizes[d] - 1) * step;  // walk it backwards from its far end
+    terms.push_back({std::abs(step), t.sizes[d]});
+  }
+}
+
+}  // namespace
+
+bool indexable(const TensorRef& t, const char** why) {
+  const char* unused;
+  if (why == nullptr) why = &unused;
+  int64_t numel = 1, lo = 0, hi = 0;
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.sizes[d] < 0) return *why = "a size is negative", false;
+    if (!mul_ok(numel, t.sizes[d], &numel)) return *why = "the element count overflows int64", false;
+  }
+  if (numel == 0) return true;  // nothing is ever addressed
+  for (int d = 0; d < t.rank; ++d) {
+    int64_t ext;
+    if (!mul_ok(t.sizes[d] - 1, t.strides[d], &ext) || !add_ok(ext < 0 ? lo : hi, ext, ext < 0 ? &lo : &hi))
+      return *why = "the offset of its last element overflows int64", false;
+  }
+  const int64_t es = dtype_size(t.dtype);
+  int64_t lo_b, hi_b;
+  if (!mul_ok(lo, es, &lo_b) || !mul_ok(hi + 1, es, &hi_b))
+    return *why = "its extent in bytes overflows int64", false;
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  if (base + uintptr_t(lo_b) > base || base + uintptr_t(hi_b) < base)
+    return *why = "its elements wrap around the address space", false;
+  return true;
+}
+
+Overlap overlap(const TensorRef& a, const TensorRef& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.data == nullptr || b.data == nullptr)
+    return Overlap::none;
+  // addr_a(x) - addr_b(y) in (-es_a, es_b)  <=>  the elements share a byte. With
+  // y' = count - 1 - y the b terms enter positively:  sum x*step_a + sum y'*step_b  must lie in
+  // [lo_b - lo_a + rest_b - es_a + 1, lo_b - lo_a + rest_b + es_b - 1].
+  std::vector<Term> terms;
+  int64_t lowest_a, lowest_b;
+  address_terms(a, terms, lowest_a);
+  const size_t na = terms.size();
+  address_terms(b, terms, lowest_b);
+  int64_t rest_b = 0;
+  for (size_t k = na; k < terms.size(); ++k) rest_b += (terms[k].count - 1) * terms[k].step;
+  const int64_t center = lowest_b - lowest_a + rest_b;
+  const int64_t lo = center - dtype_size(a.dtype) + 1, hi = center + dtype_size(b.dtype) - 1;
+  std::sort(terms.begin(), terms.end(), [](const Term& x, const Term& y) { return x.step > y.step; });
+  return Search(terms, kSearchSteps).run(0, lo, hi);
+}
+
+Overlap self_overlap(const TensorRef& t) {
+  if (t.numel() <= 1) return Overlap::none;
+  for (int d = 0; d < t.rank; ++d)
+    if (t.sizes[d] > 1 && t.strides[d] == 0) return Overlap::some;
+  // Sorted by |stride|, each dimension stepping past everything the smaller ones reach proves
+  // the map one-to-one; the layouts that fail that test are refused as "unknown".
+  std::vector<Term> terms;
+  int64_t lowest;
+  address_terms(t, terms, lowest);
+  std::sort(terms.begin(), terms.end(), [](const Term& x, const Term& y) { return x.step < y.step; });
+  int64_t reach = dtype_size(t.dtype);  // bytes covered by the smaller dimensions
+  for (const Term& term : terms) {
+    if (term.step < reach) return Overlap::unknown;
+    reach += (term.count - 1) * term.step;
+  }
+  return Overlap::none;
+}
+
+}  // namespace hipflash::detail

@@ -1,0 +1,32 @@
+// hipflash — what the launcher proves about a TensorRef's memory before it writes anything
+// (SPEC §2, §4): that every element can be indexed in 64 bits, and which views share bytes.
+//
+// Overlap is decided element-exactly, not by byte ranges: `out` in the even heads and q in the
+// odd heads of one buffer are disjoint although their ranges interleave. The question "is there
+// an index of a and one of b whose elements share a byte" is a bounded integer program; a
+// depth-first search over the dimensions, largest stride first, settles it in a few steps for
+// every real layout (nested strides leave one or two candidates per dimension). A search that
+// would exceed its step budget answers `unknown`, which the launcher treats as an overlap.
+#pragma once
+
+#include <cstdint>
+
+#include "hipflash/types.hpp"
+
+namespace hipflash::detail {
+
+/// Whether `t`'s elements can all be addressed: sizes >= 0, and the element count and the
+/// offset of every element, in bytes, fit in int64 (no wrap-around of the address either).
+/// On failure, `why` says what overflows.
+bool indexable(const TensorRef& t, const char** why);
+
+enum class Overlap { none, some, unknown };
+
+/// Whether two views share a byte (empty views share nothing).
+Overlap overlap(const TensorRef& a, const TensorRef& b);
+
+/// Whether two different indices of `t` reach the same byte (a stride-0 dimension of size > 1,
+/// or strides that fold onto each other). `unknown` where it could not be proved either way.
+Overlap self_overlap(const TensorRef& t);
+
+}  // namespace hipflash::detail

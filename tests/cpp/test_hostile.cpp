@@ -1,0 +1,196 @@
+// Hostile inputs on the CPU backend and in the launcher's checks (SPEC §3, §4): NaN through
+// every split count, tied huge scores, saturating windows, sizes that overflow 64 bits,
+// element-exact aliasing, the C++ helpers' rank checks, and interrupting a long call.
+#include <atomic>
+#include <functional>
+
+#include "hostile_cases.hpp"
+
+namespace hipflash::test {
+namespace {
+
+// ---- NaN propagation and tied scores -----------------------------------------------------------
+
+class CpuNan : public ::testing::TestWithParam<NanCase> {};
+
+TEST_P(CpuNan, ReachesExactlyWhatTheReferenceReaches) {
+  Dense t = make_nan_problem(GetParam());
+  t.run();
+  EXPECT_REF_OK(check_nan(t));
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CpuNan, ::testing::ValuesIn(nan_cases()),
+                         [](const auto& info) { return info.param.name(); });
+
+TEST(CpuTiedScores, SplitsAreWeightedByTheirKeyCounts) {
+  for (int splits : {1, 2, 3, 5}) {
+    Dense t = make_tied_problem({DType::bf16, 1, 4, 300, 2, 1, 64, false, -1, -1, splits});
+    t.run();
+    EXPECT_REF_OK(t.check()) << "splits " << splits;
+  }
+}
+
+// ---- Options that overflow or saturate ---------------------------------------------------------
+
+Dense small(int splits = 1) { return make_dense({DType::bf16, 1, 37, 150, 2, 1, 64, false, -1, -1, splits}, 4); }
+
+TEST(CpuWindow, BoundsBeyondTheSequenceSaturate) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  Dense plain = small();
+  plain.run();
+  for (auto [left, right] : {std::pair{int64_t(-1), kMax}, {kMax, int64_t(-1)}, {kMax, kMax},
+                             {int64_t(150), int64_t(37)}}) {
+    Dense t = small();
+    t.opts.window_left = left;
+    t.opts.window_right = right;
+    t.run();
+    EXPECT_TRUE(t.out.bitwise_equal(plain.out)) << left << ", " << right;
+    EXPECT_TRUE(t.lse.bitwise_equal(plain.lse)) << left << ", " << right;
+  }
+  // Causal with an unbounded-in-effect left bound is plain causal.
+  Dense causal = small();
+  causal.opts.causal = true;
+  causal.run();
+  Dense t = small();
+  t.opts.causal = true;
+  t.opts.window_left = kMax;
+  t.run();
+  EXPECT_TRUE(t.out.bitwise_equal(causal.out));
+  EXPECT_REF_OK(t.check());
+}
+
+void expect_invalid(const std::string& substr, const std::function<void()>& call) {
+  try {
+    call();
+    ADD_FAILURE() << "no exception; expected one mentioning '" << substr << "'";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(substr), std::string::npos) << e.what();
+    EXPECT_LT(std::string(e.what()).size(), 400u) << "messages stay short";
+  }
+}
+
+TEST(CpuOptions, HugeSoftmaxScaleIsRefused) {
+  for (float scale : {1e37f, 65537.f}) {
+    Dense t = small();
+    t.opts.softmax_scale = scale;
+    expect_invalid("softmax_scale must be a number in (0, 65536]", [&] { t.run(); });
+    EXPECT_TRUE(t.out.all_nan());
+  }
+  Dense t = small();
+  t.opts.softmax_scale = 65536.f;  // the largest allowed: finite, exact
+  t.run();
+  EXPECT_REF_OK(t.check());
+}
+
+TEST(CpuSizes, ProductsThatOverflowInt64AreRefused) {
+  Dense t = small();
+  TensorRef q = t.q.ref, out = t.out.ref, k = t.k.ref;
+  q.sizes[1] = out.sizes[1] = int64_t(1) << 40;  // offsets (2^40 - 1) * 2^40 overflow
+  q.strides[1] = out.strides[1] = int64_t(1) << 40;
+  expect_invalid("cannot be indexed in 64 bits", [&] { forward(q, t.k.ref, t.v.ref, out, &t.lse.ref, t.opts); });
+  k.sizes[1] = int64_t(1) << 62;
+  k.sizes[2] = 4;  // element count 2^64
+  expect_invalid("k with shape", [&] { forward(t.q.ref, k, t.v.ref, t.out.ref, &t.lse.ref, t.opts); });
+  EXPECT_TRUE(t.out.all_nan());
+}
+
+TEST(CpuVarlen, HugeMaxSeqlenNeitherHangsNorOverflows) {
+  Varlen t(DType::bf16, {3, 5}, {4, 6}, 2, 1, 64, LseLayout::packed);
+  t.opts.max_seqlen_q = int64_t(1) << 40;  // pads launches only: the work is the real rows
+  t.run();
+  ref::CheckOptions co;
+  co.lse_layout = LseLayout::packed;
+  EXPECT_REF_OK(ref::check(t.problem(), t.out.ref, &t.lse.ref, co));
+  Varlen u(DType::bf16, {3, 5}, {4, 6}, 2, 1, 64, LseLayout::packed);
+  u.opts.max_seqlen_q = int64_t(1) << 62;
+  expect_invalid("overflows int64", [&] { u.run(); });
+  EXPECT_TRUE(u.out.all_nan());
+}
+
+// ---- Aliasing ------------------------------------------------------------------------------------
+
+TEST(CpuAliasing, OutOverlappingItselfIsRefused) {
+  Dense t = small();
+  TensorRef out = t.out.ref;
+  out.strides[1] = 0;  // an expanded view: every query row is the same memory
+  expect_invalid("out must not overlap itself", [&] { forward(t.q.ref, t.k.ref, t.v.ref, out, &t.lse.ref, t.opts); });
+  out = t.out.ref;
+  out.strides[2] = 32;  // heads half a row apart: they share 32 elements
+  expect_invalid("out must not overlap itself", [&] { forward(t.q.ref, t.k.ref, t.v.ref, out, &t.lse.ref, t.opts); });
+}
+
+TEST(CpuAliasing, InterleavedDisjointViewsAreAccepted) {
+  // One buffer [B, S, 2 * H, D]: q in the odd heads, out in the even heads. Their byte ranges
+  // interleave but no element is shared.
+  const int64_t B = 1, S = 37, H = 2, D = 64;
+  HostTensor buf = HostTensor::strided(DType::bf16, {B, S, 2 * H, D}, {S * 2 * H * D, 2 * H * D, D, 1},
+                                       B * S * 2 * H * D);
+  std::mt19937 rng(2);
+  buf.randomize(rng);
+  HostTensor q = buf, out = buf;  // copies of the storage; re-pointed below at the same buffer
+  TensorRef qv = buf.ref, ov = buf.ref;
+  qv.sizes[2] = ov.sizes[2] = H;
+  qv.strides[2] = ov.strides[2] = 2 * D;
+  qv.data = static_cast<uint16_t*>(buf.ref.data) + D;  // odd heads
+  Dense t = small();
+  HostTensor lse(DType::f32, {B, H, S});
+  FwdOptions opts;
+  opts.return_lse = true;
+  forward(qv, t.k.ref, t.v.ref, ov, &lse.ref, opts);
+  EXPECT_REF_OK(ref::check(ref::Problem::dense(qv, t.k.ref, t.v.ref, opts), ov, &lse.ref));
+  // Shift out by one element: now it overlaps q.
+  ov.data = static_cast<uint16_t*>(buf.ref.data) + D + 1;
+  ov.sizes[3] = qv.sizes[3] = D;
+  expect_invalid("out must not alias q", [&] { forward(qv, t.k.ref, t.v.ref, ov, &lse.ref, opts); });
+}
+
+TEST(CpuAliasing, OutOrLseOverlappingCuSeqlensIsRefused) {
+  Varlen t(DType::bf16, {3, 5}, {4, 6}, 2, 1, 64, LseLayout::packed);
+  // cu_seqlens_q placed inside out's storage.
+  TensorRef cu = t.cu_q.ref;
+  cu.data = t.out.ref.data;
+  std::copy_n(t.cu_q.i32(), 3, static_cast<int32_t*>(cu.data));
+  expect_invalid("out must not alias cu_seqlens_q", [&] {
+    varlen_forward(t.q.ref, t.k.ref, t.v.ref, t.out.ref, &t.lse.ref, cu, t.cu_k.ref, t.opts);
+  });
+  // cu_seqlens_k inside the packed LSE.
+  TensorRef ck = t.cu_k.ref;
+  ck.data = static_cast<float*>(t.lse.ref.data) + 4;
+  std::copy_n(t.cu_k.i32(), 3, static_cast<int32_t*>(ck.data));
+  expect_invalid("lse must not alias cu_seqlens_k", [&] {
+    varlen_forward(t.q.ref, t.k.ref, t.v.ref, t.out.ref, &t.lse.ref, t.cu_q.ref, ck, t.opts);
+  });
+}
+
+TEST(CppHelpers, MakeTensorRefusesRankAboveFour) {
+  expect_invalid("rank <= 4", [] { (void)make_tensor(nullptr, DType::f16, {1, 2, 3, 4, 5}); });
+  EXPECT_EQ(make_tensor(nullptr, DType::f16, {1, 2, 3, 4}).rank, 4);
+}
+
+// ---- Interrupting a long call --------------------------------------------------------------------
+
+std::atomic<int> g_polls{0};
+
+TEST(CpuInterrupt, ACheckThatFiresStopsTheCall) {
+  // Enough blocks that the calling thread polls (every 20 ms) several times.
+  Dense t = make_dense({DType::bf16, 1, 1024, 1024, 8, 8, 64}, 1);
+  g_polls = 0;
+  set_interrupt_check([] { return ++g_polls >= 2; });
+  try {
+    t.run();
+    ADD_FAILURE() << "the call was not interrupted (polled " << g_polls << " times)";
+  } catch (const interrupted& e) {
+    EXPECT_NE(std::string(e.what()).find("interrupted"), std::string::npos);
+  }
+  set_interrupt_check(nullptr);
+  EXPECT_GE(g_polls.load(), 2);
+  // Without a check the same call runs to the end.
+  t.poison();
+  t.run();
+  ref::CheckOptions co;
+  co.max_rows = 64;
+  EXPECT_REF_OK(ref::check(t.problem(), t.out.ref, &t.lse.ref, co));
+}
+
+}  // namespace
+}  // namespace hipflash::test
