@@ -7,14 +7,16 @@ side by side in one process.
     python3 bench/attn_bench.py --suite tiny --device cpu --out /tmp/t   # tests the runner, no GPU
 
 Suites: fa-grid (FlashAttention's grid: B*S = 16k, H*D = 2048, D 64/128, S 512..16k, causal and
-not), decode (Sq 1, GQA 32/8, Sk 4k..128k, B 1/8/32), varlen (mixed lengths), lse-overhead;
-quick (a subset of each, to run after every kernel change) and full (all four).
+not), decode (Sq 1, GQA 32/8, Sk 4k..128k, B 1/8/32), varlen (mixed lengths), lse-overhead,
+host-overhead (the cost of a call as a user makes it, on a tiny problem and B 1/8 decode);
+quick (a subset of each, to run after every kernel change) and full (all five).
 
 Per cell: fresh random inputs (never zeros), several input sets rotated so the inputs of one call
 are not in L2 from the call before; every backend's result is checked against an fp32 reference
 first (SPEC §6; hipflash also gets a NaN-poisoned out= buffer and a bitwise repeat), and a FAIL
 is never timed. Timing: CUDA events around each call, warm-up, GPU queue pre-filled with a sleep
-kernel so host launch overhead stays out, median of many calls.
+kernel so host launch overhead stays out, median of many calls. The host-overhead suite also
+times the whole Python call by wall clock: calls issued back to back, and each one synchronised.
 
 Writes OUT/results.csv, OUT/results.md, OUT/results.json and OUT/<suite>.png, prints the tables.
 docs/benchmarks.md is rendered from a full run's OUT by bench/make_report.py.
@@ -28,6 +30,7 @@ import platform
 import random
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +56,9 @@ DECODE_PEERS = ["fa2-native", "cudnn-sdpa-gqa", "torch-flash", "torch-cudnn", "t
 VARLEN_PEERS = ["fa2-native", "efficient-varlen"]
 LSE_OVERHEAD = ["hipflash", "hipflash+lse", "torch-cudnn-nolse", "torch-cudnn",
                 "torch-efficient-nolse", "torch-efficient"]
+# fa2-native has no LSE switch (aten._flash_attention_forward always returns the LSE).
+HOST_OVERHEAD = HF + ["fa2-native", "torch-cudnn-nolse", "torch-cudnn"]
+HOST = rep.HOST  # the suite whose cells also get the host timing (Timer.host)
 
 
 # ---- Cells -----------------------------------------------------------------------------------
@@ -152,6 +158,21 @@ def decode(seqlens_k, batches, dtype, backends, suite="decode"):
     return cells
 
 
+def host_overhead(dtype, backends, decode_batches, decode_shape=(4096, 32, 8, 128)):
+    """Host overhead per call: a tiny dense problem (B 1, S 128, 8 heads, D 64: a few µs of GPU
+    work, so issuing the call is what costs) and decode at the decode suite's shape (Sk, Hq, Hkv,
+    D) = decode_shape for each batch. One plot, a bar group per cell."""
+    Sk, Hq, Hkv, D = decode_shape
+    cells = [Cell(HOST, "dense", 1, 128, 128, 8, 8, 64, False, dtype, list(backends),
+                  label="dense B=1 S=128 hd64")]
+    cells += [Cell(HOST, "dense", B, 1, Sk, Hq, Hkv, D, False, dtype, list(backends),
+                   label=f"decode B={B} Sk={_k(Sk)}") for B in decode_batches]
+    for c in cells:
+        c.xlabel = c.label
+        c.finish()
+    return cells
+
+
 def varlen_lengths(total, lo, hi, seed):
     """Deterministic mixed lengths in [lo, hi] summing to `total`."""
     rng = random.Random(seed)
@@ -203,10 +224,14 @@ def build_suite(name, dtype, flex):
         return full_decode
     if name == "varlen":
         return full_varlen
+    full_host = host_overhead(dtype, HOST_OVERHEAD, [1, 8])
     if name == "lse-overhead":
         return full_lse
+    if name == HOST:
+        return full_host
     if name == "full":
-        return (with_flex(full_grid) if flex else full_grid) + full_decode + full_varlen + full_lse
+        return (with_flex(full_grid) if flex else full_grid) + full_decode + full_varlen \
+            + full_lse + full_host
     if name == "quick":
         grid = fa_grid([1024, 4096, 16384], [64, 128], [False, True], dtype, HF + DENSE_PEERS)
         return (with_flex(grid) if flex else grid) \
@@ -214,7 +239,8 @@ def build_suite(name, dtype, flex):
             + varlen([("mixed 128..4k", 16384, 128, 4096)], [128], [False, True], dtype,
                      HF + VARLEN_PEERS) \
             + fa_grid([4096], [128], [False], dtype, LSE_OVERHEAD, "lse-overhead") \
-            + decode([32768], [8], dtype, LSE_OVERHEAD, "lse-overhead")
+            + decode([32768], [8], dtype, LSE_OVERHEAD, "lse-overhead") \
+            + host_overhead(dtype, HOST_OVERHEAD, [1])
     if name == "tiny":  # CPU: every suite kind and code path, at toy sizes
         peers = ["torch-sdpa", "torch-math"]
         cells = []
@@ -232,7 +258,7 @@ def build_suite(name, dtype, flex):
         lse = Cell("lse-overhead", "dense", 2, 256, 256, 4, 4, 64, False, dtype,
                    ["hipflash", "hipflash+lse", "torch-sdpa", "torch-math"], label="hd64 S=256",
                    xlabel="256").finish()
-        return cells + [lse]
+        return cells + [lse] + host_overhead(dtype, HF + peers, [1], decode_shape=(512, 8, 2, 64))
     raise SystemExit(f"unknown suite {name!r}")
 
 
@@ -320,6 +346,45 @@ class Timer:
             ts.append((time.perf_counter() - t) * 1e3)
         return _stats(sorted(ts))
 
+    def host(self, runs, nsets):
+        """Wall-clock cost of a call as a user makes it (the whole Python call: argument
+        handling, output allocation, launch), for the backends of one cell at once.
+
+        runs: {backend: run}. Back to back: after a warm-up and a synchronize, N calls issued with
+        no synchronisation, then a synchronize; wall time / N, median and min over the repeats
+        (on a small problem this is how fast calls can be issued). Synchronised: each call
+        followed by a synchronize; median over the calls (the latency of one call). The backends
+        take turns repeat by repeat and call by call, so a drift in the host's speed hits them
+        alike. On the CPU there is nothing to synchronise: both are plain wall clock.
+        Returns {backend: {"b2b_us", "b2b_min_us", "sync_us"}}."""
+        repeats, n, ncalls = HOST_LOOPS[self.device]
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        clock = time.perf_counter_ns
+        names = list(runs)
+        b2b = {b: [] for b in names}
+        one = {b: [] for b in names}
+        for b in names:  # warm-up
+            for j in range(n):
+                runs[b](j % nsets)
+        sync()
+        for r in range(repeats):
+            for b in names[r % len(names):] + names[:r % len(names)]:
+                run = runs[b]
+                sync()
+                t0 = clock()
+                for j in range(n):
+                    run(j % nsets)
+                sync()
+                b2b[b].append((clock() - t0) / n / 1e3)
+        for j in range(ncalls):
+            for b in names:
+                t0 = clock()
+                runs[b](j % nsets)
+                sync()
+                one[b].append((clock() - t0) / 1e3)
+        return {b: {"b2b_us": statistics.median(b2b[b]), "b2b_min_us": min(b2b[b]),
+                    "sync_us": statistics.median(one[b])} for b in names}
+
 
 def _stats(ts):
     q = lambda f: ts[min(len(ts) - 1, int(f * (len(ts) - 1) + 0.5))]  # noqa: E731
@@ -329,6 +394,10 @@ def _stats(ts):
 BUDGETS = {  # warm-up ms, timed ms per backend and cell, min and max repetitions
     "quick": (25.0, 60.0, 10, 200),
     "full": (40.0, 250.0, 25, 500),
+}
+HOST_LOOPS = {  # host-overhead suite: repeats x calls back to back, synchronised calls
+    "cuda": (7, 200, 200),
+    "cpu": (3, 10, 10),  # the runner's test: enough to run the code, no more
 }
 
 
@@ -356,7 +425,8 @@ def base_row(cell, name, backend):
         "peer": backend.peer if backend else True, "lse": backend.lse if backend else False,
         "status": "n/a", "check": "", "err_out": None, "tol_out": None, "err_lse": None,
         "time_ms": None, "p10_ms": None, "p90_ms": None, "reps": None, "nsets": None,
-        "tflops": None, "gbps": None, "kernel": "", "note": "",
+        "tflops": None, "gbps": None, "b2b_us": None, "b2b_min_us": None, "sync_us": None,
+        "kernel": "", "note": "",
     }
 
 
@@ -375,7 +445,9 @@ def choose_nsets(cell, device, l2_bytes, mem_cap):
 
 
 def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
-    """Check and time every backend of one cell. Returns (rows, fatal error or None)."""
+    """Check and time every backend of one cell; in the host-overhead suite, then the host cost
+    of a call of every backend that passed (Timer.host, the backends taking turns). Returns
+    (rows, fatal error or None)."""
     nsets = choose_nsets(cell, device, l2_bytes, mem_cap)
     rows = {}
     todo = []
@@ -411,6 +483,7 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
     # Peers first, hipflash last: a device fault in a new kernel cannot cost the peers' numbers.
     order = [n for n in todo if backends[n].peer] + [n for n in todo if not backends[n].peer]
     fatal = None
+    host_runs = {}  # host-overhead suite: the checked and timed backends' calls
     for name in order:
         b, row = backends[name], rows[name]
         row["nsets"] = nsets
@@ -442,18 +515,30 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
                 row["tflops"] = cell.flops / t / 1e12
                 if cell.suite == "decode" or (cell.Sq == 1 and cell.kind == "dense"):
                     row["gbps"] = cell.kvbytes / t / 1e9
+                if cell.suite == HOST:
+                    host_runs[name] = run
         except ab.Unavailable as e:
             row["status"], row["note"] = "n/a", str(e)
         except Exception as e:
             row["status"], row["note"] = "n/a", _err(e)
             if device == "cuda":
-                if is_fatal_cuda_error(e) or not _cuda_alive():
+                if _context_lost(e):
                     fatal = RuntimeError(f"CUDA context lost in {name} @ {cell.label}: {_err(e)}")
                     row["note"] = str(fatal)
                     break
                 torch.cuda.empty_cache()
         log(name)
-    del inp, ref
+    if host_runs and fatal is None:
+        try:
+            for name, st in timer.host(host_runs, nsets).items():
+                rows[name].update(st)
+        except Exception as e:  # the device times stand; the host columns stay empty
+            for name in host_runs:
+                rows[name]["note"] = f"host timing failed: {_err(e)}"
+            if device == "cuda" and _context_lost(e):
+                fatal = RuntimeError(f"CUDA context lost in host timing @ {cell.label}: "
+                                     f"{_err(e)}")
+    del inp, ref, host_runs
     return [rows[n] for n in cell.backends], fatal
 
 
@@ -484,6 +569,11 @@ def _bitwise_equal(a, b):
         if not torch.equal(xv, yv):
             return False
     return True
+
+
+def _context_lost(e):
+    """After exception e on the GPU: is the CUDA context gone (so the run must stop)?"""
+    return is_fatal_cuda_error(e) or not _cuda_alive()
 
 
 def _cuda_alive():
@@ -564,7 +654,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="quick",
                     choices=["quick", "full", "fa-grid", "decode", "varlen", "lse-overhead",
-                             "tiny"])
+                             HOST, "tiny"])
     ap.add_argument("--out", default=None, help="results directory (default bench/results/SUITE)")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="default: cuda if available, else cpu (CPU runs only test the runner)")
@@ -664,6 +754,14 @@ def main(argv=None):
         "pre-filled with a sleep kernel so host launch overhead is excluded"
         % (budget[0], budget[2], budget[3], budget[1])
         if device == "cuda" else "CPU perf_counter (runner test only)")
+    if any(c.suite == HOST for c in cells):
+        repeats, n, ncalls = HOST_LOOPS[device]
+        sync = "torch.cuda.synchronize()" if device == "cuda" else "nothing (CPU)"
+        meta["host_timing"] = (
+            f"{HOST} suite: the whole Python call by wall clock (perf_counter_ns); back to back "
+            f"= {repeats} repeats of {n} calls with no synchronisation, then {sync}, per call "
+            f"(median and min of the repeats); synchronised = median of {ncalls} calls, each "
+            f"followed by {sync}; the backends take turns")
 
     total = sum(1 for c in cells for _ in c.backends)
     bar = _progress(args.progress, total)
@@ -758,7 +856,8 @@ class _Bar(_Plain):
 
 def _short_status(r):
     if r["status"] == "ok":
-        return f"{r['time_ms']:.3f}ms"
+        b2b = r.get("b2b_us")
+        return f"{r['time_ms']:.3f}ms" + (f"/{b2b:.1f}us-b2b" if b2b is not None else "")
     return r["status"]
 
 

@@ -14,23 +14,46 @@ import os
 CSV_FIELDS = [
     "suite", "cell", "group", "kind", "B", "Sq", "Sk", "Hq", "Hkv", "D", "causal", "dtype",
     "seqlens", "backend", "peer", "lse", "status", "check", "err_out", "tol_out", "err_lse",
-    "time_ms", "p10_ms", "p90_ms", "reps", "nsets", "tflops", "gbps", "kernel", "note",
+    "time_ms", "p10_ms", "p90_ms", "reps", "nsets", "tflops", "gbps", "b2b_us", "b2b_min_us",
+    "sync_us", "kernel", "note",
 ]
+
+HOST = "host-overhead"
 
 SUITE_TITLES = {
     "fa-grid": "FlashAttention grid (B*S = 16k, H*D = 2048)",
     "decode": "Decode (Sq = 1, GQA 32/8, D = 128)",
     "varlen": "Varlen (mixed sequence lengths)",
     "lse-overhead": "LSE overhead (same kernel family, LSE on vs off)",
+    HOST: "Host overhead per call",
     "tiny": "Tiny (CPU test of the runner; not a benchmark)",
 }
-SUITE_ORDER = ["fa-grid", "decode", "varlen", "lse-overhead", "tiny"]
-SUITE_METRIC = {"decode": "gbps"}  # everything else: tflops
-METRIC_UNIT = {"tflops": "TFLOP/s", "gbps": "GB/s"}
+# A paragraph under a suite's heading in results.md / docs/benchmarks.md.
+SUITE_NOTES = {
+    HOST: "The cost of a call as a user makes it: the whole Python call (argument checks, output "
+          "allocation, launch), not only the kernel. *Back to back*: after a warm-up and a "
+          "synchronize, calls issued in a tight loop with no synchronisation, then one "
+          "synchronize; wall time / calls, median (and min) over the repeats. On a small problem "
+          "this is bound by the host: how fast calls can be issued. *Synchronised*: each call "
+          "followed by `torch.cuda.synchronize()`, median over the calls: the latency of one "
+          "call. *Device*: the kernel time from CUDA events, as in the other tables; *b2b - "
+          "device* is what the host costs beyond it (- where the calls are device-bound, back "
+          "to back <= device). Ratios: µs per call / the reference peer's (<= 1.00x: at least "
+          "as fast; the target for hipflash and hipflash+lse, back to back, is <= 1.00x against "
+          "fa2-native). fa2-native (`aten._flash_attention_forward`) has no LSE switch: it "
+          "always computes and returns the LSE. Counts in *Host timing* above.",
+}
+SUITE_ORDER = ["fa-grid", "decode", "varlen", "lse-overhead", HOST, "tiny"]
+SUITE_METRIC = {"decode": "gbps", HOST: "b2b_us"}  # everything else: tflops
+METRIC_UNIT = {"tflops": "TFLOP/s", "gbps": "GB/s", "b2b_us": "µs per call, back to back"}
+LOWER_IS_BETTER = {"b2b_us"}
 # (no-LSE backend, LSE backend) pairs of the lse-overhead suite
 LSE_PAIRS = [("hipflash", "hipflash+lse"), ("torch-cudnn-nolse", "torch-cudnn"),
              ("torch-efficient-nolse", "torch-efficient")]
 HF, HF_LSE = "hipflash", "hipflash+lse"
+# The peer the host-overhead ratios divide by, the first of these in the cell: FlashAttention-2's
+# own entry point (the target), or torch-math in the CPU test of the runner.
+HOST_REF = ("fa2-native", "torch-math")
 XLABELS = {"fa-grid": "Sequence length", "decode": "KV length (Sk)", "tiny": ""}
 
 # Fixed colours, so a backend looks the same in every figure.
@@ -133,6 +156,29 @@ def lse_overheads(by_backend):
     return out
 
 
+def host_ref(by_backend):
+    """The backend a host-overhead cell's ratios divide by (the first of HOST_REF in it)."""
+    return next((b for b in HOST_REF if b in by_backend), None)
+
+
+def host_ratio(by_backend, backend, key="b2b_us"):
+    """backend's µs per call / the reference peer's, back to back or (key="sync_us")
+    synchronised; <= 1: at least as fast. None where either is missing."""
+    ref = host_ref(by_backend)
+    a = value(by_backend.get(backend), key)
+    b = value(by_backend.get(ref), key) if ref else None
+    return a / b if a and b else None
+
+
+def host_excess_us(row):
+    """Back-to-back µs per call minus the device µs per call: what the host costs beyond the
+    kernel. None where the calls are device-bound (back to back <= device) or not measured."""
+    b2b, dev = value(row, "b2b_us"), value(row, "time_ms")
+    if b2b is None or dev is None or b2b <= 1e3 * dev:
+        return None
+    return b2b - 1e3 * dev
+
+
 # ---- Formatting ------------------------------------------------------------------------------
 
 
@@ -165,13 +211,42 @@ def _fmt_pct(p):
     return f"{100 * p:+.1f}%" if p is not None else "-"
 
 
+def _fmt_us(v):
+    return f"{v:.1f}" if v is not None else "-"
+
+
 def _cell_label(by_backend):
     r = next(iter(by_backend.values()))
     return r.get("label") or r["cell"]
 
 
+def host_table(rows):
+    """The host-overhead table: a line per cell x backend, µs per call back to back (median and
+    min of the repeats), synchronised and on the device, the host's cost beyond the device, and
+    the ratios to the reference peer."""
+    cells = cells_of(rows, HOST)
+    ref = "/".join(_ordered_unique(host_ref(bb) for _, bb in cells if host_ref(bb))) or "?"
+    header = ["cell", "backend", "back to back µs", "min µs", "synchronised µs", "device µs",
+              "b2b - device µs", f"b2b / {ref}", f"sync / {ref}"]
+    body = []
+    for _, bb in cells:
+        for i, (b, r) in enumerate(bb.items()):
+            line = [_cell_label(bb) if i == 0 else "", b]
+            if r.get("status") != "ok":
+                body.append(line + [_cell_text(r, "b2b_us")] + [""] * 6)
+                continue
+            dev = value(r, "time_ms")
+            body.append(line + [_fmt_us(value(r, k)) for k in ("b2b_us", "b2b_min_us", "sync_us")]
+                        + [_fmt_us(1e3 * dev if dev else None), _fmt_us(host_excess_us(r)),
+                           _fmt_ratio(host_ratio(bb, b)),
+                           _fmt_ratio(host_ratio(bb, b, "sync_us"))])
+    return header, body, []
+
+
 def suite_table(rows, suite):
     """(header, body rows, footer rows) of one suite's table, as strings."""
+    if suite == HOST:
+        return host_table(rows)
     metric = suite_metric(suite)
     unit = METRIC_UNIT[metric]
     cells = cells_of(rows, suite)
@@ -314,7 +389,8 @@ def meta_lines(meta):
     keys = [("gpu", "GPU"), ("driver", "Driver"), ("torch", "PyTorch"), ("cuda", "CUDA (torch)"),
             ("cudnn", "cuDNN"), ("triton", "Triton"), ("hipflash", "hipflash build"),
             ("commit", "Commit"), ("date", "Date (UTC)"), ("suite", "Suite"),
-            ("dtype", "dtype"), ("timing", "Timing"), ("wall_s", "Run time (s)")]
+            ("dtype", "dtype"), ("timing", "Timing"), ("host_timing", "Host timing"),
+            ("wall_s", "Run time (s)")]
     lines = []
     for k, name in keys:
         if meta.get(k) not in (None, ""):
@@ -338,7 +414,10 @@ def render_markdown(meta, rows, images, image_prefix="", heading="#"):
            "into a ratio. The geomean is over the cells where both sides ran; the count is in "
            "parentheses.", ""]
     for s in suites_in(rows):
-        md += [f"{heading}# {SUITE_TITLES.get(s, s)}", "", _md(*suite_table(rows, s)), ""]
+        md += [f"{heading}# {SUITE_TITLES.get(s, s)}", ""]
+        if s in SUITE_NOTES:
+            md += [SUITE_NOTES[s], ""]
+        md += [_md(*suite_table(rows, s)), ""]
         if s in images:
             md += [f"![{s}]({image_prefix}{images[s]})", ""]
     probs = _problem_lines(rows)
@@ -414,7 +493,8 @@ def _plot_suite(plt, rows, suite, path, gpu_name, dtype):
             x = r.get("xlabel") or _cell_label(bb)
             groups.setdefault(r.get("group") or "", []).append(
                 (x, {b: value(bb.get(b), metric) for b in series}))
-        ylabel = f"Speed ({METRIC_UNIT[metric]})"
+        ylabel = (f"{METRIC_UNIT[metric]} (lower is better)" if metric in LOWER_IS_BETTER
+                  else f"Speed ({METRIC_UNIT[metric]})")
         title = SUITE_TITLES.get(suite, suite)
     if not series:
         return False

@@ -85,9 +85,39 @@ def targets_markdown(rows):
         geo = rep.geomean([1.0 + o for o in overheads]) - 1.0
         out += [f"**LSE overhead** (target <= 2%): {100 * geo:+.1f}% geomean over the "
                 f"{len(overheads)} lse-overhead cells, worst {100 * max(overheads):+.1f}%.", ""]
+    out += host_targets_markdown(rows)
     if not out:
         return ""
     return "### Targets\n\n" + "\n".join(out) + "\n"
+
+
+def host_targets_markdown(rows):
+    """Host overhead per call, back to back: hipflash and hipflash+lse / the reference peer
+    (fa2-native) per cell, target <= 1.00x, and what returning the LSE adds. Lines, or []."""
+    cells = []
+    for _, bb in rep.cells_of(rows, rep.HOST):
+        ref = rep.host_ref(bb)
+        hf, lse, pr = (rep.value(bb.get(b), "b2b_us") for b in (rep.HF, rep.HF_LSE, ref))
+        if pr and (hf or lse):
+            cells.append((rep._cell_label(bb), ref, hf, lse, pr,
+                          rep.host_ratio(bb, rep.HF), rep.host_ratio(bb, rep.HF_LSE)))
+    if not cells:
+        return []
+    refs = "/".join(rep._ordered_unique(c[1] for c in cells))
+    ratios = [(r, name, c[0]) for c in cells
+              for r, name in ((c[5], rep.HF), (c[6], rep.HF_LSE)) if r is not None]
+    met = sum(1 for r in ratios if r[0] <= 1.0)
+    high = max(ratios)
+    us = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+    ratio = lambda r: f"{r:.3f}x" if r is not None else "-"  # noqa: E731
+    out = [f"**Host overhead per call** (µs per call back to back, lower is better; target: "
+           f"hipflash and hipflash+lse <= {refs}, <= 1.00x in every cell): {met} of "
+           f"{len(ratios)} met, highest {high[0]:.2f}x ({high[1]}, {high[2]}).", "",
+           f"| cell | hipflash | hipflash+lse | {refs} | hipflash / {refs} | "
+           f"hipflash+lse / {refs} | LSE on - off |", "|---|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {c[0]} | {us(c[2])} | {us(c[3])} | {us(c[4])} | {ratio(c[5])} | {ratio(c[6])} | "
+            f"{f'{c[3] - c[2]:+.1f}' if c[2] and c[3] else '-'} |" for c in cells]
+    return out + [""]
 
 
 def main(argv=None):
