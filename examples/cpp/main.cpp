@@ -4,24 +4,23 @@
 #include <cstdio>
 #include <vector>
 
-#include <hipflash/detail/host_numeric.hpp>
 #include <hipflash/hipflash.hpp>
 
 int main() {
   const int64_t B = 1, Sq = 4, Sk = 6, Hq = 2, Hkv = 1, D = 64;
   const auto bf16 = hipflash::DType::bf16;
 
-  // Inputs in bf16 (stored as uint16_t), filled with a small deterministic pattern.
-  std::vector<uint16_t> q(B * Sq * Hq * D), k(B * Sk * Hkv * D), v(B * Sk * Hkv * D);
-  std::vector<uint16_t> out(q.size());
-  std::vector<float> lse(B * Hq * Sq);
-  auto fill = [](std::vector<uint16_t>& x, int seed) {
-    for (size_t i = 0; i < x.size(); ++i)
-      x[i] = hipflash::detail::float_to_bf16(std::sin(0.37f * float(i) + float(seed)));
+  // Inputs in bf16 (16-bit words, hipflash/numeric.hpp), from a small deterministic pattern.
+  auto pattern = [](int64_t n, int seed) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * float(i) + float(seed));
+    return x;
   };
-  fill(q, 1);
-  fill(k, 2);
-  fill(v, 3);
+  std::vector<uint16_t> q = hipflash::float_to_bf16(pattern(B * Sq * Hq * D, 1));
+  std::vector<uint16_t> k = hipflash::float_to_bf16(pattern(B * Sk * Hkv * D, 2));
+  std::vector<uint16_t> v = hipflash::float_to_bf16(pattern(B * Sk * Hkv * D, 3));
+  std::vector<uint16_t> out(q.size());
+  std::vector<float> lse(size_t(B * Hq * Sq));
 
   // Host buffers: the CPU backend runs them (a GPU build runs device pointers on the GPU).
   auto tq = hipflash::make_tensor(q.data(), bf16, {B, Sq, Hq, D});
@@ -42,10 +41,11 @@ int main() {
 
   for (float x : lse)
     if (!std::isfinite(x)) return std::fprintf(stderr, "non-finite lse %f\n", x), 1;
-  for (uint16_t h : out)
-    if (std::isnan(hipflash::detail::bf16_to_float(h))) return std::fprintf(stderr, "NaN in out\n"), 1;
+  const std::vector<float> outf = hipflash::bf16_to_float(out);
+  for (float x : outf)
+    if (std::isnan(x)) return std::fprintf(stderr, "NaN in out\n"), 1;
   std::printf("hipflash %s, kernel %s: lse[0,0,0] = %.6f, out[0,0,0,0] = %.6f\n",
               hipflash::build_info().c_str(), hipflash::last_kernel_name().c_str(), lse[0],
-              hipflash::detail::bf16_to_float(out[0]));
+              outf[0]);
   return 0;
 }
