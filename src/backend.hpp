@@ -37,6 +37,9 @@ int pointer_device(const void* ptr);
 /// Synchronous copy of `bytes` from device memory on `stream` to the host.
 void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream);
 
+/// Whether `stream` is capturing a CUDA/HIP graph (no synchronous copy may run on it then).
+bool stream_capturing(Stream stream);
+
 /// Launches the selected forward (and, for num_splits > 1, the combine) on `stream`.
 /// `params` are validated; the split workspace is allocated here when `ws` is too small.
 void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream,

@@ -383,12 +383,15 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
     check_disjoint(*lse, "lse", cu_q, "cu_seqlens_q");
     check_disjoint(*lse, "lse", cu_k, "cu_seqlens_k");
   }
-  // cu_seqlens: read them (a small synchronous copy for device tensors) and check them.
+  // cu_seqlens: read them (a small synchronous copy for device tensors) and check them. While
+  // the stream captures a graph no copy may run on it: the values are then the replay's, and
+  // only the launch-time checks above apply (documented in docs/spec.md §4).
+  const bool capturing = q.loc.kind == Location::gpu && gpu::stream_capturing(stream);
   std::vector<int32_t> hq(size_t(batch + 1)), hk(size_t(batch + 1));
   if (q.loc.kind == Location::cpu) {
     std::memcpy(hq.data(), cu_q.data, hq.size() * 4);
     std::memcpy(hk.data(), cu_k.data, hk.size() * 4);
-  } else {
+  } else if (!capturing) {
     gpu::copy_to_host(hq.data(), cu_q.data, hq.size() * 4, stream);
     gpu::copy_to_host(hk.data(), cu_k.data, hk.size() * 4, stream);
   }
@@ -397,6 +400,7 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
   for (auto [cu, name, total, max_len, max_name] :
        {CuCheck{&hq, "cu_seqlens_q", total_q, opts.max_seqlen_q, "max_seqlen_q"},
         CuCheck{&hk, "cu_seqlens_k", total_k, opts.max_seqlen_k, "max_seqlen_k"}}) {
+    if (capturing) break;
     HIPFLASH_CHECK((*cu)[0] >= 0, name, "[0] must be >= 0, got ", (*cu)[0]);
     for (int64_t b = 0; b < batch; ++b) {
       int64_t len = int64_t((*cu)[b + 1]) - (*cu)[b];

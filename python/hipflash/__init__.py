@@ -6,10 +6,16 @@
     out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                max_seqlen_q, max_seqlen_k, return_lse=True)
 
-Forward only: the outputs carry no autograd history. Inputs are bf16 or f16 CPU tensors (the
-CPU backend) or CUDA/HIP tensors (the GPU kernels, when this build has them; see
+Forward only, for now: inputs that require grad under grad mode raise RuntimeError (never a
+silently detached result); use torch.no_grad() or detached tensors. Inputs are bf16 or f16 CPU
+tensors (the CPU backend) or CUDA/HIP tensors (the GPU kernels, when this build has them; see
 :func:`build_info`). Argument errors raise ValueError / TypeError before anything is written;
-a combination this build does not implement raises NotImplementedError.
+a combination this build does not implement raises NotImplementedError; Ctrl-C interrupts a
+long CPU call (KeyboardInterrupt).
+
+The functions are thin wrappers over the registered operators torch.ops.hipflash.fwd,
+fwd_out, varlen_fwd and varlen_fwd_out, so torch.compile (fullgraph, dynamic shapes),
+torch.jit.trace and CUDA graph capture see real operators.
 """
 
 import numbers
@@ -17,6 +23,7 @@ import numbers
 import torch
 
 from . import _C
+from . import _ops
 
 __all__ = [
     "flash_attn_func",
@@ -31,6 +38,7 @@ __all__ = [
 __version__ = getattr(_C, "__version__", "0.0.0")
 
 _LSE_LAYOUTS = ("padded", "packed")
+_MAX_SPLITS = 256  # hipflash::kMaxSplits
 
 
 def gpu_available():
@@ -75,7 +83,10 @@ def _window(window_size):
     for v in (left, right):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    return int(left), int(right)
+        if v < -1:
+            raise ValueError("window_size must be (left, right) with -1 (unbounded) or values "
+                             f">= 0, got ({int(left)}, {int(right)})")
+    return _window_arg(int(left)), _window_arg(int(right))
 
 
 def _scale(softmax_scale):
@@ -92,21 +103,38 @@ def _int(value, name):
     return int(value)
 
 
-def _out(q, out):
-    """The output buffer: the caller's, or a fresh contiguous tensor shaped and typed like q."""
-    if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return out
+_INT64_MAX = 2**63 - 1
+_INTERRUPTED = "hipflash: the call was interrupted"
 
 
-def _run(q, fn, *args):
-    """Runs fn on q's device: CPU directly; CUDA/HIP on that device's current stream."""
-    if q.device.type == "cuda":
-        with torch.cuda.device(q.device):
-            stream = torch.cuda.current_stream(q.device).cuda_stream
-            fn(*args, stream)
-    else:
-        fn(*args, 0)
+def _window_arg(v):
+    """A window bound for the int64 schema: anything past int64 saturates (a bound at or beyond
+    the sequence length is the same as -1, SPEC §3)."""
+    return min(v, _INT64_MAX)
+
+
+def _bounded(value, name, lo, hi):
+    """An int option checked here, so that the operator never sees a value its int64 schema
+    cannot hold (a short ValueError instead of an overflow error)."""
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _call(op, *args):
+    """Runs a hipflash operator; a CPU call interrupted by Ctrl-C raises KeyboardInterrupt.
+    (Under torch.compile the op is traced as is: there is nothing to interrupt.)"""
+    if _is_compiling():
+        return op(*args)
+    try:
+        return op(*args)
+    except RuntimeError as e:
+        if str(e).startswith(_INTERRUPTED):
+            raise KeyboardInterrupt(str(e)) from None
+        raise
 
 
 # ---- Public API ------------------------------------------------------------------------------
@@ -160,16 +188,18 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     _check_same_device(q, [("k", k), ("v", v)] + ([("out", out)] if out is not None else []))
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
-    num_splits = _int(num_splits, "num_splits")
+    num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     causal, return_lse = bool(causal), bool(return_lse)
 
-    out = _out(q, out)
+    if out is None:
+        out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits, return_lse)
+        return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 4:
         # A q of the wrong rank gets no buffer: the C++ rank check reports it.
         lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                           device=q.device)
-    _run(q, _C.forward, q, k, v, out, lse, scale, causal, left, right, num_splits, return_lse)
+    _call(_ops.fwd_out, q, k, v, out, lse, scale, causal, left, right, num_splits, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -220,12 +250,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                        + ([("out", out)] if out is not None else []))
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
-    num_splits = _int(num_splits, "num_splits")
-    max_seqlen_q = _int(max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = _int(max_seqlen_k, "max_seqlen_k")
+    num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
+    # Negative maxima reach the C++ checks; only what int64 cannot hold stops here.
+    max_seqlen_q = _bounded(_int(max_seqlen_q, "max_seqlen_q"), "max_seqlen_q", -_INT64_MAX, _INT64_MAX)
+    max_seqlen_k = _bounded(_int(max_seqlen_k, "max_seqlen_k"), "max_seqlen_k", -_INT64_MAX, _INT64_MAX)
     causal, return_lse = bool(causal), bool(return_lse)
 
-    out = _out(q, out)
+    if out is None:
+        out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, scale, causal, left, right, num_splits, return_lse,
+                         lse_layout)
+        return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 3:
         # Buffers only for shapes that make sense; anything else is reported by the C++ checks.
@@ -234,8 +269,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         elif cu_seqlens_q.dim() == 1 and cu_seqlens_q.numel() >= 1 and max_seqlen_q >= 0:
             lse = torch.empty((cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q),
                               dtype=torch.float32, device=q.device)
-    _run(q, _C.varlen_forward, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-         max_seqlen_k, scale, causal, left, right, num_splits, return_lse, lse_layout)
+    _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+          out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout)
     return (out, lse) if return_lse else out
 
 
@@ -250,4 +285,5 @@ def resolve_num_splits(q, k, causal=False, window_size=(-1, -1), num_splits=0):
     _check_tensor(k, "k")
     _check_same_device(q, [("k", k)])
     left, right = _window(window_size)
-    return _C.resolve_num_splits(q, k, bool(causal), left, right, _int(num_splits, "num_splits"))
+    num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
+    return _C.resolve_num_splits(q, k, bool(causal), left, right, num_splits)

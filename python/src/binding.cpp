@@ -1,15 +1,35 @@
-// hipflash._C — the pybind11 binding: at::Tensor -> hipflash::TensorRef, nothing else.
+// hipflash._C — the PyTorch operators (SPEC §1): at::Tensor -> hipflash::TensorRef, nothing else.
 //
-// Every check of SPEC §4 lives in the C++ launcher; this file only describes tensors (pointer,
-// dtype, sizes, strides, device), forwards the call with the GIL released, and turns the typed
-// C++ errors into Python exceptions. The CUDA/HIP stream arrives from Python as an integer
-// (torch.cuda.current_stream(dev).cuda_stream), so no device headers are needed here.
+//   hipflash::fwd             (q, k, v, ...)                -> (out, lse)   allocates out and lse
+//   hipflash::fwd_out         (q, k, v, out!, lse!?, ...)   -> ()           writes the caller's
+//   hipflash::varlen_fwd      (q, k, v, cu_q, cu_k, ...)    -> (out, lse)
+//   hipflash::varlen_fwd_out  (q, k, v, out!, lse!?, ...)   -> ()
+//
+// Registered with TORCH_LIBRARY, so torch.compile, torch.jit.trace, CUDA graphs and
+// torch.library.opcheck see real operators. One kernel serves the CPU and CUDA dispatch keys
+// (the C++ launcher picks the backend from the tensors' location); the Autograd key gets the
+// autograd boundary (no backward yet: inputs that require grad under grad mode are an error,
+// never a silently detached result) and bumps the version counter of what *_out writes, as any
+// in-place op does. The fake (meta) kernels for torch.compile are in python/hipflash/_ops.py.
+//
+// Every check of SPEC §4 lives in the C++ launcher; its typed errors become c10 errors of the
+// matching Python type here (ValueError, TypeError, NotImplementedError, RuntimeError), with the
+// launcher's short message. A CPU call polls Python's signal handlers between tiles, so Ctrl-C
+// interrupts it (hipflash::interrupted; the Python wrapper raises KeyboardInterrupt).
 #include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#if defined(HIPFLASH_TORCH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+#endif  // HIPFLASH_TORCH_CUDA
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "hipflash/hipflash.hpp"
@@ -82,20 +102,36 @@ hipflash::TensorRef to_ref(const at::Tensor& t, const char* name, Role role) {
   return r;
 }
 
-hipflash::FwdOptions fwd_options(std::optional<double> softmax_scale, bool causal,
-                                 int64_t window_left, int64_t window_right, int num_splits,
+/// The schema's int64 options, range-checked before they narrow.
+hipflash::FwdOptions fwd_options(c10::optional<double> softmax_scale, bool causal,
+                                 int64_t window_left, int64_t window_right, int64_t num_splits,
                                  bool return_lse) {
+  HIPFLASH_CHECK(num_splits >= 0 && num_splits <= hipflash::kMaxSplits, "num_splits must be in [0, ",
+                 hipflash::kMaxSplits, "] (0 = heuristic), got ", num_splits);
   hipflash::FwdOptions o;
-  if (softmax_scale) o.softmax_scale = float(*softmax_scale);
+  if (softmax_scale) o.softmax_scale = float(*softmax_scale);  // beyond float: inf, refused
   o.causal = causal;
   o.window_left = window_left;
   o.window_right = window_right;
-  o.num_splits = num_splits;
+  o.num_splits = int(num_splits);
   o.return_lse = return_lse;
   return o;
 }
 
-hipflash::Stream as_stream(uintptr_t stream) { return reinterpret_cast<hipflash::Stream>(stream); }
+hipflash::LseLayout lse_layout_of(const std::string& s) {
+  HIPFLASH_CHECK(s == "padded" || s == "packed", "lse_layout must be 'padded' or 'packed', got '",
+                 s, "'");
+  return s == "packed" ? hipflash::LseLayout::packed : hipflash::LseLayout::padded;
+}
+
+/// The stream a call on q's device runs on: the current CUDA stream of that device.
+hipflash::Stream stream_of(const at::Tensor& q) {
+#if defined(HIPFLASH_TORCH_CUDA)
+  if (q.is_cuda()) return c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+#endif  // HIPFLASH_TORCH_CUDA
+  (void)q;
+  return nullptr;
+}
 
 /// Split-K workspace from PyTorch's caching allocator (on q's device, current stream), held in
 /// `keep` until the call returns: no cudaMallocAsync/free per call.
@@ -108,67 +144,244 @@ hipflash::Workspace torch_workspace(const at::Tensor& q, std::vector<at::Tensor>
   return ws;
 }
 
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-             const std::optional<at::Tensor>& lse, std::optional<double> softmax_scale,
-             bool causal, int64_t window_left, int64_t window_right, int num_splits,
-             bool return_lse, uintptr_t stream) {
-  const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
-             vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
-  std::optional<hipflash::TensorRef> lser;
-  if (lse) lser = to_ref(*lse, "lse", Role::lse);
-  const auto opts =
-      fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
-  std::vector<at::Tensor> keep;
-  py::gil_scoped_release no_gil;
-  hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr, opts, as_stream(stream),
-                    torch_workspace(q, keep));
+/// Runs `call` without the GIL (when this thread holds it) and turns hipflash's typed errors
+/// into c10 errors of the Python type SPEC §4 names.
+template <class F>
+void run_launcher(F&& call) {
+  try {
+    std::optional<py::gil_scoped_release> no_gil;
+    if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
+    call();
+  } catch (const hipflash::dtype_error& e) {
+    TORCH_CHECK_TYPE(false, e.what());
+  } catch (const hipflash::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const hipflash::not_implemented& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+  } catch (const hipflash::interrupted& e) {
+    TORCH_CHECK(false, e.what());  // "hipflash: the call was interrupted ..."
+  } catch (const hipflash::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
 }
 
-void varlen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& out, const std::optional<at::Tensor>& lse,
+// ---- The backend kernels (CPU and CUDA dispatch keys) ----------------------------------------
+
+void fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+             const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
+             bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
+             bool return_lse) {
+  std::vector<at::Tensor> keep;
+  run_launcher([&] {
+    const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
+               vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
+    std::optional<hipflash::TensorRef> lser;
+    if (lse) lser = to_ref(*lse, "lse", Role::lse);
+    hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr,
+                      fwd_options(softmax_scale, causal, window_left, window_right, num_splits,
+                                  return_lse),
+                      stream_of(q), torch_workspace(q, keep));
+  });
+}
+
+/// The LSE buffer of a call: [B, Hq, Sq] (dense, padded varlen) or [Hq, total_q] (packed), or
+/// an empty tensor when not asked for, or when the shapes are too wrong to size it (the
+/// launcher then reports them).
+at::Tensor alloc_lse(const at::Tensor& q, bool return_lse, std::vector<int64_t> shape) {
+  if (!return_lse) return at::empty({0}, q.options().dtype(at::kFloat));
+  for (int64_t s : shape)
+    if (s < 0) return at::empty({0}, q.options().dtype(at::kFloat));
+  return at::empty(shape, q.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, c10::optional<double> softmax_scale,
+                                       bool causal, int64_t window_left, int64_t window_right,
+                                       int64_t num_splits, bool return_lse) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
+                                : alloc_lse(q, return_lse, {-1});
+  fwd_out(q, k, v, out, return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt,
+          softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+  return {out, lse};
+}
+
+void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                    int64_t max_seqlen_q, int64_t max_seqlen_k,
-                    std::optional<double> softmax_scale, bool causal, int64_t window_left,
-                    int64_t window_right, int num_splits, bool return_lse,
-                    const std::string& lse_layout, uintptr_t stream) {
-  HIPFLASH_CHECK(lse_layout == "padded" || lse_layout == "packed",
-                 "lse_layout must be 'padded' or 'packed', got '", lse_layout, "'");
-  const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
-             vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
-  const auto cuq = to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index);
-  const auto cuk = to_ref(cu_seqlens_k, "cu_seqlens_k", Role::index);
-  std::optional<hipflash::TensorRef> lser;
-  if (lse) lser = to_ref(*lse, "lse", Role::lse);
-  hipflash::VarlenOptions opts;
-  static_cast<hipflash::FwdOptions&>(opts) =
-      fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
-  opts.max_seqlen_q = max_seqlen_q;
-  opts.max_seqlen_k = max_seqlen_k;
-  opts.lse_layout =
-      lse_layout == "packed" ? hipflash::LseLayout::packed : hipflash::LseLayout::padded;
+                    int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
+                    const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
+                    bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
+                    bool return_lse, const std::string& lse_layout) {
   std::vector<at::Tensor> keep;
-  py::gil_scoped_release no_gil;
-  hipflash::varlen_forward(qr, kr, vr, outr, lser ? &*lser : nullptr, cuq, cuk, opts,
-                           as_stream(stream), torch_workspace(q, keep));
+  run_launcher([&] {
+    hipflash::VarlenOptions opts;
+    opts.lse_layout = lse_layout_of(lse_layout);
+    static_cast<hipflash::FwdOptions&>(opts) =
+        fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+    opts.max_seqlen_q = max_seqlen_q;
+    opts.max_seqlen_k = max_seqlen_k;
+    const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
+               vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
+    const auto cuq = to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index);
+    const auto cuk = to_ref(cu_seqlens_k, "cu_seqlens_k", Role::index);
+    std::optional<hipflash::TensorRef> lser;
+    if (lse) lser = to_ref(*lse, "lse", Role::lse);
+    hipflash::varlen_forward(qr, kr, vr, outr, lser ? &*lser : nullptr, cuq, cuk, opts,
+                             stream_of(q), torch_workspace(q, keep));
+  });
 }
 
-int resolve_num_splits(const at::Tensor& q, const at::Tensor& k, bool causal,
-                       int64_t window_left, int64_t window_right, int num_splits) {
-  return hipflash::resolve_num_splits(
-      to_ref(q, "q", Role::operand), to_ref(k, "k", Role::operand),
-      fwd_options(std::nullopt, causal, window_left, window_right, num_splits, false));
+std::tuple<at::Tensor, at::Tensor> varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    int64_t num_splits, bool return_lse, const std::string& lse_layout) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = alloc_lse(q, false, {});
+  if (return_lse && q.dim() == 3) {
+    if (lse_layout == "packed") {
+      lse = alloc_lse(q, true, {q.size(1), q.size(0)});
+    } else if (lse_layout == "padded" && cu_seqlens_q.dim() == 1 && cu_seqlens_q.numel() >= 1) {
+      lse = alloc_lse(q, true, {cu_seqlens_q.numel() - 1, q.size(1), max_seqlen_q});
+    }
+  }
+  varlen_fwd_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                 return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt, softmax_scale,
+                 causal, window_left, window_right, num_splits, return_lse, lse_layout);
+  return {out, lse};
+}
+
+// ---- The Autograd key: the boundary until a backward exists ----------------------------------
+
+void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* op) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const at::Tensor* t : tensors)
+    TORCH_CHECK(!(t->defined() && t->requires_grad()), "hipflash.", op,
+                ": an input requires grad, but hipflash has no backward yet; call it under "
+                "torch.no_grad() or pass detached tensors");
+}
+
+/// Runs the op below autograd (the backend kernel), then bumps what it wrote.
+template <class Fn, class... Args>
+auto below_autograd(const char* name, Args&&... args) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Fn>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(std::forward<Args>(args)...);
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v,
+                                                c10::optional<double> softmax_scale, bool causal,
+                                                int64_t window_left, int64_t window_right,
+                                                int64_t num_splits, bool return_lse) {
+  refuse_grad({&q, &k, &v}, "flash_attn_func");
+  return below_autograd<decltype(fwd)>("hipflash::fwd", q, k, v, softmax_scale, causal,
+                                       window_left, window_right, num_splits, return_lse);
+}
+
+void bump(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
+
+void fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& out, const c10::optional<at::Tensor>& lse,
+                      c10::optional<double> softmax_scale, bool causal, int64_t window_left,
+                      int64_t window_right, int64_t num_splits, bool return_lse) {
+  const at::Tensor none;
+  refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_func");
+  below_autograd<decltype(fwd_out)>("hipflash::fwd_out", q, k, v, out, lse, softmax_scale, causal,
+                                    window_left, window_right, num_splits, return_lse);
+  bump(out);
+  if (lse) bump(*lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    int64_t num_splits, bool return_lse, const std::string& lse_layout) {
+  refuse_grad({&q, &k, &v}, "flash_attn_varlen_func");
+  return below_autograd<decltype(varlen_fwd)>(
+      "hipflash::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, window_left, window_right, num_splits, return_lse, lse_layout);
+}
+
+void varlen_fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                             int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
+                             const c10::optional<at::Tensor>& lse,
+                             c10::optional<double> softmax_scale, bool causal,
+                             int64_t window_left, int64_t window_right, int64_t num_splits,
+                             bool return_lse, const std::string& lse_layout) {
+  const at::Tensor none;
+  refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_varlen_func");
+  below_autograd<decltype(varlen_fwd_out)>(
+      "hipflash::varlen_fwd_out", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, out, lse, softmax_scale, causal, window_left, window_right, num_splits,
+      return_lse, lse_layout);
+  bump(out);
+  if (lse) bump(*lse);
+}
+
+// ---- Ctrl-C --------------------------------------------------------------------------------
+
+/// hipflash's interrupt check: runs Python's signal handlers (main thread only, as Python
+/// does). A handler that raised (KeyboardInterrupt) stops the call; the exception is cleared
+/// here and raised again by the Python wrapper from hipflash::interrupted.
+bool python_interrupted() {
+  if (!Py_IsInitialized()) return false;
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  PyErr_Clear();
+  return true;
 }
 
 }  // namespace
 
+TORCH_LIBRARY(hipflash, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, int window_left, "
+        "int window_right, int num_splits, bool return_lse) -> (Tensor out, Tensor lse)");
+  m.def("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!)? lse, "
+        "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
+        "bool return_lse) -> ()");
+  m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, int window_left, "
+        "int window_right, int num_splits, bool return_lse, str lse_layout) "
+        "-> (Tensor out, Tensor lse)");
+  m.def("varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, Tensor(a!) out, Tensor(b!)? lse, "
+        "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
+        "bool return_lse, str lse_layout) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
+  m.impl("fwd", &fwd);
+  m.impl("fwd_out", &fwd_out);
+  m.impl("varlen_fwd", &varlen_fwd);
+  m.impl("varlen_fwd_out", &varlen_fwd_out);
+}
+
+TORCH_LIBRARY_IMPL(hipflash, CUDA, m) {
+  m.impl("fwd", &fwd);
+  m.impl("fwd_out", &fwd_out);
+  m.impl("varlen_fwd", &varlen_fwd);
+  m.impl("varlen_fwd_out", &varlen_fwd_out);
+}
+
+TORCH_LIBRARY_IMPL(hipflash, Autograd, m) {
+  m.impl("fwd", &fwd_autograd);
+  m.impl("fwd_out", &fwd_out_autograd);
+  m.impl("varlen_fwd", &varlen_fwd_autograd);
+  m.impl("varlen_fwd_out", &varlen_fwd_out_autograd);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "hipflash C++ extension: flash-attention forward with LSE (use the `hipflash` package)";
+  m.doc() = "hipflash C++ extension: registers torch.ops.hipflash.* (use the `hipflash` package)";
 #ifdef HIPFLASH_VERSION
   m.attr("__version__") = HIPFLASH_VERSION;
 #endif  // HIPFLASH_VERSION
+  hipflash::set_interrupt_check(&python_interrupted);
 
-  // SPEC §4: typed C++ errors -> Python exceptions. One translator, most-derived first
-  // (dtype_error is an invalid_argument).
+  // SPEC §4 for the helpers below (the operators raise c10 errors of these types themselves).
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -185,24 +398,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
 
-  m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-        py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
-        py::arg("window_right"), py::arg("num_splits"), py::arg("return_lse"),
-        py::arg("stream") = 0,
-        "Dense forward into preallocated out (and lse when return_lse). Use "
-        "hipflash.flash_attn_func.");
-  m.def("varlen_forward", &varlen_forward, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
-        py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
-        py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
-        py::arg("num_splits"), py::arg("return_lse"), py::arg("lse_layout"),
-        py::arg("stream") = 0,
-        "Varlen forward into preallocated out (and lse). Use hipflash.flash_attn_varlen_func.");
-  m.def("resolve_num_splits", &resolve_num_splits, py::arg("q"), py::arg("k"),
-        py::arg("causal") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("num_splits") = 0,
-        "The split count a dense call with these q, k and options runs with (num_splits=0 "
-        "resolves by heuristic; passing the result explicitly gives bitwise the same output).");
+  m.def(
+      "resolve_num_splits",
+      [](const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window_left,
+         int64_t window_right, int64_t num_splits) {
+        return hipflash::resolve_num_splits(
+            to_ref(q, "q", Role::operand), to_ref(k, "k", Role::operand),
+            fwd_options(c10::nullopt, causal, window_left, window_right, num_splits, false));
+      },
+      py::arg("q"), py::arg("k"), py::arg("causal") = false, py::arg("window_left") = -1,
+      py::arg("window_right") = -1, py::arg("num_splits") = 0,
+      "The split count a dense call with these q, k and options runs with (num_splits=0 "
+      "resolves by heuristic; passing the result explicitly gives bitwise the same output).");
   m.def("gpu_available", &hipflash::gpu_available,
         "Whether this build has GPU kernels and a GPU is visible.");
   m.def("build_info", &hipflash::build_info, "What this build can run, e.g. 'cpu+cuda(...)'.");

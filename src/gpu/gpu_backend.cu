@@ -128,6 +128,10 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream) {
               "copying cu_seqlens to the host");
 }
 
+bool stream_capturing(Stream stream) {
+  return port::stream_capturing(static_cast<port::stream_t>(stream));
+}
+
 template <class Tile>
 TileShape shape_of(int blocks_per_sm) {
   return TileShape{Tile::kBlockM, Tile::kBlockN, blocks_per_sm};

@@ -16,6 +16,7 @@ std::string build_info() { return "cpu (built with HIPFLASH_GPU=none)"; }
 Arch device_arch(int) { no_gpu(); }
 int pointer_device(const void*) { return -1; }
 void copy_to_host(void*, const void*, size_t, Stream) { no_gpu(); }
+bool stream_capturing(Stream) { return false; }
 void run_forward(const FwdParams&, const Selection&, int, Stream, Workspace) { no_gpu(); }
 TileShape tile_shape(KernelKind, int) { return TileShape{}; }
 

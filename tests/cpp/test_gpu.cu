@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "hostile_cases.hpp"
 #include "test_util.hpp"
 
 namespace hipflash::test {
@@ -380,6 +381,34 @@ TEST_F(Gpu, MatchesTheCpuBackend) {
   c.run();
   EXPECT_REF_OK(check_rows(g));
   EXPECT_TRUE(g.lse.bitwise_equal(c.lse) || max_abs_diff(g.lse, c.lse) <= 1e-4f);
+}
+
+// ---- Hostile numerics (SPEC §3): NaN through every kernel and split count, tied scores ----------
+
+class GpuNan : public ::testing::TestWithParam<NanCase> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available())
+      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
+  }
+};
+
+TEST_P(GpuNan, ReachesExactlyWhatTheReferenceReaches) {
+  Dense t = make_nan_problem(GetParam());
+  run_gpu(t);
+  EXPECT_REF_OK(check_nan(t)) << last_kernel_name();
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, GpuNan, ::testing::ValuesIn(nan_cases()),
+                         [](const auto& info) { return info.param.name(); });
+
+TEST_F(Gpu, TiedHugeScoresAreWeightedByKeyCounts) {
+  for (int splits : {1, 2, 3, 5})
+    for (int64_t sq : {1, 4, 130}) {  // decode, short and long rows: every kernel family
+      Dense t = make_tied_problem({DType::bf16, 1, sq, 300, 2, 1, 64, false, -1, -1, splits});
+      run_gpu(t);
+      EXPECT_REF_OK(t.check()) << "splits " << splits << " sq " << sq << " " << last_kernel_name();
+    }
 }
 
 // ---- Poison and views --------------------------------------------------------------------------

@@ -74,6 +74,10 @@ inline error_t memcpy_d2h(void* dst, const void* src, size_t n, stream_t s) {
   return e == hipSuccess ? hipStreamSynchronize(s) : e;
 }
 inline error_t stream_synchronize(stream_t s) { return hipStreamSynchronize(s); }
+inline bool stream_capturing(stream_t s) {
+  hipStreamCaptureStatus st = hipStreamCaptureStatusNone;
+  return hipStreamIsCapturing(s, &st) == hipSuccess && st != hipStreamCaptureStatusNone;
+}
 /// Device pointer -> device ordinal; -1 for host memory.
 inline int pointer_device(const void* p) {
   hipPointerAttribute_t a{};
@@ -104,6 +108,10 @@ inline error_t memcpy_d2h(void* dst, const void* src, size_t n, stream_t s) {
   return e == cudaSuccess ? cudaStreamSynchronize(s) : e;
 }
 inline error_t stream_synchronize(stream_t s) { return cudaStreamSynchronize(s); }
+inline bool stream_capturing(stream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
 inline int pointer_device(const void* p) {
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {

@@ -1,0 +1,55 @@
+"""The registered operators (torch.ops.hipflash.*) and their fake kernels for torch.compile.
+
+The operators are defined and implemented in C++ (python/src/binding.cpp, TORCH_LIBRARY); the
+fake kernels here tell torch.compile / FakeTensor what they return without running them: the
+shapes, dtypes and devices the C++ kernels allocate, with symbolic sizes under dynamic=True.
+Registered with torch.library.register_fake where this torch has it (2.4 and later); older
+torch (Debian's 1.13) has no torch.compile to serve and traces the operators with
+torch.jit.trace as they are.
+"""
+
+import torch
+
+from . import _C  # noqa: F401  (loading the extension registers torch.ops.hipflash)
+
+fwd = torch.ops.hipflash.fwd.default
+fwd_out = torch.ops.hipflash.fwd_out.default
+varlen_fwd = torch.ops.hipflash.varlen_fwd.default
+varlen_fwd_out = torch.ops.hipflash.varlen_fwd_out.default
+
+OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out)
+
+
+def _lse_like(q, shape):
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_splits, return_lse):
+    out = q.new_empty(q.shape)
+    lse = _lse_like(q, (q.shape[0], q.shape[2], q.shape[1]) if return_lse and q.dim() == 4 else (0,))
+    return out, lse
+
+
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, num_splits, return_lse,
+                     lse_layout):
+    out = q.new_empty(q.shape)
+    shape = (0,)
+    if return_lse and q.dim() == 3:
+        if lse_layout == "packed":
+            shape = (q.shape[1], q.shape[0])
+        elif lse_layout == "padded" and cu_seqlens_q.dim() == 1:
+            shape = (cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q)
+    return out, _lse_like(q, shape)
+
+
+def _out_fake(*args):
+    return None
+
+
+_register_fake = getattr(torch.library, "register_fake", None)
+if _register_fake is not None:
+    _register_fake("hipflash::fwd")(_fwd_fake)
+    _register_fake("hipflash::fwd_out")(_out_fake)
+    _register_fake("hipflash::varlen_fwd")(_varlen_fwd_fake)
+    _register_fake("hipflash::varlen_fwd_out")(_out_fake)
