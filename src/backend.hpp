@@ -54,6 +54,3 @@ TileShape tile_shape(KernelKind kind, int padded_head_dim);
 
 }  // namespace hipflash::gpu
 
-namespace hipflash::detail {
-void set_last_kernel_name(std::string name);
-}  // namespace hipflash::detail

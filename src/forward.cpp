@@ -15,7 +15,15 @@
 namespace hipflash {
 namespace {
 
-thread_local std::string t_last_kernel = "none";
+/// What the last call on this thread ran; its name is built only when asked for (the string
+/// work stays off the per-call path).
+struct LastKernel {
+  enum { none, cpu, gpu } where = none;
+  KernelKind kind{};
+  KernelKey key{};
+  Arch arch{};
+};
+thread_local LastKernel t_last_kernel;
 
 std::string shape_str(const TensorRef& t) {
   std::string s = "[";
@@ -233,13 +241,12 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
   const Plan plan = plan_call(p, opts.num_splits, loc);
   p.num_splits = plan.num_splits;
   if (loc.kind == Location::cpu) {
-    detail::set_last_kernel_name("cpu_reference");
+    t_last_kernel.where = LastKernel::cpu;
     if (p.batch == 0 || p.seqlen_q == 0) return;
     cpu::run_forward(p);
     return;
   }
-  detail::set_last_kernel_name(std::string("fwd_") + kernel_kind_name(plan.sel.kind) + "_" +
-                               plan.sel.key.name() + "_" + plan.arch.name());
+  t_last_kernel = {LastKernel::gpu, plan.sel.kind, plan.sel.key, plan.arch};
   if (p.batch == 0 || p.seqlen_q == 0) return;
   gpu::run_forward(p, plan.sel, loc.index, stream, ws);
 }
@@ -257,8 +264,15 @@ Location resolve_location(const TensorRef& q) {
 
 }  // namespace
 
-void detail::set_last_kernel_name(std::string name) { t_last_kernel = std::move(name); }
-std::string last_kernel_name() { return t_last_kernel; }
+std::string last_kernel_name() {
+  const LastKernel& k = t_last_kernel;
+  switch (k.where) {
+    case LastKernel::none: return "none";
+    case LastKernel::cpu: return "cpu_reference";
+    case LastKernel::gpu: break;
+  }
+  return std::string("fwd_") + kernel_kind_name(k.kind) + "_" + k.key.name() + "_" + k.arch.name();
+}
 std::string build_info() { return gpu::build_info(); }
 bool gpu_available() {
   if (!gpu::build_caps().gpu) return false;

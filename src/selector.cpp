@@ -91,7 +91,10 @@ int num_splits_heuristic(int64_t work_items, int64_t num_slots, int64_t num_key_
   if (work_items <= 0 || num_slots <= 0 || num_key_blocks <= 1) return 1;
   // Enough work for most of one wave already: splitting only adds the combine pass.
   if (work_items * 10 >= num_slots * 8) return 1;
-  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks, num_slots});
+  // At least two key blocks per split: a split of one block costs its share of the combine
+  // pass (a launch, the workspace round trip) for one block's work — tiny problems stay whole.
+  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks / 2, num_slots});
+  if (limit <= 1) return 1;
   // Wave efficiency of s splits: the filled fraction of the last wave.
   auto efficiency = [&](int64_t s) {
     double waves = double(work_items * s) / double(num_slots);

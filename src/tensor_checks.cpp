@@ -2,8 +2,8 @@
 #include "tensor_checks.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
-#include <vector>
 
 namespace hipflash::detail {
 namespace {
@@ -16,16 +16,26 @@ struct Term {
   int64_t step, count;
 };
 
+/// The terms of one or two views (rank <= 4 each): a fixed array, no allocation per call.
+struct Terms {
+  std::array<Term, 8> t{};
+  size_t n = 0;
+  void push_back(Term x) { t[n++] = x; }
+  size_t size() const { return n; }
+  const Term& operator[](size_t k) const { return t[k]; }
+  Term* begin() { return t.data(); }
+  Term* end() { return t.data() + n; }
+};
+
 /// Depth-first search: is there an x with  lo <= sum_k x_k * step_k <= hi ? Terms sorted by
 /// step, largest first; `rest[k]` is the largest sum terms k.. can reach. Every call costs one
 /// unit of `budget`; at 0 the answer is "unknown".
 struct Search {
-  const std::vector<Term>& terms;
-  std::vector<int64_t> rest;
+  const Terms& terms;
+  std::array<int64_t, 9> rest{};
   int64_t budget;
 
-  explicit Search(const std::vector<Term>& t, int64_t steps) : terms(t), budget(steps) {
-    rest.assign(t.size() + 1, 0);
+  explicit Search(const Terms& t, int64_t steps) : terms(t), budget(steps) {
     for (size_t k = t.size(); k-- > 0;) rest[k] = rest[k + 1] + (t[k].count - 1) * t[k].step;
   }
 
@@ -54,7 +64,7 @@ constexpr int64_t kSearchSteps = 1 << 16;
 
 /// The terms of `t`'s addresses relative to its lowest address, and that lowest address.
 /// Valid for an indexable, non-empty t.
-void address_terms(const TensorRef& t, std::vector<Term>& terms, int64_t& lowest) {
+void address_terms(const TensorRef& t, Terms& terms, int64_t& lowest) {
   const int64_t es = dtype_size(t.dtype);
   lowest = int64_t(reinterpret_cast<uintptr_t>(t.data));
   for (int d = 0; d < t.rank; ++d) {
@@ -97,7 +107,7 @@ Overlap overlap(const TensorRef& a, const TensorRef& b) {
   // addr_a(x) - addr_b(y) in (-es_a, es_b)  <=>  the elements share a byte. With
   // y' = count - 1 - y the b terms enter positively:  sum x*step_a + sum y'*step_b  must lie in
   // [lo_b - lo_a + rest_b - es_a + 1, lo_b - lo_a + rest_b + es_b - 1].
-  std::vector<Term> terms;
+  Terms terms;
   int64_t lowest_a, lowest_b;
   address_terms(a, terms, lowest_a);
   const size_t na = terms.size();
@@ -116,7 +126,7 @@ Overlap self_overlap(const TensorRef& t) {
     if (t.sizes[d] > 1 && t.strides[d] == 0) return Overlap::some;
   // Sorted by |stride|, each dimension stepping past everything the smaller ones reach proves
   // the map one-to-one; the layouts that fail that test are refused as "unknown".
-  std::vector<Term> terms;
+  Terms terms;
   int64_t lowest;
   address_terms(t, terms, lowest);
   std::sort(terms.begin(), terms.end(), [](const Term& x, const Term& y) { return x.step < y.step; });

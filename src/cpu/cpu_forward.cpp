@@ -224,11 +224,12 @@ void run_forward(const FwdParams& p) {
     std::lock_guard<std::mutex> lock(error_mu);
     if (!error) error = std::move(e);
   };
-  // The calling thread polls the interrupt check between its tiles, at most every kPoll.
+  // The calling thread polls the interrupt check after its first tile, then at most every
+  // kPoll.
   const InterruptCheck check = interrupt_check();
   constexpr auto kPoll = std::chrono::milliseconds(20);
   auto worker = [&](bool polls) {
-    auto last_poll = std::chrono::steady_clock::now();
+    auto last_poll = std::chrono::steady_clock::now() - kPoll;
     try {
       for (int64_t it; (it = next.fetch_add(1)) < items;) {
         const int64_t mb = it % m_blocks;

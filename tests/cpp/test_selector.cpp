@@ -185,8 +185,12 @@ TEST(SplitHeuristic, DecodeFillsTheMachine) {
   // One work item on 132 SMs with plenty of key blocks: the fewest splits within 85% of a
   // full wave is ceil(0.85 * 132) = 113.
   EXPECT_EQ(num_splits_heuristic(1, 132, 1000), 113);
-  // Limited by the key blocks.
-  EXPECT_EQ(num_splits_heuristic(1, 132, 5), 5);
+  // Limited by the key blocks: at least two per split.
+  EXPECT_EQ(num_splits_heuristic(1, 132, 5), 2);
+  EXPECT_EQ(num_splits_heuristic(1, 132, 64), 32);
+  // A tiny problem (2 key blocks) stays whole: a split would cost more than it saves.
+  EXPECT_EQ(num_splits_heuristic(16, 528, 2), 1);
+  EXPECT_EQ(num_splits_heuristic(16, 528, 3), 1);
   // Limited by max_splits.
   EXPECT_EQ(num_splits_heuristic(1, 132, 1000, 16), 16);
   // 2 CPU threads, one row: 2 splits.

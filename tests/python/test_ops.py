@@ -130,7 +130,7 @@ def test_opcheck(device):
                                "packed"))
     out, lse = torch.empty_like(q), q.new_empty((2, 4, 37), dtype=torch.float32)
     torch.library.opcheck(ops.fwd_out.default, (q, k, v, out, lse, None, False, -1, -1, 0, True))
-    vout, vlse = torch.empty_like(qv), qv.new_empty((4, 40, 40), dtype=torch.float32)
+    vout, vlse = torch.empty_like(qv), qv.new_empty((4, 4, 40), dtype=torch.float32)
     torch.library.opcheck(ops.varlen_fwd_out.default,
                           (qv, kv, vv, cq, ck, 40, 40, vout, vlse, None, True, -1, -1, 0, True,
                            "padded"))
