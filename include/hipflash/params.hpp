@@ -64,6 +64,18 @@ struct FwdParams {
   float* __restrict__ out_partial = nullptr;
   detail::SoftmaxState* __restrict__ state_partial = nullptr;
 
+  /// Offset in `lse` of row `row` (counted from its sequence's first row, q_start) of query
+  /// head h of batch b (SPEC §2): the one LSE index of the kernels, the combine kernel and the
+  /// CPU backend.
+  HIPFLASH_HD int64_t lse_offset(int64_t b, int64_t h, int64_t q_start, int64_t row) const {
+    const int64_t r = lse_layout == LseLayout::packed && cu_seqlens_q ? q_start + row : row;
+    return b * lse_batch_stride + h * lse_head_stride + r * lse_row_stride;
+  }
+  /// Row of (split, b, h, row) in the split-K workspace ([splits, B, Hq, Sq(max)], padded rows).
+  HIPFLASH_HD int64_t partial_row(int split, int64_t b, int64_t h, int64_t row) const {
+    return ((int64_t(split) * batch + b) * heads_q + h) * seqlen_q + row;
+  }
+
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   /// GQA decode (one query row, no window, dense): the GPU launcher packs the query heads that

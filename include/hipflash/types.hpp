@@ -21,6 +21,11 @@ constexpr std::string_view dtype_name(DType t) {
   return "unknown";
 }
 
+/// For `static_assert(unsupported_dtype<kDType>, ...)` in the last branch of an `if constexpr`
+/// chain over dtypes: every element type is spelled out, none is a silent default.
+template <DType>
+inline constexpr bool unsupported_dtype = false;
+
 constexpr int dtype_size(DType t) { return t == DType::f16 || t == DType::bf16 ? 2 : 4; }
 
 /// Where a buffer lives. `index` is the device ordinal for gpu, ignored for cpu.

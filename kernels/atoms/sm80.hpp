@@ -1,6 +1,7 @@
-// hipflash — NVIDIA sm_80+ matrix-core atom of the generic kernel: mma.sync m16n8k16
-// (bf16/f16 in, fp32 accumulate), ldmatrix and cp.async. Fragment layouts (PTX ISA, "Matrix
-// fragments for mma.m16n8k16"): with g = lane / 4 and t = lane % 4,
+// hipflash — the NVIDIA sm_80+ atom (used by the generic, decode and sm90 schedules): mma.sync
+// m16n8k16 (bf16/f16 in, fp32 accumulate), ldmatrix, cp.async and the swizzled tile loader.
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"): with g = lane / 4 and
+// t = lane % 4,
 //   A 16x16: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
 //   B 16x8:  b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
 //   C 16x8:  c0,c1 (g, 2t..2t+1)  c2,c3 (g+8, 2t..2t+1)
@@ -8,10 +9,11 @@
 
 #include <cstdint>
 
+#include "common/swizzle.hpp"
 #include "hipflash/port/port.hpp"
 #include "hipflash/types.hpp"
 
-namespace hipflash::generic::sm80 {
+namespace hipflash::atom::sm80 {
 
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
@@ -27,6 +29,7 @@ __device__ __forceinline__ void mma(float& c0, float& c1, float& c2, float& c3,
         : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
+    static_assert(kDType == DType::f16, "mma.sync m16n8k16: bf16 or f16 operands");
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -70,11 +73,30 @@ __device__ __forceinline__ uint32_t pack2(float x, float y) {
     __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&v);
   } else {
+    static_assert(kDType == DType::f16, "pack2: bf16 or f16");
     __half2 v = __floats2half2_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&v);
   }
 }
 
+/// Copies rows [row0, row0 + kRows) of a [len, D] operand (rows from `src`, a row source of
+/// common/kv_source.hpp) into a swizzled tile; rows >= len and columns >= head_dim are
+/// zero-filled.
+template <class Tile, int kRows, class T, class Rows>
+__device__ __forceinline__ void load_tile(T* smem, const Rows& src, int64_t row0, int64_t len,
+                                          int head_dim) {
+  constexpr int kTotal = kRows * Tile::kChunks;
+  static_assert(kTotal % Tile::kThreads == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < kTotal / Tile::kThreads; ++i) {
+    const int idx = int(threadIdx.x) + i * Tile::kThreads;
+    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
+    const bool valid = row0 + r < len && c * 8 < head_dim;
+    const T* from = valid ? src.row(row0 + r) + c * 8 : src.row(0);
+    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), from, valid);
+  }
+}
+
 #endif  // HIPFLASH_HAS_MMA_SYNC
 
-}  // namespace hipflash::generic::sm80
+}  // namespace hipflash::atom::sm80

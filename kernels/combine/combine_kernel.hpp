@@ -66,14 +66,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_C
   if (row >= len_q) {  // padded varlen LSE rows are -inf; there is no output row
     if constexpr (kReturnLse) {
       if (threadIdx.x == 0 && p.lse_layout == LseLayout::padded)
-        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_row_stride] =
-            detail::kNegInf;
+        p.lse[p.lse_offset(b, h, 0, row)] = detail::kNegInf;
     }
     return;
   }
-  // Split s's partial row: ((s * B + b) * Hq + h) * Sq + row.
+  // Split s's partial row, p.partial_row(s, b, h, row) = s * split_stride + base.
   const int64_t split_stride = p.batch * p.heads_q * p.seqlen_q;
-  const int64_t base = (b * p.heads_q + h) * p.seqlen_q + row;
+  const int64_t base = p.partial_row(0, b, h, row);
   const int splits = p.num_splits;
   auto partial = [&](int s) {
     return p.out_partial + (int64_t(s) * split_stride + base) * kPaddedDim + lane * kPerLane;
@@ -128,8 +127,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_C
     }
     if constexpr (kReturnLse) {
       if (lane == 0) {
-        const int64_t r = p.lse_layout == LseLayout::packed && p.cu_seqlens_q ? q_start + row : row;
-        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + r * p.lse_row_stride] = total.lse();
+        p.lse[p.lse_offset(b, h, q_start, row)] = total.lse();
       }
     }
   }

@@ -1,13 +1,14 @@
-// hipflash — the scheduler piece of the generic kernel: which (batch, head, query block,
-// split) a thread block owns, its sequence bounds, the key blocks it visits, and the mask.
+// hipflash — shared by every forward schedule: which (batch, head, query block, split) a thread
+// block owns, its sequence bounds, the key blocks it visits, and the mask.
 #pragma once
 
 #include <cstdint>
 
+#include "common/kv_source.hpp"
 #include "hipflash/params.hpp"
 #include "hipflash/port/port.hpp"
 
-namespace hipflash::generic {
+namespace hipflash::common {
 
 template <int kBlockM, int kBlockN>
 struct BlockInfo {
@@ -106,6 +107,20 @@ struct BlockInfo {
            h * p.o_head_stride;
   }
 
+  /// The same rows as row sources for the tile loaders (common/kv_source.hpp).
+  template <class T>
+  __device__ __forceinline__ ContiguousRows<T> q_source(const FwdParams& p) const {
+    return {q_rows<T>(p), p.q_row_stride};
+  }
+  template <class T>
+  __device__ __forceinline__ ContiguousRows<T> k_source(const FwdParams& p) const {
+    return {k_rows<T>(p), p.k_row_stride};
+  }
+  template <class T>
+  __device__ __forceinline__ ContiguousRows<T> v_source(const FwdParams& p) const {
+    return {v_rows<T>(p), p.v_row_stride};
+  }
+
   /// Whether key j is valid for query row i (both relative to this sequence).
   __device__ __forceinline__ static bool key_valid(const FwdParams& p, int64_t i, int64_t j,
                                                    int64_t len_k, int64_t diag, bool masked) {
@@ -117,4 +132,4 @@ struct BlockInfo {
   }
 };
 
-}  // namespace hipflash::generic
+}  // namespace hipflash::common

@@ -1,26 +1,15 @@
-// hipflash — the epilogue piece of the generic kernel: normalise O, write it (or the split's
-// fp32 partial) and, for RETURN_LSE kernels only, the natural-log LSE of each row.
+// hipflash — shared by every forward schedule: the epilogue pieces. Where a row's LSE and its
+// split-K partial (fp32 out normalised by the split's sum, and the split's SoftmaxState) live
+// is FwdParams' (lse_offset, partial_row: one definition for the kernels, the combine kernel
+// and the CPU backend); here are the writers every schedule shares.
 #pragma once
 
-#include "generic/block_info.hpp"
-#include "generic/softmax.hpp"
-#include "generic/tile_config.hpp"
+#include "common/swizzle.hpp"
+#include "hipflash/detail/softmax_state.hpp"
 #include "hipflash/params.hpp"
+#include "hipflash/port/port.hpp"
 
-namespace hipflash::generic {
-
-/// Index of row `row` (relative to its sequence) of head h in the LSE buffer (SPEC §2).
-__device__ __forceinline__ int64_t lse_index(const FwdParams& p, int64_t b, int64_t h,
-                                             int64_t q_start, int64_t row) {
-  const int64_t r = p.lse_layout == LseLayout::packed && p.cu_seqlens_q ? q_start + row : row;
-  return b * p.lse_batch_stride + h * p.lse_head_stride + r * p.lse_row_stride;
-}
-
-/// Index of (split, b, h, row) in the split-K partial buffers ([splits, B, Hq, Sq(max)]).
-__device__ __forceinline__ int64_t partial_row(const FwdParams& p, int split, int64_t b,
-                                               int64_t h, int64_t row) {
-  return ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q + row;
-}
+namespace hipflash::common {
 
 /// Padded varlen LSE (RETURN_LSE, non-split): rows [len_q, max_seqlen_q) of this query block
 /// are -inf, so the buffer has no undefined entries. Done by the block that owns those rows.
@@ -31,8 +20,7 @@ __device__ __forceinline__ void write_padded_lse_tail(const FwdParams& p, int64_
   for (int r = int(threadIdx.x); r < kBlockM; r += kThreads) {
     const int64_t row = m0 + r;
     if (row >= len_q && row < p.seqlen_q)
-      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_row_stride] =
-          detail::kNegInf;
+      p.lse[p.lse_offset(b, h, 0, row)] = detail::kNegInf;  // padded: no sequence offset
   }
 }
 
@@ -53,4 +41,4 @@ __device__ __forceinline__ void store_staged_rows(T* gO, int64_t ld, const T* st
   }
 }
 
-}  // namespace hipflash::generic
+}  // namespace hipflash::common

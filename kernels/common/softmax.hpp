@@ -1,19 +1,36 @@
-// hipflash — the softmax piece of the generic kernel: online softmax over one thread's score
-// fragment, on top of the shared detail::SoftmaxState math (base 2, see its header).
+// hipflash — shared by every forward schedule: the online softmax over one thread's score
+// fragment, on top of the detail::SoftmaxState math (base 2, see its header).
 //
-// A thread holds kRows rows of the score tile (on sm80: rows g and g+8 of each 16-row MMA tile);
-// the lanes sharing a row are a quad, reduced with two butterflies.
+// A thread holds kRows rows of the score tile; the lanes that share a row are reduced with
+// butterflies over the atom's lane masks (`Lanes`): a quad for mma.sync and wgmma accumulators
+// (rows g and g+8 of each 16-row tile, lanes 4g..4g+3), the four lanes of one query for the
+// CDNA MFMA body's transposed scores (lanes i, i+16, i+32, i+48).
 #pragma once
 
 #include "hipflash/detail/softmax_state.hpp"
 #include "hipflash/port/port.hpp"
 
-namespace hipflash::generic {
+namespace hipflash::common {
 
 using detail::kNegInf;
 using detail::SoftmaxState;
 
-template <int kRows>
+/// The lanes that hold one row's columns, reduced with one butterfly per mask.
+template <int... kMasks>
+struct XorLanes {
+  __device__ __forceinline__ static float max(float x) {
+    ((x = fmaxf(x, port::shfl_xor(x, kMasks))), ...);
+    return x;
+  }
+  __device__ __forceinline__ static float sum(float x) {
+    ((x += port::shfl_xor(x, kMasks)), ...);
+    return x;
+  }
+};
+using QuadLanes = XorLanes<1, 2>;         ///< mma.sync / wgmma accumulators: 4 lanes per row
+using QueryLanes64 = XorLanes<16, 32>;    ///< CDNA 16x16 MFMA, scores transposed: 4 lanes per query
+
+template <int kRows, class Lanes = QuadLanes>
 struct RowSoftmax {
   float m[kRows];  ///< running max, base-2 units (x = s * scale * log2 e)
   float l[kRows];  ///< running sum, partial over this thread's columns until finalize()
@@ -36,8 +53,7 @@ struct RowSoftmax {
       float mx = kNegInf;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) mx = fmaxf(mx, scores[r][c]);
-      mx = fmaxf(mx, port::shfl_xor(mx, 1));
-      mx = fmaxf(mx, port::shfl_xor(mx, 2));
+      mx = Lanes::max(mx);
       const float m_new = fmaxf(m[r], mx * scale_log2);  // scale > 0 (validated)
       rescale[r] = SoftmaxState::rescale(m[r], m_new);
       m[r] = m_new;
@@ -52,13 +68,10 @@ struct RowSoftmax {
     }
   }
 
-  /// Completes the row sums across the quad. Call once, after the last key block.
+  /// Completes the row sums across the row's lanes. Call once, after the last key block.
   __device__ __forceinline__ void finalize() {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      l[r] += port::shfl_xor(l[r], 1);
-      l[r] += port::shfl_xor(l[r], 2);
-    }
+    for (int r = 0; r < kRows; ++r) l[r] = Lanes::sum(l[r]);
   }
 
   __device__ __forceinline__ float inv_sum(int r) const { return SoftmaxState::inv_sum(l[r]); }
@@ -67,4 +80,4 @@ struct RowSoftmax {
   __device__ __forceinline__ SoftmaxState state(int r) const { return SoftmaxState{m[r], l[r]}; }
 };
 
-}  // namespace hipflash::generic
+}  // namespace hipflash::common

@@ -6,7 +6,7 @@
 // spent on rows that do not exist; a kStages-deep cp.async ring keeps K/V reads in flight.
 #pragma once
 
-#include "generic/tile_config.hpp"
+#include "hipflash/port/port.hpp"
 
 namespace hipflash::decode {
 

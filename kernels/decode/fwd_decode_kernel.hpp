@@ -11,11 +11,11 @@
 #pragma once
 
 #include "decode/decode_tile.hpp"
-#include "generic/block_info.hpp"
-#include "generic/element.hpp"
-#include "generic/epilogue.hpp"
-#include "generic/mainloop_sm80.hpp"
-#include "generic/softmax.hpp"
+#include "atoms/sm80.hpp"
+#include "common/block_info.hpp"
+#include "common/element.hpp"
+#include "common/epilogue.hpp"
+#include "common/softmax.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
 
@@ -25,10 +25,10 @@ namespace hipflash::decode {
 
 template <class Traits>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
-  using namespace generic::sm80;
+  using namespace atom::sm80;
   using Cfg = DecodeTile<Traits::kHeadDim>;
-  using T = typename generic::Element<Traits::kDType>::type;
-  using Info = generic::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
+  using T = typename common::Element<Traits::kDType>::type;
+  using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   constexpr int kBN = Cfg::kBlockN, kStages = Cfg::kStages, kRowBytes = Cfg::kChunks * 16;
   constexpr DType kDT = Traits::kDType;
 
@@ -42,14 +42,15 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   const int64_t m0 = int64_t(bi.m_block) * Cfg::kBlockM;
   if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
     if constexpr (Traits::kReturnLse && !Traits::kSplit)
-      generic::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+      common::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
     return;
   }
 
   const int hd = int(p.head_dim);
-  const T* gQ = bi.template q_rows<T>(p);
-  const T* gK = bi.template k_rows<T>(p);
-  const T* gV = bi.template v_rows<T>(p);
+  // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
+  const auto q_src = bi.template q_source<T>(p);
+  const auto k_src = bi.template k_source<T>(p);
+  const auto v_src = bi.template v_source<T>(p);
 
   const int n_begin = bi.n_block_min, num_n = bi.n_block_max - bi.n_block_min;
   // Key block n_begin + i goes to stage i % kStages; one commit group per block, empty ones
@@ -58,12 +59,12 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     if (i < num_n) {
       T* sK = sRing + (i % kStages) * Cfg::kSmemStage;
       const int64_t row0 = int64_t(n_begin + i) * kBN;
-      load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, row0, bi.len_k, hd);
-      load_tile<Cfg, kBN>(sK + Cfg::kSmemKV, gV, p.v_row_stride, row0, bi.len_k, hd);
+      load_tile<Cfg, kBN>(sK, k_src, row0, bi.len_k, hd);
+      load_tile<Cfg, kBN>(sK + Cfg::kSmemKV, v_src, row0, bi.len_k, hd);
     }
     cp_async_commit();
   };
-  load_tile<Cfg, Cfg::kBlockM>(sQ, gQ, p.q_row_stride, m0, bi.len_q, hd);  // joins group 0
+  load_tile<Cfg, Cfg::kBlockM>(sQ, q_src, m0, bi.len_q, hd);  // joins group 0
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) load_kv(i);
 
@@ -73,7 +74,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] = 0.f;
-  generic::RowSoftmax<2> softmax;
+  common::RowSoftmax<2> softmax;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
   // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
@@ -182,7 +183,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       acc[4] += w[wp] * hi.x, acc[5] += w[wp] * hi.y, acc[6] += w[wp] * hi.z, acc[7] += w[wp] * hi.w;
     }
     if constexpr (Traits::kSplit) {
-      const int64_t prow = generic::partial_row(p, bi.split, bi.b, bi.h, q_row_idx);
+      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, q_row_idx);
       float* dst = p.out_partial + prow * Cfg::kHeadDim + ch * 8;
       *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -197,12 +198,12 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
         *reinterpret_cast<uint4*>(gO + q_row_idx * p.o_row_stride + ch * 8) = packed;
       }
       if constexpr (Traits::kReturnLse) {
-        if (ch == 0) p.lse[generic::lse_index(p, bi.b, bi.h, bi.q_start, q_row_idx)] = total.lse();
+        if (ch == 0) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, q_row_idx)] = total.lse();
       }
     }
   }
   if constexpr (Traits::kReturnLse && !Traits::kSplit)
-    generic::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+    common::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
 }
 
 #endif  // HIPFLASH_HAS_MMA_SYNC

@@ -9,10 +9,11 @@
 // in LDS with a padded pitch (no async copies, one barrier pair per key block).
 #pragma once
 
-#include "generic/block_info.hpp"
-#include "generic/element.hpp"
-#include "generic/epilogue.hpp"
-#include "generic/softmax.hpp"
+#include "atoms/cdna.hpp"
+#include "common/block_info.hpp"
+#include "common/element.hpp"
+#include "common/epilogue.hpp"
+#include "common/softmax.hpp"
 #include "generic/tile_config.hpp"
 #include "hipflash/params.hpp"
 
@@ -20,58 +21,8 @@ namespace hipflash::generic::cdna {
 
 #if defined(HIPFLASH_HAS_MFMA)
 
-using half4 = _Float16 __attribute__((ext_vector_type(4)));
-using short4_t = short __attribute__((ext_vector_type(4)));
-using float4_t = float __attribute__((ext_vector_type(4)));
-
-/// Four 16-bit elements of one operand fragment, as the MFMA builtin of the dtype wants them.
-template <DType kDType>
-struct Frag {
-  using type = half4;
-};
-template <>
-struct Frag<DType::bf16> {
-  using type = short4_t;
-};
-
-template <DType kDType>
-__device__ __forceinline__ float4_t mfma16(const typename Frag<kDType>::type& a,
-                                           const typename Frag<kDType>::type& b, float4_t c) {
-  if constexpr (kDType == DType::bf16)
-    return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, 0, 0, 0);
-  else
-    return __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, 0, 0, 0);
-}
-
-template <DType kDType>
-__device__ __forceinline__ typename Frag<kDType>::type load4(const void* p) {
-  return *reinterpret_cast<const typename Frag<kDType>::type*>(p);  // 8-byte aligned
-}
-
-template <DType kDType>
-__device__ __forceinline__ uint16_t to_bits(float x) {
-  if constexpr (kDType == DType::bf16) {
-    port::bf16_t h = port::from_float<port::bf16_t>(x);
-    return *reinterpret_cast<uint16_t*>(&h);
-  } else {
-    port::f16_t h = port::from_float<port::f16_t>(x);
-    return *reinterpret_cast<uint16_t*>(&h);
-  }
-}
-
-/// Copies rows [row0, row0 + kRows) of a [len, D] operand into a padded LDS tile, 16 bytes per
-/// thread-step; rows >= len and columns >= head_dim are zero.
-template <class Tile, int kRows, class T>
-__device__ __forceinline__ void load_tile(T* lds, const T* gmem, int64_t ld, int64_t row0,
-                                          int64_t len, int head_dim) {
-  for (int idx = int(threadIdx.x); idx < kRows * Tile::kChunks; idx += Tile::kThreads) {
-    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row0 + r < len && c * 8 < head_dim)
-      v = *reinterpret_cast<const uint4*>(gmem + (row0 + r) * ld + c * 8);
-    *reinterpret_cast<uint4*>(lds + r * Tile::kPitch + c * 8) = v;
-  }
-}
+using namespace ::hipflash::atom::cdna;  // the atom this body is written in
+using namespace ::hipflash::common;      // the pieces every schedule shares
 
 template <class Traits>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
@@ -96,9 +47,10 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     return;
   }
   const int hd = int(p.head_dim);
-  const T* gQ = bi.template q_rows<T>(p);
-  const T* gK = bi.template k_rows<T>(p);
-  const T* gV = bi.template v_rows<T>(p);
+  // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
+  const auto q_src = bi.template q_source<T>(p);
+  const auto k_src = bi.template k_source<T>(p);
+  const auto v_src = bi.template v_source<T>(p);
 
   // This lane's query (B operand of S^T = K Q^T): row i of the wave's tile, dims 4kg + 16 ds.
   const int64_t q_row = m0 + wave * 16 + i;
@@ -107,7 +59,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   for (int ds = 0; ds < kDS; ++ds) {
     const int col = ds * 16 + kg * 4;
     if (q_row < bi.len_q && col < hd)
-      qf[ds] = load4<Traits::kDType>(gQ + q_row * p.q_row_stride + col);
+      qf[ds] = load4<Traits::kDType>(q_src.row(q_row) + col);
     else
       qf[ds] = F{0, 0, 0, 0};
   }
@@ -115,13 +67,14 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   float4_t O[kDS];
 #pragma unroll
   for (int dt = 0; dt < kDS; ++dt) O[dt] = float4_t{0.f, 0.f, 0.f, 0.f};
-  RowSoftmax<1> softmax;  // query i's statistics (partial over this lane's keys until finalize)
+  // Query i's statistics (partial over this lane's keys until finalize).
+  RowSoftmax<1, QueryLanes64> softmax;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
     __syncthreads();  // every wave is done with the previous K and V
-    load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n) * kBN, bi.len_k, hd);
-    load_tile<Cfg, kBN>(sV, gV, p.v_row_stride, int64_t(n) * kBN, bi.len_k, hd);
+    load_tile<Cfg, kBN>(sK, k_src, int64_t(n) * kBN, bi.len_k, hd);
+    load_tile<Cfg, kBN>(sV, v_src, int64_t(n) * kBN, bi.len_k, hd);
     __syncthreads();
 
     // S^T tile kt: lane holds scores of query i against keys n*kBN + 16kt + 4kg + j.
@@ -145,30 +98,19 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
           S[0][c] = detail::kNegInf;
       }
     }
-    // Row statistics are reduced across the four lanes of query i (xor 16, 32).
-    float mx = detail::kNegInf;
-#pragma unroll
-    for (int c = 0; c < 4 * kKT; ++c) mx = fmaxf(mx, S[0][c]);
-    mx = fmaxf(mx, port::shfl_xor(mx, 16));
-    mx = fmaxf(mx, port::shfl_xor(mx, 32));
-    const float m_new = fmaxf(softmax.m[0], mx * scale_log2);
-    const float rescale = SoftmaxState::rescale(softmax.m[0], m_new);
-    softmax.m[0] = m_new;
-    const float m_use = SoftmaxState::safe_max(m_new);
-    float sum = 0.f;
+    // Row statistics are reduced across the four lanes of query i (QueryLanes64: xor 16, 32);
+    // the probabilities replace the scores, then become the A fragments of P V.
+    float rescale_row[1];
+    softmax.update(S, scale_log2, rescale_row);
+    const float rescale = rescale_row[0];
     F pf[kKT];
 #pragma unroll
     for (int kt = 0; kt < kKT; ++kt) {
       uint16_t bits[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float pj = detail::fast_exp2(fmaf(S[0][4 * kt + j], scale_log2, -m_use));
-        sum += pj;
-        bits[j] = to_bits<Traits::kDType>(pj);
-      }
+      for (int j = 0; j < 4; ++j) bits[j] = to_bits<Traits::kDType>(S[0][4 * kt + j]);
       pf[kt] = *reinterpret_cast<const F*>(bits);
     }
-    softmax.l[0] = softmax.l[0] * rescale + sum;
 
     // O rows are queries 4kg + j: fetch their rescale factor from lane 4kg + j.
 #pragma unroll
@@ -189,9 +131,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
         O[dt] = mfma16<Traits::kDType>(pf[kt], *reinterpret_cast<const F*>(vb), O[dt]);
       }
   }
-  // Complete query i's sum across its four lanes.
-  softmax.l[0] += port::shfl_xor(softmax.l[0], 16);
-  softmax.l[0] += port::shfl_xor(softmax.l[0], 32);
+  softmax.finalize();  // query i's sum across its four lanes
 
   // ---- Epilogue: lane holds O[query 4kg + j][dim 16 dt + i] ----
   T* gO = bi.template o_rows<T>(p);
@@ -204,7 +144,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     const int64_t row = m0 + wave * 16 + src;
     if (row >= bi.len_q) continue;
     if constexpr (Traits::kSplit) {
-      const int64_t prow = partial_row(p, bi.split, bi.b, bi.h, row);
+      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
 #pragma unroll
       for (int dt = 0; dt < kDS; ++dt) p.out_partial[prow * kD + dt * 16 + i] = O[dt][j] * inv;
       if (i == 0) p.state_partial[prow] = state;
@@ -213,7 +153,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       for (int dt = 0; dt < kDS; ++dt)
         if (dt * 16 + i < hd) gO[row * p.o_row_stride + dt * 16 + i] = port::from_float<T>(O[dt][j] * inv);
       if constexpr (Traits::kReturnLse)
-        if (i == 0) p.lse[lse_index(p, bi.b, bi.h, bi.q_start, row)] = lse;
+        if (i == 0) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, row)] = lse;
     }
   }
   if constexpr (Traits::kReturnLse && !Traits::kSplit)

@@ -2,11 +2,11 @@
 // schedule). One thread block: kBlockM query rows, kNWarps warps of kMTiles 16-row MMA tiles.
 #pragma once
 
-#include "generic/block_info.hpp"
-#include "generic/element.hpp"
-#include "generic/epilogue.hpp"
+#include "common/block_info.hpp"
+#include "common/element.hpp"
+#include "common/epilogue.hpp"
+#include "common/softmax.hpp"
 #include "generic/mainloop_sm80.hpp"
-#include "generic/softmax.hpp"
 #include "generic/tile_config.hpp"
 #include "hipflash/params.hpp"
 
@@ -36,9 +36,10 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   }
 
   const int hd = int(p.head_dim);
-  const T* gQ = bi.template q_rows<T>(p);
-  const T* gK = bi.template k_rows<T>(p);
-  const T* gV = bi.template v_rows<T>(p);
+  // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
+  const auto q_src = bi.template q_source<T>(p);
+  const auto k_src = bi.template k_source<T>(p);
+  const auto v_src = bi.template v_source<T>(p);
 
   float O[kRows][2 * Cfg::kDTiles];
 #pragma unroll
@@ -54,14 +55,14 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
   int n = bi.n_block_max - 1;
   if (n >= bi.n_block_min) {
-    load_tile<Cfg, kBM>(sQ, gQ, p.q_row_stride, m0, bi.len_q, hd);
-    load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n) * kBN, bi.len_k, hd);
+    load_tile<Cfg, kBM>(sQ, q_src, m0, bi.len_q, hd);
+    load_tile<Cfg, kBN>(sK, k_src, int64_t(n) * kBN, bi.len_k, hd);
     cp_async_commit();
   }
   for (; n >= bi.n_block_min; --n) {
     cp_async_wait<0>();
     __syncthreads();  // K(n) landed; every warp is done with V(n+1)
-    load_tile<Cfg, kBN>(sV, gV, p.v_row_stride, int64_t(n) * kBN, bi.len_k, hd);
+    load_tile<Cfg, kBN>(sV, v_src, int64_t(n) * kBN, bi.len_k, hd);
     cp_async_commit();
 
     float S[kRows][2 * Cfg::kNTiles];
@@ -81,7 +82,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     cp_async_wait<0>();
     __syncthreads();  // V(n) landed; every warp is done with K(n)
     if (n > bi.n_block_min) {
-      load_tile<Cfg, kBN>(sK, gK, p.k_row_stride, int64_t(n - 1) * kBN, bi.len_k, hd);
+      load_tile<Cfg, kBN>(sK, k_src, int64_t(n - 1) * kBN, bi.len_k, hd);
       cp_async_commit();
     }
 
@@ -102,7 +103,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = frag_row(r);
       if (row >= bi.len_q) continue;
-      const int64_t prow = partial_row(p, bi.split, bi.b, bi.h, row);
+      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
       const float inv = softmax.inv_sum(r);
       float* dst = p.out_partial + prow * Cfg::kHeadDim;
 #pragma unroll
@@ -117,7 +118,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = frag_row(r);
-        if (t == 0 && row < bi.len_q) p.lse[lse_index(p, bi.b, bi.h, bi.q_start, row)] = softmax.lse(r);
+        if (t == 0 && row < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, row)] = softmax.lse(r);
       }
       write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
     }

@@ -1,32 +1,18 @@
-// hipflash — the mainloop pieces of the generic kernel on NVIDIA sm_80+: global -> shared tile
-// copies (cp.async, zero-filled out of range) and the two warp GEMMs, S = Q K^T and O += P V,
-// on mma.sync. Accumulators are [row][col] arrays: row 2*mt + h is fragment row g + 8h of MMA
+// hipflash — the mainloop pieces of the generic kernel on NVIDIA sm_80+: the two warp GEMMs,
+// S = Q K^T and O += P V, on mma.sync (tile loads: atoms/sm80.hpp). Accumulators are [row][col] arrays: row 2*mt + h is fragment row g + 8h of MMA
 // tile mt; column 2*nt + e is fragment column 2t + e of 8-column tile nt.
 #pragma once
 
-#include "generic/mma_sm80.hpp"
+#include "atoms/sm80.hpp"
+#include "common/swizzle.hpp"
 #include "generic/tile_config.hpp"
 
 namespace hipflash::generic::sm80 {
 
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
-/// Copies rows [row0, row0 + kRows) of a [len, D] operand (row stride `ld`) into a swizzled
-/// tile; rows >= len and columns >= head_dim are zero-filled.
-template <class Tile, int kRows, class T>
-__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t ld, int64_t row0,
-                                          int64_t len, int head_dim) {
-  constexpr int kTotal = kRows * Tile::kChunks;
-  static_assert(kTotal % Tile::kThreads == 0, "whole chunks per thread");
-#pragma unroll
-  for (int i = 0; i < kTotal / Tile::kThreads; ++i) {
-    const int idx = int(threadIdx.x) + i * Tile::kThreads;
-    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
-    const bool valid = row0 + r < len && c * 8 < head_dim;
-    const T* src = valid ? gmem + (row0 + r) * ld + c * 8 : gmem;
-    cp_async_16(smem + swizzle<Tile::kChunks>(r, c), src, valid);
-  }
-}
+using namespace ::hipflash::atom::sm80;  // the atom this body is written in
+using namespace ::hipflash::common;      // the pieces every schedule shares
 
 /// S[2*kMT][2*kNT] = Q_w K^T for this warp's rows (Q and K swizzled in shared memory).
 template <class Tile, DType kDType>

@@ -6,19 +6,21 @@
 // and the epilogue conventions are the generic kernel's.
 #pragma once
 
-#include "generic/block_info.hpp"
-#include "generic/element.hpp"
-#include "generic/epilogue.hpp"
-#include "generic/mma_sm80.hpp"
-#include "generic/softmax.hpp"
-#include "generic/tile_config.hpp"
+#include "atoms/sm80.hpp"
+#include "atoms/sm90/wgmma.hpp"
+#include "atoms/sm90/wgmma_ops.hpp"
+#include "common/block_info.hpp"
+#include "common/element.hpp"
+#include "common/epilogue.hpp"
+#include "common/softmax.hpp"
+#include "common/swizzle.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
 #include "sm90/tile.hpp"
-#include "sm90/wgmma.hpp"
-#include "sm90/wgmma_ops.hpp"
 
 namespace hipflash::sm90 {
+
+using namespace ::hipflash::atom::sm90;  // wgmma, the SW128 tile layout
 
 #if defined(HIPFLASH_HAS_WGMMA)
 
@@ -60,10 +62,10 @@ struct TileLoader {
 
 template <class Traits>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
-  using namespace generic::sm80;  // cp.async group helpers, pack2
+  using namespace atom::sm80;  // cp.async group helpers, pack2
   using Cfg = Tile<Traits::kHeadDim>;
-  using T = typename generic::Element<Traits::kDType>::type;
-  using Info = generic::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
+  using T = typename common::Element<Traits::kDType>::type;
+  using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
   constexpr int kThreads = Cfg::kThreads;
   constexpr DType kDT = Traits::kDType;
@@ -83,7 +85,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   const int64_t m0 = int64_t(bi.m_block) * kBM;
   if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
     if constexpr (Traits::kReturnLse && !Traits::kSplit)
-      generic::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
     return;
   }
 
@@ -101,7 +103,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   float O[kHD / 2];
 #pragma unroll
   for (int i = 0; i < kHD / 2; ++i) O[i] = 0.f;
-  generic::RowSoftmax<2> softmax;
+  common::RowSoftmax<2> softmax;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
   auto row_of = [&](int h) { return m0 + warp * 16 + h * 8 + g; };
   const uint32_t sQ_wg = sQ + (warp / 4) * 64 * 128;
@@ -237,7 +239,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row_of(h);
       if (row >= bi.len_q) continue;
-      const int64_t prow = generic::partial_row(p, bi.split, bi.b, bi.h, row);
+      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
       const float inv = softmax.inv_sum(h);
       float* dst = p.out_partial + prow * kHD;
 #pragma unroll
@@ -259,19 +261,19 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       const int srow = warp * 16 + h * 8 + g;  // warps in order: warpgroup w owns rows 64w..
 #pragma unroll
       for (int i = 0; i < kHD / 8; ++i)
-        *reinterpret_cast<uint32_t*>(sO + generic::swizzle<Cfg::kChunks>(srow, i) + 2 * t) =
+        *reinterpret_cast<uint32_t*>(sO + common::swizzle<Cfg::kChunks>(srow, i) + 2 * t) =
             pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
       if constexpr (Traits::kReturnLse)
         if (t == 0) sL[srow] = softmax.lse(h);
     }
     __syncthreads();
-    generic::store_staged_rows<kBM, Cfg::kChunks, kThreads>(bi.template o_rows<T>(p),
+    common::store_staged_rows<kBM, Cfg::kChunks, kThreads>(bi.template o_rows<T>(p),
                                                             p.o_row_stride, sO, m0, bi.len_q, hd);
     if constexpr (Traits::kReturnLse) {
       const int r = int(threadIdx.x);  // one row per thread
       if (r < kBM && m0 + r < bi.len_q)
-        p.lse[generic::lse_index(p, bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
-      generic::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+        p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
+      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
     }
   }
 }

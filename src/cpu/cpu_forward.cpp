@@ -179,12 +179,7 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
     for (int64_t d = 0; d < D; ++d)
       detail::store_from_float(obase, o_off + (m0 + r) * p.o_row_stride + d,
                                out_total[r * D + d] * inv[r], p.dtype);
-    if (p.return_lse) {
-      const int64_t row = p.is_varlen() && p.lse_layout == LseLayout::packed ? s.q_start + m0 + r
-                                                                             : m0 + r;
-      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row * p.lse_row_stride] =
-          total[r].lse();
-    }
+    if (p.return_lse) p.lse[p.lse_offset(b, h, s.q_start, m0 + r)] = total[r].lse();
   }
 }
 
@@ -209,8 +204,7 @@ void run_forward(const FwdParams& p) {
       rows_q = std::max(rows_q, s.len_q);
       if (p.return_lse && p.lse_layout == LseLayout::padded)
         for (int64_t h = 0; h < p.heads_q; ++h)
-          std::fill_n(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + s.len_q,
-                      p.seqlen_q - s.len_q, kNegInf);
+          std::fill_n(p.lse + p.lse_offset(b, h, 0, s.len_q), p.seqlen_q - s.len_q, kNegInf);
     }
   }
   const int64_t m_blocks = (rows_q + kBlockM - 1) / kBlockM;

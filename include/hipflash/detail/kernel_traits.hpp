@@ -13,7 +13,9 @@ namespace hipflash {
 ///  * causal is a window, so one kMasked flag covers causal and sliding windows.
 template <DType kDType_, int kHeadDim_, bool kReturnLse_, bool kMasked_, bool kSplit_>
 struct FwdTraits {
-  static constexpr DType kDType = kDType_;
+  static constexpr DType kDType = kDType_;     ///< q, k, v and out today
+  static constexpr DType kInDType = kDType_;   ///< q, k, v: 8-bit inputs will set this alone
+  static constexpr DType kOutDType = kDType_;  ///< out (and the P operand's rounding)
   static constexpr int kHeadDim = kHeadDim_;  ///< padded head dim of the instantiation
   static constexpr bool kReturnLse = kReturnLse_ || kSplit_;
   static constexpr bool kMasked = kMasked_;
@@ -30,7 +32,7 @@ struct KernelKey {
 
   /// Self-describing name, e.g. "bf16_hd128_causal_lse" (STYLE §12).
   std::string name() const {
-    std::string s = dtype == DType::bf16 ? "bf16" : "fp16";
+    std::string s = dtype == DType::bf16 ? "bf16" : dtype == DType::f16 ? "fp16" : "unsupported";
     s += "_hd" + std::to_string(head_dim);
     if (masked) s += "_masked";
     if (split) s += "_splitk";

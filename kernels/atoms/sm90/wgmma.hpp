@@ -11,7 +11,7 @@
 
 #include "hipflash/port/port.hpp"
 
-namespace hipflash::sm90 {
+namespace hipflash::atom::sm90 {
 
 /// Byte offset of 16-byte chunk `chunk` (of D / 8) of row `row` in a panelled SW128 tile.
 template <int kRows>
@@ -67,4 +67,4 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 #endif  // HIPFLASH_HAS_WGMMA
 
-}  // namespace hipflash::sm90
+}  // namespace hipflash::atom::sm90
