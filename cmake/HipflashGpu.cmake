@@ -76,6 +76,14 @@ if(_lang STREQUAL "CUDA" AND "${CMAKE_CUDA_ARCHITECTURES}" MATCHES "90a")
   list(APPEND HIPFLASH_GPU_DEFINES HIPFLASH_HAS_SM90_KERNELS=1)
 endif()
 
+# The gfx950 dualwave kernels exist when gfx950 is among the HIP architectures (other archs of
+# the same build compile them to a trapping stub; the selector never picks them there).
+set(_dualwave OFF)
+if(_lang STREQUAL "HIP" AND "${CMAKE_HIP_ARCHITECTURES}" MATCHES "gfx950")
+  set(_dualwave ON)
+  list(APPEND HIPFLASH_GPU_DEFINES HIPFLASH_HAS_DUALWAVE_KERNELS=1)
+endif()
+
 # _hipflash_instantiate(<kernel> <dtype> <hd>): one generated TU with every flag combination of
 # that (kernel, dtype, padded head dim), through src/gpu/fwd_<kernel>_launch.hpp.
 function(_hipflash_instantiate kernel dt hd)
@@ -107,6 +115,9 @@ foreach(hd IN LISTS HIPFLASH_PADDED_HEAD_DIMS)
     endif()
     if(_sm90 AND NOT hd EQUAL 256)  # the wgmma kernel: head dims <= 128
       _hipflash_instantiate(sm90 ${dt} ${hd})
+    endif()
+    if(_dualwave AND NOT hd EQUAL 256)  # the gfx950 dualwave kernel: head dims 64 and 128
+      _hipflash_instantiate(dualwave ${dt} ${hd})
     endif()
   endforeach()
 endforeach()

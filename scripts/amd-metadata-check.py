@@ -19,7 +19,9 @@ It prints one row per (arch, kernel) and exits nonzero if
   - an arch is missing from an object's bundle, or a forward instantiation TU (fwd_*) has no
     kernels for an arch, or a kernel the host side launches has no code for an arch;
   - a kernel of a forward instantiation TU has no v_mfma instruction for an arch (it compiled
-    to the trapping stub, or to scalar code);
+    to the trapping stub, or to scalar code) — except an architecture-specific schedule
+    (ARCH_SPECIFIC: the gfx950 dualwave kernel) on the other archs, where it must be the stub;
+    on its own arch it must also reach the occupancy its design needs (2 waves per SIMD);
   - a kernel uses scratch or spills: .private_segment_fixed_size > 0, a nonzero spill count, or
     a dynamic stack.
 
@@ -75,8 +77,15 @@ MAX_WAVES_PER_SIMD, SIMDS_PER_CU, WAVE_SIZE = 8, 4, 64
 DYNAMIC_LDS = [
     (r"generic::fwd_generic_kernel<hipflash::FwdTraits<[^,]+, (\d+),",
      "hipflash::generic::Tile<{0}>::kSmemBytes", "generic/tile_config.hpp"),
+    (r"gfx950::fwd_dualwave_kernel<hipflash::FwdTraits<[^,]+, (\d+),",
+     "hipflash::gfx950::DualwaveTile<{0}>::kSmemBytes", "gfx950/dualwave_schedule.hpp"),
     (r"combine::combine_kernel<", "0", None),  # src/gpu/combine_launch.cu: <<<..., 0, stream>>>
 ]
+
+# Architecture-specific schedules: compiled into every arch of a build (a trapping stub where the
+# instructions do not exist, never selected there), so MFMA code is required on their arch only,
+# and the stub must be one elsewhere. With the occupancy their design needs there.
+ARCH_SPECIFIC = {"fwd_dualwave_": ("gfx950", 2)}  # kernel name prefix: (arch, min waves/SIMD)
 
 failures = []
 
@@ -329,8 +338,14 @@ def main():
         if scratch > 0 or spills > 0 or dyn_stack:
             fail(f"{arch} {short}: scratch {scratch} bytes, {g('.vgpr_spill_count')} VGPR and "
                  f"{g('.sgpr_spill_count')} SGPR spills, dynamic stack {dyn_stack}")
-        if forward and n_mfma == 0:
+        only = next((v for k_, v in ARCH_SPECIFIC.items() if short.startswith(k_)), None)
+        if only and arch != only[0]:
+            if n_mfma != 0:
+                fail(f"{arch} {short}: {n_mfma} v_mfma instructions in what must be the {only[0]}-only stub")
+        elif forward and n_mfma == 0:
             fail(f"{arch} {short} ({tu}): no v_mfma instruction")
+        elif only and waves < only[1]:
+            fail(f"{arch} {short}: {waves} waves per SIMD ({limiter}), the design needs {only[1]}")
         table.append((arch, short, str(vgpr - agpr), str(agpr), str(sgpr), str(scratch), lds_txt,
                       str(wg), f"{waves}{'' if lds is not None else '?'} ({limiter})",
                       str(n_mfma), tu.removesuffix(".cu")))

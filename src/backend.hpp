@@ -9,6 +9,19 @@
 #include "hipflash/forward.hpp"
 #include "hipflash/params.hpp"
 
+namespace hipflash {
+
+/// The launcher's validation (SPEC §4) and FwdParams of a dense / varlen call, before the
+/// kernel is selected and num_splits resolved (p.num_splits is 1). Internal: the host tests of
+/// the kernel schedules build their parameters with them.
+FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                            const TensorRef& out, const TensorRef* lse, const FwdOptions& opts);
+FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                             const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
+                             const TensorRef& cu_k, const VarlenOptions& opts, Stream stream);
+
+}  // namespace hipflash
+
 namespace hipflash::cpu {
 
 /// The CPU backend: SPEC §3 on host memory, multi-threaded, tiled with the online softmax.

@@ -347,10 +347,9 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   return plan_call(p, opts.num_splits, resolve_location(q)).num_splits;
 }
 
-void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
-                    const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
-                    const TensorRef& cu_k, const VarlenOptions& opts, Stream stream,
-                    Workspace ws) {
+FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                             const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
+                             const TensorRef& cu_k, const VarlenOptions& opts, Stream stream) {
   check_rank(q, "q", 3, "[total_q, heads_q, head_dim]");
   check_rank(k, "k", 3, "[total_k, heads_kv, head_dim]");
   check_rank(v, "v", 3, "[total_k, heads_kv, head_dim]");
@@ -453,6 +452,14 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
     }
     p.lse_row_stride = 1;
   }
+  return p;
+}
+
+void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                    const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
+                    const TensorRef& cu_k, const VarlenOptions& opts, Stream stream,
+                    Workspace ws) {
+  FwdParams p = make_varlen_params(q, k, v, out, lse, cu_q, cu_k, opts, stream);
   dispatch(p, opts, resolve_location(q), stream, ws);
 }
 

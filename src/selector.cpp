@@ -75,8 +75,13 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
       sel.kind = KernelKind::generic;
     return sel;
   }
-  // AMD: CDNA2/CDNA3/CDNA4 have MFMA; gfx950 dualwave is not built yet, so it runs generic
-  // (the decode kernel is mma.sync only, so AMD decode also runs generic).
+  // AMD: CDNA2/CDNA3/CDNA4 have MFMA. gfx950 runs the dualwave kernel for head dims up to 128
+  // where it was built, everything else the generic MFMA kernel (the decode kernel is mma.sync
+  // only, so AMD decode runs these too).
+  if (arch.version == 0x950 && caps.dualwave && hd <= 128) {
+    sel.kind = KernelKind::gfx950_dualwave;
+    return sel;
+  }
   if (arch.version == 0x90a || arch.version == 0x940 || arch.version == 0x941 ||
       arch.version == 0x942 || arch.version == 0x950) {
     sel.kind = KernelKind::generic;

@@ -1,12 +1,12 @@
 // hipflash — shared by every forward schedule: which (batch, head, query block, split) a thread
-// block owns, its sequence bounds, the key blocks it visits, and the mask.
+// block owns, its sequence bounds, the key blocks it visits, and the mask. Host and device code:
+// the CPU-side tests of the schedules (tests/cpp/test_dualwave.cpp) walk blocks with it too.
 #pragma once
 
 #include <cstdint>
 
 #include "common/kv_source.hpp"
-#include "hipflash/params.hpp"
-#include "hipflash/port/port.hpp"
+#include "hipflash/params.hpp"  // HIPFLASH_HD: host and device (the host tests use it too)
 
 namespace hipflash::common {
 
@@ -21,7 +21,7 @@ struct BlockInfo {
 
   /// blockIdx.x enumerates (m_block fastest, then split, head, batch): one dimension, so
   /// B >= 65536 and Hq >= 65536 launch without overflowing grid.y/z.
-  __device__ __forceinline__ BlockInfo(const FwdParams& p, int64_t linear, int num_m_blocks,
+  HIPFLASH_HD BlockInfo(const FwdParams& p, int64_t linear, int num_m_blocks,
                                        bool reverse_m) {
     m_block = int(linear % num_m_blocks);
     if (reverse_m) m_block = num_m_blocks - 1 - m_block;  // heavy causal blocks first
@@ -62,7 +62,7 @@ struct BlockInfo {
   }
 
   /// Whether key block n needs per-element masking for this query block.
-  __device__ __forceinline__ bool needs_mask(const FwdParams& p, int n, bool masked) const {
+  HIPFLASH_HD bool needs_mask(const FwdParams& p, int n, bool masked) const {
     const int64_t n0 = int64_t(n) * kBlockN, m0 = int64_t(m_block) * kBlockM;
     if (n0 + kBlockN > len_k) return true;
     if (!masked) return false;
@@ -74,7 +74,7 @@ struct BlockInfo {
   /// The valid keys of query row i inside the key block starting at n0, as columns [lo, hi]
   /// relative to n0 and clamped to [-1, kBlockN] (empty when lo > hi): the same rule as
   /// key_valid, evaluated once per row so the per-element test is two int compares.
-  __device__ __forceinline__ void key_range(const FwdParams& p, int64_t i, int64_t n0,
+  HIPFLASH_HD void key_range(const FwdParams& p, int64_t i, int64_t n0,
                                             bool masked, int& lo, int& hi) const {
     int64_t l = 0, h = len_k - 1;
     if (masked && p.window_left >= 0 && i + diag - p.window_left > l) l = i + diag - p.window_left;
@@ -87,42 +87,42 @@ struct BlockInfo {
 
   /// Row 0 of this block's (batch, head) — of its sequence, for varlen — in q, k, v and out.
   template <class T>
-  __device__ __forceinline__ const T* q_rows(const FwdParams& p) const {
+  HIPFLASH_HD const T* q_rows(const FwdParams& p) const {
     return static_cast<const T*>(p.q) + b * p.q_batch_stride + q_start * p.q_row_stride +
            h * p.q_head_stride;
   }
   template <class T>
-  __device__ __forceinline__ const T* k_rows(const FwdParams& p) const {
+  HIPFLASH_HD const T* k_rows(const FwdParams& p) const {
     return static_cast<const T*>(p.k) + b * p.k_batch_stride + k_start * p.k_row_stride +
            h_kv * p.k_head_stride;
   }
   template <class T>
-  __device__ __forceinline__ const T* v_rows(const FwdParams& p) const {
+  HIPFLASH_HD const T* v_rows(const FwdParams& p) const {
     return static_cast<const T*>(p.v) + b * p.v_batch_stride + k_start * p.v_row_stride +
            h_kv * p.v_head_stride;
   }
   template <class T>
-  __device__ __forceinline__ T* o_rows(const FwdParams& p) const {
+  HIPFLASH_HD T* o_rows(const FwdParams& p) const {
     return static_cast<T*>(p.out) + b * p.o_batch_stride + q_start * p.o_row_stride +
            h * p.o_head_stride;
   }
 
   /// The same rows as row sources for the tile loaders (common/kv_source.hpp).
   template <class T>
-  __device__ __forceinline__ ContiguousRows<T> q_source(const FwdParams& p) const {
+  HIPFLASH_HD ContiguousRows<T> q_source(const FwdParams& p) const {
     return {q_rows<T>(p), p.q_row_stride};
   }
   template <class T>
-  __device__ __forceinline__ ContiguousRows<T> k_source(const FwdParams& p) const {
+  HIPFLASH_HD ContiguousRows<T> k_source(const FwdParams& p) const {
     return {k_rows<T>(p), p.k_row_stride};
   }
   template <class T>
-  __device__ __forceinline__ ContiguousRows<T> v_source(const FwdParams& p) const {
+  HIPFLASH_HD ContiguousRows<T> v_source(const FwdParams& p) const {
     return {v_rows<T>(p), p.v_row_stride};
   }
 
   /// Whether key j is valid for query row i (both relative to this sequence).
-  __device__ __forceinline__ static bool key_valid(const FwdParams& p, int64_t i, int64_t j,
+  HIPFLASH_HD static bool key_valid(const FwdParams& p, int64_t i, int64_t j,
                                                    int64_t len_k, int64_t diag, bool masked) {
     if (j >= len_k) return false;
     if (!masked) return true;

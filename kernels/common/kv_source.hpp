@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "hipflash/port/port.hpp"
+#include "hipflash/detail/softmax_state.hpp"  // HIPFLASH_HD
 
 namespace hipflash::common {
 
@@ -16,7 +16,7 @@ struct ContiguousRows {
   const T* base;  ///< row 0 (of the sequence, batch and head)
   int64_t ld;     ///< elements from one row to the next
 
-  __device__ __forceinline__ const T* row(int64_t j) const { return base + j * ld; }
+  HIPFLASH_HD const T* row(int64_t j) const { return base + j * ld; }
 };
 
 }  // namespace hipflash::common

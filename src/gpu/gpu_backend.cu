@@ -7,6 +7,7 @@
 
 #include "backend.hpp"
 #include "decode/decode_tile.hpp"
+#include "gfx950/dualwave_schedule.hpp"
 #include "sm90/tile.hpp"
 #include "generic/tile_config.hpp"
 #include "gpu/launch_api.hpp"
@@ -79,6 +80,11 @@ BuildCaps build_caps() {
     const char* off = std::getenv("HIPFLASH_DISABLE_SM90");
     c.sm90 = !(off && off[0] == '1');
 #endif  // HIPFLASH_HAS_SM90_KERNELS
+#if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
+    // HIPFLASH_DISABLE_DUALWAVE=1 hides them, so that gfx950 runs the generic kernel.
+    const char* dw_off = std::getenv("HIPFLASH_DISABLE_DUALWAVE");
+    c.dualwave = !(dw_off && dw_off[0] == '1');
+#endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
     return c;
   }();
   return caps;
@@ -90,6 +96,9 @@ std::string build_info() {
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
   s += ", sm90 kernels";
 #endif  // HIPFLASH_HAS_SM90_KERNELS
+#if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
+  s += ", gfx950 dualwave kernels";
+#endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
   return s + ")";
 }
 
@@ -151,6 +160,10 @@ TileShape tile_shape(KernelKind kind, int hd) {
          : shape_of<decode::DecodeTile<256>>(1);
   }
 #endif  // HIPFLASH_PLATFORM_NVIDIA
+#if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
+  if (kind == KernelKind::gfx950_dualwave && hd <= 128)  // one 512-thread block per CU
+    return hd == 64 ? shape_of<gfx950::DualwaveTile<64>>(1) : shape_of<gfx950::DualwaveTile<128>>(1);
+#endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
   (void)kind;
   return hd == 64 ? shape_of<generic::Tile<64>>(1) : hd == 128 ? shape_of<generic::Tile<128>>(1)
        : shape_of<generic::Tile<256>>(1);
@@ -205,6 +218,14 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
                 case KernelKind::decode: launch_decode_fwd<Traits>(p, stream); break;
 #endif  // HIPFLASH_PLATFORM_NVIDIA
+#if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
+                case KernelKind::gfx950_dualwave:
+                  if constexpr (kHD <= 128) {
+                    launch_dualwave_fwd<Traits>(p, stream);
+                    break;
+                  }
+                  [[fallthrough]];
+#endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
                 case KernelKind::sm90:
                   if constexpr (kHD <= 128) {

@@ -22,7 +22,11 @@ void launch_decode_fwd(const FwdParams& p, port::stream_t stream);
 template <class Traits>
 void launch_sm90_fwd(const FwdParams& p, port::stream_t stream);
 
-/// Launches the split-K combine for `p` (p.out_partial / p.lse_partial filled).
+/// Launches gfx950::fwd_dualwave_kernel<Traits> (HIP builds with gfx950; see kernels/gfx950).
+template <class Traits>
+void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream);
+
+/// Launches the split-K combine for `p` (p.out_partial / p.state_partial filled).
 void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream);
 
 }  // namespace hipflash::gpu

@@ -117,6 +117,27 @@ TEST(Selector, AmdArchs) {
   EXPECT_NE(rdna.reason.find("MFMA"), std::string::npos) << rdna.reason;
 }
 
+TEST(Selector, Gfx950TakesTheDualwaveKernelWhereBuilt) {
+  BuildCaps dw = kHip;
+  dw.dualwave = true;
+  for (int hd : {32, 64, 96, 128})
+    for (bool lse : {false, true}) {
+      Problem p = problem(DType::f16, hd);
+      p.return_lse = lse;
+      p.masked = lse;
+      EXPECT_EQ(select_kernel(p, kGfx950, dw).kind, KernelKind::gfx950_dualwave) << hd;
+    }
+  Problem decode = problem(DType::bf16, 128);
+  decode.query_rows = 1;  // no AMD decode kernel: dualwave takes decode shapes too
+  EXPECT_EQ(select_kernel(decode, kGfx950, dw).kind, KernelKind::gfx950_dualwave);
+  EXPECT_EQ(select_kernel(problem(DType::bf16, 256), kGfx950, dw).kind, KernelKind::generic);
+  // Only gfx950 has the instructions; without the kernels built gfx950 runs generic.
+  for (Arch a : {kGfx90a, kGfx942})
+    EXPECT_EQ(select_kernel(problem(DType::bf16, 128), a, dw).kind, KernelKind::generic);
+  EXPECT_EQ(select_kernel(problem(DType::bf16, 128), kGfx950, kHip).kind, KernelKind::generic);
+  EXPECT_EQ(std::string(kernel_kind_name(KernelKind::gfx950_dualwave)), "gfx950_dualwave");
+}
+
 TEST(Selector, BuildWithoutKernelsForTheDevice) {
   const Selection none = select_kernel(problem(DType::bf16, 128), kSm90, kNone);
   EXPECT_EQ(none.kind, KernelKind::unsupported);

@@ -24,7 +24,7 @@ enum class KernelKind : int {
   generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
   decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
   sm90,             ///< kernels/sm90: wgmma (sm_90a), head dims <= 128
-  gfx950_dualwave,  ///< kernels/gfx950: not built yet
+  gfx950_dualwave,  ///< kernels/gfx950: 256-row blocks, two waves per SIMD (compile-checked only)
   unsupported,
 };
 
@@ -53,6 +53,7 @@ struct BuildCaps {
   Arch::Vendor gpu_vendor = Arch::host;
   unsigned head_dim_mask = ~0u;  ///< bit i set: padded head dim (64 << i) built (64, 128, 256)
   bool sm90 = false;             ///< the sm90 kernels were built (CUDA with sm_90a)
+  bool dualwave = false;         ///< the gfx950 dualwave kernels were built (HIP with gfx950)
 };
 
 struct Selection {
