@@ -76,16 +76,31 @@ __device__ __forceinline__ typename Frag8<kDType>::half lds_read_tr(const T* p) 
   }
 }
 
-/// The value of `x` in lane l ^ 32 (v_permlane32_swap, a VALU op: no LDS round trip).
-__device__ __forceinline__ float lane_pair(float x) {
+/// The values of `x` in the lane pair (l, l ^ 32), in both lanes: {lower lane's, upper lane's}
+/// (v_permlane32_swap, a VALU op: no LDS round trip). Scalars are taken out of the result
+/// vector first: clang 22 misreads a bit_cast of a vector element other than 0.
+struct LanePair {
+  float lo, hi;
+};
+__device__ __forceinline__ LanePair lane_pair(float x) {
   const unsigned u = __builtin_bit_cast(unsigned, x);
   const u32x2 r = __builtin_amdgcn_permlane32_swap(u, u, false, false);
-  // r = {value of the pair's lower lane, of its upper lane}; scalars first (clang 22 misreads
-  // a bit_cast of a vector element other than 0).
   const unsigned lo = r.x, hi = r.y;
-  const bool upper = (threadIdx.x & 32) != 0;
-  return __builtin_bit_cast(float, upper ? lo : hi);
+  return {__builtin_bit_cast(float, lo), __builtin_bit_cast(float, hi)};
 }
+/// max / sum over the lane pair, the same in both lanes (symmetric: no per-lane select).
+__device__ __forceinline__ float pair_max(float x) {
+  const LanePair p = lane_pair(x);
+  return fmaxf(p.lo, p.hi);
+}
+__device__ __forceinline__ float pair_sum(float x) {
+  const LanePair p = lane_pair(x);
+  return p.lo + p.hi;
+}
+
+/// Scheduling hints (LLVM's AMDGPU instruction groups): `n` instructions of a class in order.
+enum SchedClass : int { kSchedValu = 0x002, kSchedMfma = 0x008, kSchedDsRead = 0x100 };
+#define HIPFLASH_SCHED_GROUP(cls, n) __builtin_amdgcn_sched_group_barrier((cls), (n), 0)
 
 #endif  // HIPFLASH_IS_GFX950
 

@@ -11,8 +11,10 @@
 // the registers. K and V tiles are double-buffered in padded LDS, loaded by the whole block
 // (registers -> LDS) one key block ahead; one barrier per key block. Two waves share each SIMD:
 // the MFMA bursts run at raised issue priority, so that one wave's matrix work keeps the pipe
-// busy while the other wave's softmax (exp, max, sum: VALU) runs. Not done (yet): the upstream
-// design's staggered start of the second wave group and its finer clusters (docs/perf-notes.md).
+// busy while the other wave's softmax (exp, max, sum: VALU) runs, and each MFMA is scheduled
+// with the LDS reads of its operand (sched_group_barrier). Not done (yet): the upstream design's
+// staggered start of the second wave group, and its softmax pipelined across key blocks
+// (the exps of one block under the MFMAs of the next) — docs/perf-notes.md.
 #pragma once
 
 #include "atoms/gfx950.hpp"
@@ -141,6 +143,12 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
           S[h] = mfma32<kDT>(lds_frag8<kDT>(tK + (32 * h + qi) * Cfg::kPitch + 16 * ks + 8 * g),
                              qf[ks], S[h]);
       }
+      // Interleave: each K fragment read issues one MFMA ahead of its use.
+#pragma unroll
+      for (int i = 0; i < 2 * kDSteps; ++i) {
+        HIPFLASH_SCHED_GROUP(kSchedDsRead, 1);
+        HIPFLASH_SCHED_GROUP(kSchedMfma, 1);
+      }
       __builtin_amdgcn_s_setprio(0);
       const int64_t n0 = int64_t(n) * Cfg::kBlockN;
       if (walk.needs_mask(p, bi, n, Traits::kMasked)) {
@@ -159,7 +167,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int j = 0; j < 16; ++j) mx = fmaxf(mx, S[h][j]);
-      mx = fmaxf(mx, lane_pair(mx));
+      mx = pair_max(mx);
       const LazyMax lz = lazy_max(m, mx * scale_log2);
       if (__any(lz.grew)) {  // wave-uniform: rare after the first key blocks
         l *= lz.scale;
@@ -193,6 +201,12 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
           const F8 a = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
           O[dc] = mfma32<kDT>(a, P[s], O[dc]);
         }
+      // Interleave: the two transposed reads of a V operand, then its MFMA.
+#pragma unroll
+      for (int i = 0; i < 4 * kDChunks; ++i) {
+        HIPFLASH_SCHED_GROUP(kSchedDsRead, 2);
+        HIPFLASH_SCHED_GROUP(kSchedMfma, 1);
+      }
       __builtin_amdgcn_s_setprio(0);
     }
     if (n > n_lo) {  // the other stage was read last in the previous block, before its barrier
@@ -203,7 +217,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   }
 
   // ---- Epilogue: the row's (m, l) complete across the lane pair; out, split partial, LSE ----
-  l += lane_pair(l);
+  l = pair_sum(l);
   const float inv = detail::SoftmaxState::inv_sum(l);
   if (row < bi.len_q) {
     if constexpr (Traits::kSplit) {
@@ -212,10 +226,13 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 #pragma unroll
       for (int dc = 0; dc < kDChunks; ++dc)
 #pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4)  // dims 32 dc + 8 q4 + 4 g + 0..3
-          *reinterpret_cast<float4*>(dst + 32 * dc + 8 * q4 + 4 * g) =
-              make_float4(O[dc][4 * q4] * inv, O[dc][4 * q4 + 1] * inv, O[dc][4 * q4 + 2] * inv,
-                          O[dc][4 * q4 + 3] * inv);
+        for (int q4 = 0; q4 < 4; ++q4) {  // dims 32 dc + 8 q4 + 4 g + 0..3; past hd: 0
+          const int col = 32 * dc + 8 * q4 + 4 * g;
+          const float f = col < hd ? inv : 0.f;
+          *reinterpret_cast<float4*>(dst + col) =
+              make_float4(O[dc][4 * q4] * f, O[dc][4 * q4 + 1] * f, O[dc][4 * q4 + 2] * f,
+                          O[dc][4 * q4 + 3] * f);
+        }
       if (g == 0) p.state_partial[prow] = detail::SoftmaxState{m, l};
     } else {
       T* dst = bi.template o_rows<T>(p) + row * p.o_row_stride;
@@ -225,10 +242,12 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
         for (int q4 = 0; q4 < 4; ++q4) {
           const int col = 32 * dc + 8 * q4 + 4 * g;
           if (col >= hd) continue;  // head dims 32 and 96 run the 64 and 128 tiles
-          T four[4];
+          uint16_t bits[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) four[e] = port::from_float<T>(O[dc][4 * q4 + e] * inv);
-          *reinterpret_cast<uint2*>(dst + col) = *reinterpret_cast<const uint2*>(four);
+          for (int e = 0; e < 4; ++e)
+            bits[e] = __builtin_bit_cast(uint16_t, port::from_float<T>(O[dc][4 * q4 + e] * inv));
+          *reinterpret_cast<uint2*>(dst + col) =  // 8-byte aligned: dims 4 apart, strides of 8
+              make_uint2(bits[0] | unsigned(bits[1]) << 16, bits[2] | unsigned(bits[3]) << 16);
         }
       if constexpr (Traits::kReturnLse)
         if (g == 0) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, row)] = detail::SoftmaxState::lse_of(m, l);
