@@ -15,6 +15,7 @@
 #include "common/block_info.hpp"
 #include "common/element.hpp"
 #include "common/epilogue.hpp"
+#include "common/scheduler.hpp"
 #include "common/softmax.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
@@ -24,7 +25,7 @@ namespace hipflash::decode {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
 template <class Traits>
-__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using namespace atom::sm80;
   using Cfg = DecodeTile<Traits::kHeadDim>;
   using T = typename common::Element<Traits::kDType>::type;
@@ -38,7 +39,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int g = lane / 4, t = lane % 4;
-  const Info bi(p, blockIdx.x, num_m_blocks, false);
+  const Info bi(p, tile, num_m_blocks, false);
   const int64_t m0 = int64_t(bi.m_block) * Cfg::kBlockM;
   if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
     if constexpr (Traits::kReturnLse && !Traits::kSplit)
@@ -208,12 +209,15 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
 #endif  // HIPFLASH_HAS_MMA_SYNC
 
+/// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
+using Scheduler = common::StaticScheduler;
+
 /// The decode forward kernel: one thread block per (16-row query block, split, head, batch).
 template <class Traits>
 __global__ void __launch_bounds__(DecodeTile<Traits::kHeadDim>::kThreads)
     fwd_decode_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
-  fwd_block<Traits>(p, num_m_blocks);
+  Scheduler::run([&](int64_t tile) { fwd_block<Traits>(p, tile, num_m_blocks); });
 #else
   port::trap();  // the decode kernel exists for mma.sync targets only; the selector knows
 #endif  // HIPFLASH_HAS_MMA_SYNC

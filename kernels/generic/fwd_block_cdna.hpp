@@ -25,7 +25,7 @@ using namespace ::hipflash::atom::cdna;  // the atom this body is written in
 using namespace ::hipflash::common;      // the pieces every schedule shares
 
 template <class Traits>
-__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using Cfg = Tile<Traits::kHeadDim>;
   using T = typename Element<Traits::kDType>::type;
   using F = typename Frag<Traits::kDType>::type;
@@ -39,7 +39,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
   const int lane = int(threadIdx.x) % 64, wave = int(threadIdx.x) / 64;
   const int i = lane % 16, kg = lane / 16;
-  const BlockInfo<kBM, kBN> bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
+  const BlockInfo<kBM, kBN> bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
   if (m0 >= bi.len_q) {
     if constexpr (Traits::kReturnLse && !Traits::kSplit)

@@ -15,7 +15,7 @@ namespace hipflash::generic::sm80 {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
 template <class Traits>
-__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using Cfg = Tile<Traits::kHeadDim>;
   using T = typename Element<Traits::kDType>::type;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kMT = Cfg::kMTiles;
@@ -27,7 +27,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
   T* sV = sK + Cfg::kSmemKV;
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const BlockInfo<kBM, kBN> bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
+  const BlockInfo<kBM, kBN> bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
   if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
     if constexpr (Traits::kReturnLse && !Traits::kSplit)

@@ -12,19 +12,23 @@
 
 #include "generic/fwd_block_cdna.hpp"
 #include "generic/fwd_block_sm80.hpp"
+#include "common/scheduler.hpp"
 #include "generic/tile_config.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
 
 namespace hipflash::generic {
 
+/// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
+using Scheduler = common::StaticScheduler;
+
 template <class Traits>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads)
     fwd_generic_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
-  sm80::fwd_block<Traits>(p, num_m_blocks);
+  Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits>(p, tile, num_m_blocks); });
 #elif defined(HIPFLASH_HAS_MFMA)
-  cdna::fwd_block<Traits>(p, num_m_blocks);
+  Scheduler::run([&](int64_t tile) { cdna::fwd_block<Traits>(p, tile, num_m_blocks); });
 #else
   port::trap();  // no matrix-core atom for this target
 #endif  // atom

@@ -20,6 +20,7 @@
 #include "atoms/gfx950.hpp"
 #include "common/element.hpp"
 #include "common/epilogue.hpp"
+#include "common/scheduler.hpp"
 #include "gfx950/dualwave_schedule.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
@@ -61,7 +62,7 @@ struct TileStager {
 };
 
 template <class Traits>
-__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using Cfg = DualwaveTile<Traits::kHeadDim>;
   using T = common::element_t<Traits::kInDType>;
   constexpr DType kDT = Traits::kInDType;
@@ -76,7 +77,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
   const int lane = int(threadIdx.x) % 64, wave = int(threadIdx.x) / 64;
   const int qi = lane % 32, g = lane / 32;  // this lane's query row in the wave, its k-group
-  const Info bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
+  const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * Cfg::kBlockM;
   if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
     if constexpr (Traits::kReturnLse && !Traits::kSplit)
@@ -259,6 +260,9 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
 #endif  // HIPFLASH_IS_GFX950
 
+/// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
+using Scheduler = common::StaticScheduler;
+
 /// The gfx950 dualwave forward kernel: one 512-thread block per (256-row query block, split,
 /// head, batch). Other targets compile a trapping stub (the selector never picks it there).
 /// __launch_bounds__' second argument on AMD: at least two waves per SIMD (EU), i.e. at most 256
@@ -267,7 +271,7 @@ template <class Traits>
 __global__ void __launch_bounds__(DualwaveTile<Traits::kHeadDim>::kThreads, 2)
     fwd_dualwave_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_IS_GFX950)
-  fwd_block<Traits>(p, num_m_blocks);
+  Scheduler::run([&](int64_t tile) { fwd_block<Traits>(p, tile, num_m_blocks); });
 #else
   port::trap();  // the dualwave schedule needs gfx950's MFMA 32x32x16 and transposed LDS reads
 #endif  // HIPFLASH_IS_GFX950

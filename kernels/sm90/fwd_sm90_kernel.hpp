@@ -12,6 +12,7 @@
 #include "common/block_info.hpp"
 #include "common/element.hpp"
 #include "common/epilogue.hpp"
+#include "common/scheduler.hpp"
 #include "common/softmax.hpp"
 #include "common/swizzle.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
@@ -61,7 +62,7 @@ struct TileLoader {
 };
 
 template <class Traits>
-__device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) {
+__device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using namespace atom::sm80;  // cp.async group helpers, pack2
   using Cfg = Tile<Traits::kHeadDim>;
   using T = typename common::Element<Traits::kDType>::type;
@@ -81,7 +82,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;  // warp / 4: warpgroup
   const int g = lane / 4, t = lane % 4;
-  const Info bi(p, blockIdx.x, num_m_blocks, Traits::kMasked);
+  const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
   if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
     if constexpr (Traits::kReturnLse && !Traits::kSplit)
@@ -280,13 +281,16 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int num_m_blocks) 
 
 #endif  // HIPFLASH_HAS_WGMMA
 
+/// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
+using Scheduler = common::StaticScheduler;
+
 /// The sm90 forward kernel: one thread block per (query block, split, head, batch).
 template <class Traits>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads,
                                   Tile<Traits::kHeadDim>::kMinBlocks)
     fwd_sm90_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_WGMMA)
-  fwd_block<Traits>(p, num_m_blocks);
+  Scheduler::run([&](int64_t tile) { fwd_block<Traits>(p, tile, num_m_blocks); });
 #else
   port::trap();  // wgmma needs sm_90a; the selector picks this kernel only where it was built
 #endif  // HIPFLASH_HAS_WGMMA

@@ -8,11 +8,19 @@
 
 namespace hipflash::gpu {
 
+/// The decode kernel's launch traits.
+template <class Traits>
+struct DecodeLaunch : NoPrepare {
+  using Tile = decode::DecodeTile<Traits::kHeadDim>;
+  using Scheduler = decode::Scheduler;
+  static constexpr auto kKernel = decode::fwd_decode_kernel<Traits>;
+  static constexpr const char* kName = "decode";
+  static_assert(Tile::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
+};
+
 template <class Traits>
 void launch_decode_fwd(const FwdParams& p, port::stream_t stream) {
-  using Cfg = decode::DecodeTile<Traits::kHeadDim>;
-  static_assert(Cfg::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
-  launch_fwd_grid<Cfg, decode::fwd_decode_kernel<Traits>>(p, stream, "decode");
+  launch_fwd<DecodeLaunch<Traits>>(p, stream);
 }
 
 }  // namespace hipflash::gpu

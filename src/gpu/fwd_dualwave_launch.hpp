@@ -7,10 +7,18 @@
 
 namespace hipflash::gpu {
 
+/// The dualwave kernel's launch traits.
+template <class Traits>
+struct DualwaveLaunch : NoPrepare {
+  using Tile = gfx950::DualwaveTile<Traits::kHeadDim>;
+  using Scheduler = gfx950::Scheduler;
+  static constexpr auto kKernel = gfx950::fwd_dualwave_kernel<Traits>;
+  static constexpr const char* kName = "dualwave";
+};
+
 template <class Traits>
 void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream) {
-  using Cfg = gfx950::DualwaveTile<Traits::kHeadDim>;
-  launch_fwd_grid<Cfg, gfx950::fwd_dualwave_kernel<Traits>>(p, stream, "dualwave");
+  launch_fwd<DualwaveLaunch<Traits>>(p, stream);
 }
 
 }  // namespace hipflash::gpu

@@ -7,10 +7,18 @@
 
 namespace hipflash::gpu {
 
+/// The generic kernel's launch traits.
+template <class Traits>
+struct GenericLaunch : NoPrepare {
+  using Tile = generic::Tile<Traits::kHeadDim>;
+  using Scheduler = generic::Scheduler;
+  static constexpr auto kKernel = generic::fwd_generic_kernel<Traits>;
+  static constexpr const char* kName = "generic";
+};
+
 template <class Traits>
 void launch_generic_fwd(const FwdParams& p, port::stream_t stream) {
-  using Cfg = generic::Tile<Traits::kHeadDim>;
-  launch_fwd_grid<Cfg, generic::fwd_generic_kernel<Traits>>(p, stream, "generic");
+  launch_fwd<GenericLaunch<Traits>>(p, stream);
 }
 
 }  // namespace hipflash::gpu

@@ -7,10 +7,18 @@
 
 namespace hipflash::gpu {
 
+/// The sm90 kernel's launch traits.
+template <class Traits>
+struct Sm90Launch : NoPrepare {
+  using Tile = sm90::Tile<Traits::kHeadDim>;
+  using Scheduler = sm90::Scheduler;
+  static constexpr auto kKernel = sm90::fwd_sm90_kernel<Traits>;
+  static constexpr const char* kName = "sm90";
+};
+
 template <class Traits>
 void launch_sm90_fwd(const FwdParams& p, port::stream_t stream) {
-  using Cfg = sm90::Tile<Traits::kHeadDim>;
-  launch_fwd_grid<Cfg, sm90::fwd_sm90_kernel<Traits>>(p, stream, "sm90");
+  launch_fwd<Sm90Launch<Traits>>(p, stream);
 }
 
 }  // namespace hipflash::gpu

@@ -1,6 +1,7 @@
-// hipflash — the launch every forward kernel shares (internal): the one-dimensional grid of
-// (query block, split, head, batch) that BlockInfo decodes, its size check, the kernel's
-// dynamic shared memory, and error checks naming the kernel.
+// hipflash — the launch every forward kernel shares (internal): per-kernel launch traits
+// (tile, scheduler, kernel, name, host-side argument preparation) drive one generic path — the
+// grid of work tiles (query block, split, head, batch) that BlockInfo decodes, its size check,
+// the kernel's dynamic shared memory (set once per device), and error checks naming the kernel.
 #pragma once
 
 #include <atomic>
@@ -26,19 +27,34 @@ void set_smem_once_per_device(int bytes, const char* name) {
   done.fetch_or(bit, std::memory_order_acq_rel);
 }
 
-/// Launches kKernel(p, num_m_blocks) with Cfg's block (kBlockM rows, kThreads threads,
-/// kSmemBytes of dynamic shared memory) on `stream`. `name` names the kernel in errors.
-template <class Cfg, auto kKernel>
-void launch_fwd_grid(const FwdParams& p, port::stream_t stream, const char* name) {
-  const int64_t num_m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const int64_t blocks = num_m_blocks * p.num_splits * p.heads_q * p.batch;
+/// The one launch path of the forward kernels. `Launch` is a kernel's launch traits:
+///   Tile       kBlockM (query rows per work tile), kThreads, kSmemBytes (dynamic shared memory)
+///   Scheduler  the map from the grid to work tiles (kernels/common/scheduler.hpp), the same
+///              type the kernel runs its tiles with
+///   kKernel    the __global__ function, called as kKernel(p, num_m_blocks)
+///   kName      its name in error messages
+///   prepare(p) host-side arguments beyond FwdParams (none today; a TMA kernel builds its tensor
+///              maps here)
+template <class Launch>
+void launch_fwd(const FwdParams& params, port::stream_t stream) {
+  using Tile = typename Launch::Tile;
+  FwdParams p = params;
+  Launch::prepare(p);
+  const int64_t num_m_blocks = (p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+  const int64_t tiles = num_m_blocks * p.num_splits * p.heads_q * p.batch;
+  const int64_t blocks = Launch::Scheduler::grid(tiles);
   HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one launch: ", blocks,
                  " thread blocks (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
-  set_smem_once_per_device<kKernel>(Cfg::kSmemBytes, name);
-  kKernel<<<dim3(unsigned(blocks)), dim3(Cfg::kThreads), Cfg::kSmemBytes, stream>>>(
+  set_smem_once_per_device<Launch::kKernel>(Tile::kSmemBytes, Launch::kName);
+  Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes, stream>>>(
       p, int(num_m_blocks));
   if (const port::error_t err = port::get_last_error(); err != port::kSuccess)
-    port::check(err, (std::string("launching the ") + name + " forward kernel").c_str());
+    port::check(err, (std::string("launching the ") + Launch::kName + " forward kernel").c_str());
 }
+
+/// Launch traits with nothing to prepare (every kernel today).
+struct NoPrepare {
+  static void prepare(FwdParams&) {}
+};
 
 }  // namespace hipflash::gpu
