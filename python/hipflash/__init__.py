@@ -28,6 +28,7 @@ from . import _ops
 __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "merge_attn_states",
     "gpu_available",
     "build_info",
     "last_kernel_name",
@@ -272,6 +273,43 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
           out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout)
     return (out, lse) if return_lse else out
+
+
+def merge_attn_states(out_a, lse_a, out_b=None, lse_b=None):
+    """Merges attention over disjoint key sets by their LSEs (the split-K combine's math).
+
+        out, lse = hipflash.merge_attn_states(out_a, lse_a, out_b, lse_b)   # two parts
+        out, lse = hipflash.merge_attn_states(outs, lses)                   # N stacked parts
+
+    Layouts are hipflash's (and FlashAttention's): dense parts out [B, S, H, D] with lse
+    [B, H, S], or packed (varlen) parts out [T, H, D] with lse [H, T] (the layout of vLLM's
+    merge_attn_states); stacked along a new first dimension for the N-way form. The LSEs are
+    natural log, fp32 (FlashInfer's base-2 LSE: multiply by ln 2 first). out = sum_i w_i out_i,
+    w_i = exp(lse_i - lse), lse = log(sum_i exp(lse_i)): a part with lse -inf contributes
+    nothing, all -inf gives out 0 and lse -inf, NaN reaches the rows it touches. CPU tensors in
+    this build (a GPU call raises NotImplementedError: no merge kernel yet).
+
+    Returns:
+        (out, lse): out like one part (dtype of the parts), lse float32 like one part's LSE.
+    """
+    if (out_b is None) != (lse_b is None):
+        raise ValueError("merge_attn_states takes (out_a, lse_a, out_b, lse_b) or stacked (outs, lses)")
+    for name, t in (("out_a", out_a), ("lse_a", lse_a)) + (
+            (("out_b", out_b), ("lse_b", lse_b)) if out_b is not None else ()):
+        _check_tensor(t, name)
+    if out_b is not None:
+        if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+            raise ValueError(f"the parts' shapes differ: out {tuple(out_a.shape)} vs "
+                             f"{tuple(out_b.shape)}, lse {tuple(lse_a.shape)} vs {tuple(lse_b.shape)}")
+        outs, lses = torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b])
+    else:
+        outs, lses = out_a, lse_a
+    dense = outs.dim() == 5  # [N, B, S, H, D]
+    if dense:
+        n, b, s, h, d = outs.shape
+        outs = outs.reshape(n, b * s, h, d)
+    out, lse = _call(_ops.merge_attn_states, outs, lses)
+    return (out.view(b, s, h, d) if dense else out), lse
 
 
 def resolve_num_splits(q, k, causal=False, window_size=(-1, -1), num_splits=0):

@@ -17,7 +17,9 @@ fwd_out = torch.ops.hipflash.fwd_out.default
 varlen_fwd = torch.ops.hipflash.varlen_fwd.default
 varlen_fwd_out = torch.ops.hipflash.varlen_fwd_out.default
 
-OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out)
+merge_attn_states = torch.ops.hipflash.merge_attn_states.default
+
+OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out, merge_attn_states)
 
 
 def _lse_like(q, shape):
@@ -47,9 +49,15 @@ def _out_fake(*args):
     return None
 
 
+def _merge_fake(outs, lses):
+    out = outs.new_empty(outs.shape[1:] if outs.dim() == 4 else (0,))
+    return out, lses.new_empty(lses.shape[1:] if lses.dim() >= 2 else (0,), dtype=torch.float32)
+
+
 _register_fake = getattr(torch.library, "register_fake", None)
 if _register_fake is not None:
     _register_fake("hipflash::fwd")(_fwd_fake)
     _register_fake("hipflash::fwd_out")(_out_fake)
     _register_fake("hipflash::varlen_fwd")(_varlen_fwd_fake)
     _register_fake("hipflash::varlen_fwd_out")(_out_fake)
+    _register_fake("hipflash::merge_attn_states")(_merge_fake)

@@ -4,6 +4,7 @@
 //   hipflash::fwd_out         (q, k, v, out!, lse!?, ...)   -> ()           writes the caller's
 //   hipflash::varlen_fwd      (q, k, v, cu_q, cu_k, ...)    -> (out, lse)
 //   hipflash::varlen_fwd_out  (q, k, v, out!, lse!?, ...)   -> ()
+//   hipflash::merge_attn_states (outs, lses)                -> (out, lse)   stacked parts
 //
 // Registered with TORCH_LIBRARY, so torch.compile, torch.jit.trace, CUDA graphs and
 // torch.library.opcheck see real operators. One kernel serves the CPU and CUDA dispatch keys
@@ -251,6 +252,21 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
   return {out, lse};
 }
 
+/// merge_attn_states over stacked parts: outs [N, T, H, D], lses [N, H, T] (packed) or
+/// [N, B, H, S] (dense, T = B * S) -> out [T, H, D], lse lses.shape[1:].
+std::tuple<at::Tensor, at::Tensor> merge_attn_states(const at::Tensor& outs, const at::Tensor& lses) {
+  at::Tensor out = outs.dim() == 4 ? at::empty({outs.size(1), outs.size(2), outs.size(3)}, outs.options())
+                                   : at::empty({0}, outs.options());
+  at::Tensor lse = lses.dim() >= 2 ? at::empty(lses.sizes().slice(1), lses.options().dtype(at::kFloat))
+                                   : at::empty({0}, lses.options().dtype(at::kFloat));
+  run_launcher([&] {
+    const auto o = to_ref(outs, "outs", Role::operand), l = to_ref(lses, "lses", Role::lse),
+               r = to_ref(out, "out", Role::operand), rl = to_ref(lse, "lse", Role::lse);
+    hipflash::merge_attn_states(o, l, r, &rl, stream_of(outs));
+  });
+  return {out, lse};
+}
+
 // ---- The Autograd key: the boundary until a backward exists ----------------------------------
 
 void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* op) {
@@ -322,6 +338,12 @@ void varlen_fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at:
   if (lse) bump(*lse);
 }
 
+std::tuple<at::Tensor, at::Tensor> merge_attn_states_autograd(const at::Tensor& outs,
+                                                              const at::Tensor& lses) {
+  refuse_grad({&outs, &lses}, "merge_attn_states");
+  return below_autograd<decltype(merge_attn_states)>("hipflash::merge_attn_states", outs, lses);
+}
+
 // ---- Ctrl-C --------------------------------------------------------------------------------
 
 /// hipflash's interrupt check: runs Python's signal handlers (main thread only, as Python
@@ -351,9 +373,11 @@ TORCH_LIBRARY(hipflash, m) {
         "int max_seqlen_q, int max_seqlen_k, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
         "bool return_lse, str lse_layout) -> ()");
+  m.def("merge_attn_states(Tensor outs, Tensor lses) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
+  m.impl("merge_attn_states", &merge_attn_states);
   m.impl("fwd", &fwd);
   m.impl("fwd_out", &fwd_out);
   m.impl("varlen_fwd", &varlen_fwd);
@@ -361,6 +385,7 @@ TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(hipflash, CUDA, m) {
+  m.impl("merge_attn_states", &merge_attn_states);
   m.impl("fwd", &fwd);
   m.impl("fwd_out", &fwd_out);
   m.impl("varlen_fwd", &varlen_fwd);
@@ -368,6 +393,7 @@ TORCH_LIBRARY_IMPL(hipflash, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(hipflash, Autograd, m) {
+  m.impl("merge_attn_states", &merge_attn_states_autograd);
   m.impl("fwd", &fwd_autograd);
   m.impl("fwd_out", &fwd_out_autograd);
   m.impl("varlen_fwd", &varlen_fwd_autograd);

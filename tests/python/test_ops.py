@@ -45,6 +45,7 @@ def test_operators_are_registered_with_their_mutations():
     assert "Tensor(a!) out" in str(ops.varlen_fwd_out.default._schema)
     assert "-> (Tensor out, Tensor lse)" in str(ops.fwd.default._schema)
     assert "-> (Tensor out, Tensor lse)" in str(ops.varlen_fwd.default._schema)
+    assert "-> (Tensor out, Tensor lse)" in str(ops.merge_attn_states.default._schema)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -131,6 +132,9 @@ def test_opcheck(device):
     out, lse = torch.empty_like(q), q.new_empty((2, 4, 37), dtype=torch.float32)
     torch.library.opcheck(ops.fwd_out.default, (q, k, v, out, lse, None, False, -1, -1, 0, True))
     vout, vlse = torch.empty_like(qv), qv.new_empty((4, 4, 40), dtype=torch.float32)
+    torch.library.opcheck(ops.merge_attn_states.default,
+                          (torch.randn(3, 5, 2, 64, device=device, dtype=torch.bfloat16),
+                           torch.randn(3, 2, 5, device=device)))
     torch.library.opcheck(ops.varlen_fwd_out.default,
                           (qv, kv, vv, cq, ck, 40, 40, vout, vlse, None, True, -1, -1, 0, True,
                            "padded"))

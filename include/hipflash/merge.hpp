@@ -1,0 +1,35 @@
+// hipflash — merging attention states (SPEC §7): attention over disjoint key sets, combined by
+// their LSEs with the split-K combine's math.
+//
+//   hipflash::merge_attn_states(outs, lses, out, &lse)
+//
+// outs stacks N partial outputs, lses their natural-log LSEs, in hipflash's layouts:
+//   packed  outs [N, T, H, D]  lses [N, H, T]     ->  out [T, H, D]  lse [H, T]
+//   dense   outs [N, T, H, D]  lses [N, B, H, S]  ->  out [T, H, D]  lse [B, H, S]
+// where the dense form's T = B * S rows are the (batch, row) pairs of a [B, S, H, D] output
+// (the Python function reshapes [N, B, S, H, D] for you)
+// (the packed form is FlashAttention's and vLLM's merge_attn_states layout). out = sum_i w_i
+// out_i with w_i = exp(lse_i - lse), lse = ln sum_i exp(lse_i): a part with lse -inf contributes
+// nothing, all -inf gives out 0 and lse -inf, a NaN in any part's out or lse reaches the rows it
+// touches. FlashInfer's base-2 LSE converts as lse = lse2 * ln 2 (and back: lse2 = lse * log2 e).
+// The LSEs are fp32: at score magnitudes of ~1e7 and beyond an fp32 LSE keeps little of log l,
+// so parts whose scores tie there are weighed by their LSEs' rounding (the forward's own
+// split-K combine keeps (m, l) and is exact; an LSE interface cannot be).
+// CPU tensors today; a GPU call throws hipflash::not_implemented (no merge kernel yet).
+#pragma once
+
+#include "hipflash/forward.hpp"
+#include "hipflash/types.hpp"
+
+namespace hipflash {
+
+/// The largest number of parts one merge takes.
+inline constexpr int kMaxMergeParts = 256;
+
+/// Merges N = outs.sizes[0] partial attention results (see the header comment for layouts).
+/// outs: bf16, f16 or f32, last dimension contiguous; lses: fp32, contiguous; out: the dtype of
+/// outs, any strides with a contiguous last dimension; lse: fp32 contiguous, or nullptr.
+void merge_attn_states(const TensorRef& outs, const TensorRef& lses, const TensorRef& out,
+                       const TensorRef* lse, Stream stream = nullptr);
+
+}  // namespace hipflash
