@@ -24,6 +24,18 @@ __device__ __forceinline__ void write_padded_lse_tail(const FwdParams& p, int64_
   }
 }
 
+/// The first step of every forward schedule: a query block that starts past its varlen
+/// sequence has no rows — only, for RETURN_LSE unsplit kernels, its padded LSE rows to write.
+/// True when the block is done.
+template <class Traits, int kBlockM, int kThreads>
+__device__ __forceinline__ bool block_past_sequence(const FwdParams& p, int64_t b, int64_t h,
+                                                    int64_t m0, int64_t len_q) {
+  if (m0 < len_q) return false;
+  if constexpr (Traits::kReturnLse && !Traits::kSplit)
+    write_padded_lse_tail<kBlockM, kThreads>(p, b, h, m0, len_q);
+  return true;
+}
+
 /// Writes rows [m0, min(m0 + kRows, len_q)) of the output, staged (rounded) in shared memory as
 /// a swizzled [kRows][kChunks * 8] tile, to gO (row stride ld) in 16-byte pieces; columns past
 /// head_dim are not written. The caller synchronises the block before (staging done).

@@ -41,11 +41,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int i = lane % 16, kg = lane / 16;
   const BlockInfo<kBM, kBN> bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
-  if (m0 >= bi.len_q) {
-    if constexpr (Traits::kReturnLse && !Traits::kSplit)
-      write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    return;
-  }
+  if (common::block_past_sequence<Traits, kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q))
+    return;  // past this varlen sequence
   const int hd = int(p.head_dim);
   // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
   const auto q_src = bi.template q_source<T>(p);

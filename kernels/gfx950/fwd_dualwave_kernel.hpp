@@ -79,11 +79,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int qi = lane % 32, g = lane / 32;  // this lane's query row in the wave, its k-group
   const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * Cfg::kBlockM;
-  if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
-    if constexpr (Traits::kReturnLse && !Traits::kSplit)
-      common::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    return;
-  }
+  if (common::block_past_sequence<Traits, Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q))
+    return;  // past this varlen sequence
   const int hd = int(p.head_dim);
   const auto q_src = bi.template q_source<T>(p);
   const auto k_src = bi.template k_source<T>(p);

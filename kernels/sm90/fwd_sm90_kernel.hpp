@@ -84,11 +84,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int g = lane / 4, t = lane % 4;
   const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
-  if (m0 >= bi.len_q) {  // past this varlen sequence: only the padded LSE rows to write
-    if constexpr (Traits::kReturnLse && !Traits::kSplit)
-      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    return;
-  }
+  if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q))
+    return;  // past this varlen sequence
 
   const int hd = int(p.head_dim);
   const T* gQ = bi.template q_rows<T>(p);
