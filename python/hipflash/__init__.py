@@ -138,11 +138,34 @@ def _call(op, *args):
         raise
 
 
+class _FlashAttnFunc(torch.autograd.Function):
+    """flash_attn_func with gradients: the forward saves (q, k, v, out, lse), the backward
+    recomputes P from that LSE (torch.ops.hipflash.bwd). The LSE output is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, left, right, num_splits, deterministic):
+        out, lse = _ops.fwd(q, k, v, scale, causal, left, right, num_splits, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, causal, left, right, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ops.bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _wants_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 # ---- Public API ------------------------------------------------------------------------------
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    num_splits=0, return_lse=False, out=None):
+                    num_splits=0, return_lse=False, out=None, deterministic=True):
     """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
 
     Arguments:
@@ -169,6 +192,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         return_lse: bool. Also return the log-sum-exp of each row's scaled scores.
         out: optional (batch_size, seqlen_q, nheads, headdim) tensor of q's dtype and device to
             write the output into; must not overlap q, k or v. Returned as is.
+        deterministic: bool. Bitwise-repeatable gradients (the CPU backward always is).
+
+    Gradients: on CPU tensors that require grad (under grad mode) the result is
+    differentiable with respect to q, k and v (the backward recomputes P from the saved LSE;
+    the LSE output itself has no gradient). On the GPU, for varlen and with out=, inputs that
+    require grad raise RuntimeError: no backward there yet.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
@@ -192,6 +221,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     causal, return_lse = bool(causal), bool(return_lse)
 
+    if out is None and _wants_grad(q, k, v) and q.device.type == "cpu":
+        # The backward exists on the CPU (GPU and varlen: the operators refuse inputs that
+        # require grad, saying so).
+        out, lse = _FlashAttnFunc.apply(q, k, v, scale, causal, left, right, num_splits,
+                                        bool(deterministic))
+        return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits, return_lse)
         return (out, lse) if return_lse else out

@@ -5,6 +5,7 @@
 //   hipflash::varlen_fwd      (q, k, v, cu_q, cu_k, ...)    -> (out, lse)
 //   hipflash::varlen_fwd_out  (q, k, v, out!, lse!?, ...)   -> ()
 //   hipflash::merge_attn_states (outs, lses)                -> (out, lse)   stacked parts
+//   hipflash::bwd             (dout, q, k, v, out, lse, ...) -> (dq, dk, dv) CPU backward
 //
 // Registered with TORCH_LIBRARY, so torch.compile, torch.jit.trace, CUDA graphs and
 // torch.library.opcheck see real operators. One kernel serves the CPU and CUDA dispatch keys
@@ -267,6 +268,31 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states(const at::Tensor& outs, con
   return {out, lse};
 }
 
+/// The backward (CPU): gradients of fwd from its saved (q, k, v, out, lse).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::optional<double> softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, bool deterministic) {
+  at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
+             dv = at::empty(v.sizes(), v.options());
+  run_launcher([&] {
+    hipflash::BwdOptions o;
+    const hipflash::FwdOptions f =
+        fwd_options(softmax_scale, causal, window_left, window_right, 1, true);
+    o.softmax_scale = f.softmax_scale;
+    o.causal = causal;
+    o.window_left = window_left;
+    o.window_right = window_right;
+    o.deterministic = deterministic;
+    hipflash::backward(to_ref(dout, "dout", Role::operand), to_ref(q, "q", Role::operand),
+                       to_ref(k, "k", Role::operand), to_ref(v, "v", Role::operand),
+                       to_ref(out, "out", Role::operand), to_ref(lse, "lse", Role::lse),
+                       to_ref(dq, "dq", Role::operand), to_ref(dk, "dk", Role::operand),
+                       to_ref(dv, "dv", Role::operand), o, stream_of(q));
+  });
+  return {dq, dk, dv};
+}
+
 // ---- The Autograd key: the boundary until a backward exists ----------------------------------
 
 void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* op) {
@@ -374,9 +400,13 @@ TORCH_LIBRARY(hipflash, m) {
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
         "bool return_lse, str lse_layout) -> ()");
   m.def("merge_attn_states(Tensor outs, Tensor lses) -> (Tensor out, Tensor lse)");
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "float? softmax_scale, bool causal, int window_left, int window_right, "
+        "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
+  m.impl("bwd", &bwd);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("fwd", &fwd);
   m.impl("fwd_out", &fwd_out);
@@ -385,6 +415,7 @@ TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(hipflash, CUDA, m) {
+  m.impl("bwd", &bwd);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("fwd", &fwd);
   m.impl("fwd_out", &fwd_out);

@@ -1,0 +1,162 @@
+// hipflash — the CPU backward (SPEC §7): validation, then the gradients from the forward's LSE.
+#include "hipflash/backward.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backend.hpp"
+#include "common/block_info.hpp"
+#include "hipflash/detail/host_numeric.hpp"
+#include "tensor_checks.hpp"
+
+namespace hipflash {
+namespace {
+
+std::string shape_str(const TensorRef& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.sizes[i]);
+  return s + "]";
+}
+
+void check_like(const TensorRef& t, const char* name, const TensorRef& like, const char* like_name) {
+  HIPFLASH_CHECK(t.rank == like.rank, name, " must have the shape of ", like_name, " ",
+                 shape_str(like), ", got ", shape_str(t));
+  for (int i = 0; i < t.rank; ++i)
+    HIPFLASH_CHECK(t.sizes[i] == like.sizes[i], name, " must have the shape of ", like_name, " ",
+                   shape_str(like), ", got ", shape_str(t));
+  HIPFLASH_CHECK_AS(dtype_error, t.dtype == like.dtype, name, " must have dtype ",
+                    dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
+  HIPFLASH_CHECK(t.loc == like.loc, name, " must be on the device of ", like_name);
+  HIPFLASH_CHECK(t.strides[t.rank - 1] == 1 || t.sizes[t.rank - 1] <= 1, name,
+                 " must have a contiguous last dimension (stride 1)");
+  const char* why = "";
+  HIPFLASH_CHECK(detail::indexable(t, &why), name, " cannot be indexed in 64 bits: ", why);
+  HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
+}
+
+}  // namespace
+
+void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, const TensorRef& v,
+              const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
+              const TensorRef& dk, const TensorRef& dv, const BwdOptions& opts, Stream) {
+  FwdOptions fo;
+  fo.softmax_scale = opts.softmax_scale;
+  fo.causal = opts.causal;
+  fo.window_left = opts.window_left;
+  fo.window_right = opts.window_right;
+  fo.num_splits = 1;
+  fo.return_lse = true;
+  // The forward's own checks of q, k, v, out and lse (shapes, dtypes, devices, aliasing).
+  const FwdParams p = make_dense_params(q, k, v, out, &lse, fo);
+  check_like(dout, "dout", out, "out");
+  check_like(dq, "dq", q, "q");
+  check_like(dk, "dk", k, "k");
+  check_like(dv, "dv", v, "v");
+  const std::pair<const TensorRef*, const char*> grads[] = {{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}};
+  const std::pair<const TensorRef*, const char*> inputs[] = {
+      {&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}};
+  for (auto [g, gname] : grads) {
+    HIPFLASH_CHECK(detail::self_overlap(*g) == detail::Overlap::none, gname,
+                   " must not overlap itself");
+    for (auto [t, tname] : inputs)
+      HIPFLASH_CHECK(detail::overlap(*g, *t) == detail::Overlap::none, gname, " must not alias ",
+                     tname);
+    for (auto [h, hname] : grads)
+      HIPFLASH_CHECK(g == h || detail::overlap(*g, *h) == detail::Overlap::none, gname,
+                     " must not alias ", hname);
+  }
+  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
+                    "hipflash has no GPU backward yet: the backward runs on CPU tensors only");
+
+  const int64_t B = p.batch, Sq = p.seqlen_q, Sk = p.seqlen_k, Hq = p.heads_q, Hkv = p.heads_kv,
+                D = p.head_dim, G = Hq / Hkv;
+  const float scale = p.softmax_scale;
+  const DType dt = p.dtype;
+  auto at = [dt](const TensorRef& t, int64_t b, int64_t row, int64_t h, int64_t d) {
+    return detail::load_as_float(t.data, b * t.strides[0] + row * t.strides[1] + h * t.strides[2] + d, dt);
+  };
+  auto put = [dt](const TensorRef& t, int64_t b, int64_t row, int64_t h, int64_t d, float x) {
+    detail::store_from_float(t.data, b * t.strides[0] + row * t.strides[1] + h * t.strides[2] + d, x, dt);
+  };
+  const auto* lse_data = static_cast<const float*>(lse.data);
+
+  // One task per (batch, kv head): it owns that head's dk / dv and its query heads' dq, so no
+  // two threads write one element and the order of every sum is fixed (deterministic).
+  auto task = [&](int64_t b, int64_t hk) {
+    std::vector<float> dk_acc(size_t(Sk * D), 0.f), dv_acc(size_t(Sk * D), 0.f);
+    std::vector<float> kf(static_cast<size_t>(Sk * D)), vf(static_cast<size_t>(Sk * D));
+    std::vector<float> qi(static_cast<size_t>(D)), doi(static_cast<size_t>(D)),
+        dqi(static_cast<size_t>(D));
+    for (int64_t j = 0; j < Sk; ++j)
+      for (int64_t d = 0; d < D; ++d) {
+        kf[size_t(j * D + d)] = at(k, b, j, hk, d);
+        vf[size_t(j * D + d)] = at(v, b, j, hk, d);
+      }
+    const int64_t diag = Sk - Sq;
+    for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
+      for (int64_t i = 0; i < Sq; ++i) {
+        std::fill(dqi.begin(), dqi.end(), 0.f);
+        const float lse_i = lse_data[p.lse_offset(b, h, 0, i)];
+        if (lse_i != detail::kNegInf) {  // a row with no valid key has no gradient
+          float Di = 0.f;  // rowsum(dO * O), from the saved (rounded) output, as the GPU will
+          for (int64_t d = 0; d < D; ++d) {
+            qi[size_t(d)] = at(q, b, i, h, d);
+            doi[size_t(d)] = at(dout, b, i, h, d);
+            Di += doi[size_t(d)] * at(out, b, i, h, d);
+          }
+          for (int64_t j = 0; j < Sk; ++j) {
+            if (!common::BlockInfo<64, 64>::key_valid(p, i, j, Sk, diag, p.has_window())) continue;
+            const float* kj = &kf[size_t(j * D)];
+            const float* vj = &vf[size_t(j * D)];
+            float s = 0.f, dp = 0.f;
+            for (int64_t d = 0; d < D; ++d) {
+              s += qi[size_t(d)] * kj[d];
+              dp += doi[size_t(d)] * vj[d];
+            }
+            const float pij = std::exp(s * scale - lse_i);  // P from the forward's LSE
+            const float ds = pij * (dp - Di);
+            float* dkj = &dk_acc[size_t(j * D)];
+            float* dvj = &dv_acc[size_t(j * D)];
+            for (int64_t d = 0; d < D; ++d) {
+              dqi[size_t(d)] += scale * ds * kj[d];
+              dkj[d] += scale * ds * qi[size_t(d)];
+              dvj[d] += pij * doi[size_t(d)];
+            }
+          }
+        }
+        for (int64_t d = 0; d < D; ++d) put(dq, b, i, h, d, dqi[size_t(d)]);
+      }
+    for (int64_t j = 0; j < Sk; ++j)
+      for (int64_t d = 0; d < D; ++d) {
+        put(dk, b, j, hk, d, dk_acc[size_t(j * D + d)]);
+        put(dv, b, j, hk, d, dv_acc[size_t(j * D + d)]);
+      }
+  };
+
+  const int64_t tasks = B * Hkv;
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::exception_ptr error;
+  auto worker = [&] {
+    try {
+      for (int64_t t; (t = next.fetch_add(1)) < tasks;) task(t / Hkv, t % Hkv);
+    } catch (...) {
+      next = tasks;
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+    }
+  };
+  const int n = int(std::min<int64_t>(cpu::num_threads(), tasks));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < n; ++i) pool.emplace_back(worker);
+  if (tasks > 0) worker();
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace hipflash
