@@ -41,84 +41,65 @@ void check_like(const TensorRef& t, const char* name, const TensorRef& like, con
 
 }  // namespace
 
-void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, const TensorRef& v,
-              const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
-              const TensorRef& dk, const TensorRef& dv, const BwdOptions& opts, Stream) {
-  FwdOptions fo;
-  fo.softmax_scale = opts.softmax_scale;
-  fo.causal = opts.causal;
-  fo.window_left = opts.window_left;
-  fo.window_right = opts.window_right;
-  fo.num_splits = 1;
-  fo.return_lse = true;
-  // The forward's own checks of q, k, v, out and lse (shapes, dtypes, devices, aliasing).
-  const FwdParams p = make_dense_params(q, k, v, out, &lse, fo);
-  check_like(dout, "dout", out, "out");
-  check_like(dq, "dq", q, "q");
-  check_like(dk, "dk", k, "k");
-  check_like(dv, "dv", v, "v");
-  const std::pair<const TensorRef*, const char*> grads[] = {{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}};
-  const std::pair<const TensorRef*, const char*> inputs[] = {
-      {&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}};
-  for (auto [g, gname] : grads) {
-    HIPFLASH_CHECK(detail::self_overlap(*g) == detail::Overlap::none, gname,
-                   " must not overlap itself");
-    for (auto [t, tname] : inputs)
-      HIPFLASH_CHECK(detail::overlap(*g, *t) == detail::Overlap::none, gname, " must not alias ",
-                     tname);
-    for (auto [h, hname] : grads)
-      HIPFLASH_CHECK(g == h || detail::overlap(*g, *h) == detail::Overlap::none, gname,
-                     " must not alias ", hname);
-  }
-  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
-                    "hipflash has no GPU backward yet: the backward runs on CPU tensors only");
+namespace {
 
-  const int64_t B = p.batch, Sq = p.seqlen_q, Sk = p.seqlen_k, Hq = p.heads_q, Hkv = p.heads_kv,
-                D = p.head_dim, G = Hq / Hkv;
+/// The gradients of a validated call (dense or varlen: p's cu_seqlens) on the CPU.
+void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
+                  const TensorRef& k, const TensorRef& v, const TensorRef& out,
+                  const TensorRef& dq, const TensorRef& dk, const TensorRef& dv) {
+  const int64_t B = p.batch, Hq = p.heads_q, Hkv = p.heads_kv, D = p.head_dim, G = Hq / Hkv;
   const float scale = p.softmax_scale;
   const DType dt = p.dtype;
-  auto at = [dt](const TensorRef& t, int64_t b, int64_t row, int64_t h, int64_t d) {
-    return detail::load_as_float(t.data, b * t.strides[0] + row * t.strides[1] + h * t.strides[2] + d, dt);
+  // Element (batch b, row `row` of the sequence starting at `start`, head h) of a dense
+  // [B, S, H, D] or varlen [total, H, D] tensor.
+  auto off = [](const TensorRef& t, int64_t b, int64_t start, int64_t row, int64_t h) {
+    return t.rank == 4 ? b * t.strides[0] + row * t.strides[1] + h * t.strides[2]
+                       : (start + row) * t.strides[0] + h * t.strides[1];
   };
-  auto put = [dt](const TensorRef& t, int64_t b, int64_t row, int64_t h, int64_t d, float x) {
-    detail::store_from_float(t.data, b * t.strides[0] + row * t.strides[1] + h * t.strides[2] + d, x, dt);
-  };
-  const auto* lse_data = static_cast<const float*>(lse.data);
+  auto at = [&](const TensorRef& t, int64_t o, int64_t d) { return detail::load_as_float(t.data, o + d, dt); };
+  auto put = [&](const TensorRef& t, int64_t o, int64_t d, float x) { detail::store_from_float(t.data, o + d, x, dt); };
 
   // One task per (batch, kv head): it owns that head's dk / dv and its query heads' dq, so no
   // two threads write one element and the order of every sum is fixed (deterministic).
   auto task = [&](int64_t b, int64_t hk) {
-    std::vector<float> dk_acc(size_t(Sk * D), 0.f), dv_acc(size_t(Sk * D), 0.f);
+    int64_t q0 = 0, k0 = 0, Sq = p.seqlen_q, Sk = p.seqlen_k;
+    if (p.is_varlen()) {
+      q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+      Sq = p.cu_seqlens_q[b + 1] - q0, Sk = p.cu_seqlens_k[b + 1] - k0;
+    }
+    std::vector<float> dk_acc(static_cast<size_t>(Sk * D), 0.f), dv_acc(static_cast<size_t>(Sk * D), 0.f);
     std::vector<float> kf(static_cast<size_t>(Sk * D)), vf(static_cast<size_t>(Sk * D));
     std::vector<float> qi(static_cast<size_t>(D)), doi(static_cast<size_t>(D)),
         dqi(static_cast<size_t>(D));
     for (int64_t j = 0; j < Sk; ++j)
       for (int64_t d = 0; d < D; ++d) {
-        kf[size_t(j * D + d)] = at(k, b, j, hk, d);
-        vf[size_t(j * D + d)] = at(v, b, j, hk, d);
+        kf[size_t(j * D + d)] = at(k, off(k, b, k0, j, hk), d);
+        vf[size_t(j * D + d)] = at(v, off(v, b, k0, j, hk), d);
       }
     const int64_t diag = Sk - Sq;
+    const auto* lse_data = p.lse;
     for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
       for (int64_t i = 0; i < Sq; ++i) {
         std::fill(dqi.begin(), dqi.end(), 0.f);
-        const float lse_i = lse_data[p.lse_offset(b, h, 0, i)];
+        const float lse_i = lse_data[p.lse_offset(b, h, q0, i)];
         if (lse_i != detail::kNegInf) {  // a row with no valid key has no gradient
           float Di = 0.f;  // rowsum(dO * O), from the saved (rounded) output, as the GPU will
+          const int64_t oq = off(q, b, q0, i, h), oo = off(out, b, q0, i, h), od = off(dout, b, q0, i, h);
           for (int64_t d = 0; d < D; ++d) {
-            qi[size_t(d)] = at(q, b, i, h, d);
-            doi[size_t(d)] = at(dout, b, i, h, d);
-            Di += doi[size_t(d)] * at(out, b, i, h, d);
+            qi[size_t(d)] = at(q, oq, d);
+            doi[size_t(d)] = at(dout, od, d);
+            Di += doi[size_t(d)] * at(out, oo, d);
           }
           for (int64_t j = 0; j < Sk; ++j) {
             if (!common::BlockInfo<64, 64>::key_valid(p, i, j, Sk, diag, p.has_window())) continue;
             const float* kj = &kf[size_t(j * D)];
             const float* vj = &vf[size_t(j * D)];
-            float s = 0.f, dp = 0.f;
+            float sc = 0.f, dp = 0.f;
             for (int64_t d = 0; d < D; ++d) {
-              s += qi[size_t(d)] * kj[d];
+              sc += qi[size_t(d)] * kj[d];
               dp += doi[size_t(d)] * vj[d];
             }
-            const float pij = std::exp(s * scale - lse_i);  // P from the forward's LSE
+            const float pij = std::exp(sc * scale - lse_i);  // P from the forward's LSE
             const float ds = pij * (dp - Di);
             float* dkj = &dk_acc[size_t(j * D)];
             float* dvj = &dv_acc[size_t(j * D)];
@@ -129,13 +110,16 @@ void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, con
             }
           }
         }
-        for (int64_t d = 0; d < D; ++d) put(dq, b, i, h, d, dqi[size_t(d)]);
+        const int64_t oq = off(dq, b, q0, i, h);
+        for (int64_t d = 0; d < D; ++d) put(dq, oq, d, dqi[size_t(d)]);
       }
-    for (int64_t j = 0; j < Sk; ++j)
+    for (int64_t j = 0; j < Sk; ++j) {
+      const int64_t ok = off(dk, b, k0, j, hk), ov = off(dv, b, k0, j, hk);
       for (int64_t d = 0; d < D; ++d) {
-        put(dk, b, j, hk, d, dk_acc[size_t(j * D + d)]);
-        put(dv, b, j, hk, d, dv_acc[size_t(j * D + d)]);
+        put(dk, ok, d, dk_acc[size_t(j * D + d)]);
+        put(dv, ov, d, dv_acc[size_t(j * D + d)]);
       }
+    }
   };
 
   const int64_t tasks = B * Hkv;
@@ -157,6 +141,71 @@ void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, con
   if (tasks > 0) worker();
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);
+}
+
+/// The gradients' checks (after the forward's own checks of q, k, v, out and lse).
+void check_grads(const TensorRef& dout, const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                 const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
+                 const TensorRef& dk, const TensorRef& dv, std::initializer_list<const TensorRef*> extra) {
+  check_like(dout, "dout", out, "out");
+  check_like(dq, "dq", q, "q");
+  check_like(dk, "dk", k, "k");
+  check_like(dv, "dv", v, "v");
+  const std::pair<const TensorRef*, const char*> grads[] = {{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}};
+  const std::pair<const TensorRef*, const char*> inputs[] = {
+      {&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}};
+  for (auto [g, gname] : grads) {
+    HIPFLASH_CHECK(detail::self_overlap(*g) == detail::Overlap::none, gname,
+                   " must not overlap itself");
+    for (auto [t, tname] : inputs)
+      HIPFLASH_CHECK(detail::overlap(*g, *t) == detail::Overlap::none, gname, " must not alias ",
+                     tname);
+    for (const TensorRef* t : extra)
+      HIPFLASH_CHECK(detail::overlap(*g, *t) == detail::Overlap::none, gname,
+                     " must not alias cu_seqlens");
+    for (auto [h, hname] : grads)
+      HIPFLASH_CHECK(g == h || detail::overlap(*g, *h) == detail::Overlap::none, gname,
+                     " must not alias ", hname);
+  }
+  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
+                    "hipflash has no GPU backward yet: the backward runs on CPU tensors only");
+}
+
+FwdOptions forward_options(const BwdOptions& opts) {
+  FwdOptions fo;
+  fo.softmax_scale = opts.softmax_scale;
+  fo.causal = opts.causal;
+  fo.window_left = opts.window_left;
+  fo.window_right = opts.window_right;
+  fo.num_splits = 1;
+  fo.return_lse = true;
+  return fo;
+}
+
+}  // namespace
+
+void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, const TensorRef& v,
+              const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
+              const TensorRef& dk, const TensorRef& dv, const BwdOptions& opts, Stream) {
+  // The forward's own checks of q, k, v, out and lse (shapes, dtypes, devices, aliasing).
+  const FwdParams p = make_dense_params(q, k, v, out, &lse, forward_options(opts));
+  check_grads(dout, q, k, v, out, lse, dq, dk, dv, {});
+  run_backward(p, dout, q, k, v, out, dq, dk, dv);
+}
+
+void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k,
+                     const TensorRef& v, const TensorRef& out, const TensorRef& lse,
+                     const TensorRef& cu_seqlens_q, const TensorRef& cu_seqlens_k,
+                     const TensorRef& dq, const TensorRef& dk, const TensorRef& dv,
+                     const VarlenBwdOptions& opts, Stream stream) {
+  VarlenOptions vo;
+  static_cast<FwdOptions&>(vo) = forward_options(opts);
+  vo.max_seqlen_q = opts.max_seqlen_q;
+  vo.max_seqlen_k = opts.max_seqlen_k;
+  vo.lse_layout = opts.lse_layout;
+  const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo, stream);
+  check_grads(dout, q, k, v, out, lse, dq, dk, dv, {&cu_seqlens_q, &cu_seqlens_k});
+  run_backward(p, dout, q, k, v, out, dq, dk, dv);
 }
 
 }  // namespace hipflash

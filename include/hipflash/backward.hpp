@@ -7,8 +7,8 @@
 // softmax): a wrong LSE gives wrong gradients. D_i = rowsum(dO_i * O_i); dS = P (dP - D);
 // dq = scale dS k, dk = scale dS^T q (summed over the query heads of a kv head), dv = P^T dO.
 // Rows with no valid key (lse -inf) get zero gradients; NaN propagates.
-// Dense layouts (q/dq [B, Sq, Hq, D], k/v/dk/dv [B, Sk, Hkv, D], lse [B, Hq, Sq]); CPU tensors.
-// The GPU kernels and varlen are not built yet: such calls throw hipflash::not_implemented.
+// Dense (q/dq [B, Sq, Hq, D], k/v/dk/dv [B, Sk, Hkv, D], lse [B, Hq, Sq]) and varlen layouts;
+// CPU tensors. The GPU kernels are not built yet: a GPU call throws hipflash::not_implemented.
 #pragma once
 
 #include <optional>
@@ -33,5 +33,17 @@ void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, con
               const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
               const TensorRef& dk, const TensorRef& dv, const BwdOptions& opts = {},
               Stream stream = nullptr);
+
+/// The varlen backward: q/dq [total_q, Hq, D], k/v/dk/dv [total_k, Hkv, D], the forward's LSE
+/// in the layout it was written with (opts.lse_layout), cu_seqlens as for varlen_forward.
+struct VarlenBwdOptions : BwdOptions {
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  LseLayout lse_layout = LseLayout::padded;
+};
+void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k,
+                     const TensorRef& v, const TensorRef& out, const TensorRef& lse,
+                     const TensorRef& cu_seqlens_q, const TensorRef& cu_seqlens_k,
+                     const TensorRef& dq, const TensorRef& dk, const TensorRef& dv,
+                     const VarlenBwdOptions& opts, Stream stream = nullptr);
 
 }  // namespace hipflash

@@ -157,6 +157,28 @@ class _FlashAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    """flash_attn_varlen_func with gradients (CPU): as _FlashAttnFunc, per sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, num_splits,
+                lse_layout, deterministic):
+        out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left,
+                                   right, num_splits, True, lse_layout)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, scale, causal, left, right, deterministic, lse_layout)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, causal, left, right, deterministic, lse_layout = ctx.args
+        dq, dk, dv = _ops.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q,
+                                     max_k, scale, causal, left, right, deterministic, lse_layout)
+        return (dq, dk, dv) + (None,) * 11
+
+
 def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -196,8 +218,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
     Gradients: on CPU tensors that require grad (under grad mode) the result is
     differentiable with respect to q, k and v (the backward recomputes P from the saved LSE;
-    the LSE output itself has no gradient). On the GPU, for varlen and with out=, inputs that
-    require grad raise RuntimeError: no backward there yet.
+    the LSE output itself has no gradient); flash_attn_varlen_func likewise. On the GPU and
+    with out=, inputs that require grad raise RuntimeError: no backward there yet.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
@@ -241,7 +263,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
-                           return_lse=False, lse_layout="padded", out=None):
+                           return_lse=False, lse_layout="padded", out=None, deterministic=True):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -292,6 +314,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k = _bounded(_int(max_seqlen_k, "max_seqlen_k"), "max_seqlen_k", -_INT64_MAX, _INT64_MAX)
     causal, return_lse = bool(causal), bool(return_lse)
 
+    if out is None and _wants_grad(q, k, v) and q.device.type == "cpu":
+        out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, scale, causal, left, right,
+                                              num_splits, lse_layout, bool(deterministic))
+        return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, scale, causal, left, right, num_splits, return_lse,

@@ -19,8 +19,9 @@ varlen_fwd_out = torch.ops.hipflash.varlen_fwd_out.default
 
 merge_attn_states = torch.ops.hipflash.merge_attn_states.default
 bwd = torch.ops.hipflash.bwd.default
+varlen_bwd = torch.ops.hipflash.varlen_bwd.default
 
-OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out, merge_attn_states, bwd)
+OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out, merge_attn_states, bwd, varlen_bwd)
 
 
 def _lse_like(q, shape):
@@ -62,5 +63,7 @@ if _register_fake is not None:
     _register_fake("hipflash::varlen_fwd")(_varlen_fwd_fake)
     _register_fake("hipflash::varlen_fwd_out")(_out_fake)
     _register_fake("hipflash::merge_attn_states")(_merge_fake)
+    _register_fake("hipflash::varlen_bwd")(
+        lambda dout, q, k, v, *args: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
     _register_fake("hipflash::bwd")(
         lambda dout, q, k, v, *args: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))

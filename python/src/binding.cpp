@@ -293,6 +293,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   return {dq, dk, dv};
 }
 
+/// The varlen backward (CPU).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    bool deterministic, const std::string& lse_layout) {
+  at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
+             dv = at::empty(v.sizes(), v.options());
+  run_launcher([&] {
+    hipflash::VarlenBwdOptions o;
+    o.softmax_scale = fwd_options(softmax_scale, causal, window_left, window_right, 1, true).softmax_scale;
+    o.causal = causal;
+    o.window_left = window_left;
+    o.window_right = window_right;
+    o.deterministic = deterministic;
+    o.max_seqlen_q = max_seqlen_q;
+    o.max_seqlen_k = max_seqlen_k;
+    o.lse_layout = lse_layout_of(lse_layout);
+    hipflash::varlen_backward(
+        to_ref(dout, "dout", Role::operand), to_ref(q, "q", Role::operand),
+        to_ref(k, "k", Role::operand), to_ref(v, "v", Role::operand),
+        to_ref(out, "out", Role::operand), to_ref(lse, "lse", Role::lse),
+        to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index),
+        to_ref(cu_seqlens_k, "cu_seqlens_k", Role::index), to_ref(dq, "dq", Role::operand),
+        to_ref(dk, "dk", Role::operand), to_ref(dv, "dv", Role::operand), o, stream_of(q));
+  });
+  return {dq, dk, dv};
+}
+
 // ---- The Autograd key: the boundary until a backward exists ----------------------------------
 
 void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* op) {
@@ -403,10 +433,15 @@ TORCH_LIBRARY(hipflash, m) {
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
         "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+        "float? softmax_scale, bool causal, int window_left, int window_right, "
+        "bool deterministic, str lse_layout) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
   m.impl("bwd", &bwd);
+  m.impl("varlen_bwd", &varlen_bwd);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("fwd", &fwd);
   m.impl("fwd_out", &fwd_out);
@@ -416,6 +451,7 @@ TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
 
 TORCH_LIBRARY_IMPL(hipflash, CUDA, m) {
   m.impl("bwd", &bwd);
+  m.impl("varlen_bwd", &varlen_bwd);
   m.impl("merge_attn_states", &merge_attn_states);
   m.impl("fwd", &fwd);
   m.impl("fwd_out", &fwd_out);
