@@ -138,7 +138,21 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
   const int n = int(std::min<int64_t>(cpu::num_threads(), tasks));
   std::vector<std::thread> pool;
   for (int i = 1; i < n; ++i) pool.emplace_back(worker);
-  if (tasks > 0) worker();
+  // The calling thread works too and, between its tasks, polls the interrupt check (Ctrl-C).
+  if (tasks > 0) {
+    const InterruptCheck check = cpu::interrupt_check();
+    try {
+      for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+        task(t / Hkv, t % Hkv);
+        if (check && check())
+          throw interrupted("hipflash: the call was interrupted (its outputs are partly written)");
+      }
+    } catch (...) {
+      next = tasks;
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+    }
+  }
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);
 }
@@ -205,6 +219,20 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
   vo.lse_layout = opts.lse_layout;
   const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo, stream);
   check_grads(dout, q, k, v, out, lse, dq, dk, dv, {&cu_seqlens_q, &cu_seqlens_k});
+  // Rows outside every sequence (before cu_seqlens[0], from cu_seqlens[B] on) take part in
+  // nothing: their gradients are 0, written here (the sequences' rows are the tasks').
+  auto zero_outside = [&](const TensorRef& g, const int32_t* cu) {
+    const int64_t first = cu[0], last = cu[p.batch], total = g.sizes[0];
+    for (int64_t r = 0; r < total; ++r) {
+      if (r >= first && r < last) continue;
+      for (int64_t h = 0; h < g.sizes[1]; ++h)
+        for (int64_t d = 0; d < g.sizes[2]; ++d)
+          detail::store_from_float(g.data, r * g.strides[0] + h * g.strides[1] + d, 0.f, g.dtype);
+    }
+  };
+  zero_outside(dq, p.cu_seqlens_q);
+  zero_outside(dk, p.cu_seqlens_k);
+  zero_outside(dv, p.cu_seqlens_k);
   run_backward(p, dout, q, k, v, out, dq, dk, dv);
 }
 

@@ -6,8 +6,9 @@
     out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                max_seqlen_q, max_seqlen_k, return_lse=True)
 
-Forward only, for now: inputs that require grad under grad mode raise RuntimeError (never a
-silently detached result); use torch.no_grad() or detached tensors. Inputs are bf16 or f16 CPU
+Gradients: on CPU tensors the attention functions are differentiable (the backward recomputes
+P from the saved LSE); on the GPU and with out=, inputs that require grad under grad mode raise
+RuntimeError (never a silently detached result): use torch.no_grad() or detached tensors. Inputs are bf16 or f16 CPU
 tensors (the CPU backend) or CUDA/HIP tensors (the GPU kernels, when this build has them; see
 :func:`build_info`). Argument errors raise ValueError / TypeError before anything is written;
 a combination this build does not implement raises NotImplementedError; Ctrl-C interrupts a
@@ -134,6 +135,7 @@ def _call(op, *args):
         return op(*args)
     except RuntimeError as e:
         if str(e).startswith(_INTERRUPTED):
+            _C.take_pending_signal_error()  # what the signal handler raised, if it raised
             raise KeyboardInterrupt(str(e)) from None
         raise
 
@@ -151,6 +153,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ops.bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
@@ -171,6 +174,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, scale, causal, left, right, deterministic, lse_layout = ctx.args
@@ -246,8 +250,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if out is None and _wants_grad(q, k, v) and q.device.type == "cpu":
         # The backward exists on the CPU (GPU and varlen: the operators refuse inputs that
         # require grad, saying so).
-        out, lse = _FlashAttnFunc.apply(q, k, v, scale, causal, left, right, num_splits,
-                                        bool(deterministic))
+        out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
+                         bool(deterministic))
         return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits, return_lse)
@@ -315,9 +319,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     causal, return_lse = bool(causal), bool(return_lse)
 
     if out is None and _wants_grad(q, k, v) and q.device.type == "cpu":
-        out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                              max_seqlen_k, scale, causal, left, right,
-                                              num_splits, lse_layout, bool(deterministic))
+        out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
+                         lse_layout, bool(deterministic))
         return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -329,7 +333,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # Buffers only for shapes that make sense; anything else is reported by the C++ checks.
         if lse_layout == "packed":
             lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        elif cu_seqlens_q.dim() == 1 and cu_seqlens_q.numel() >= 1 and max_seqlen_q >= 0:
+        elif cu_seqlens_q.dim() == 1 and cu_seqlens_q.numel() >= 1 and \
+                0 <= max_seqlen_q <= 2**46 // max(1, (cu_seqlens_q.numel() - 1) * q.shape[1]):
             lse = torch.empty((cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q),
                               dtype=torch.float32, device=q.device)
     _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -360,6 +365,10 @@ def merge_attn_states(out_a, lse_a, out_b=None, lse_b=None):
             (("out_b", out_b), ("lse_b", lse_b)) if out_b is not None else ()):
         _check_tensor(t, name)
     if out_b is not None:
+        if out_a.dtype != out_b.dtype or lse_a.dtype != lse_b.dtype or \
+                out_a.device != out_b.device or lse_a.device != lse_b.device:
+            raise TypeError("the two parts must have one dtype and device: out "
+                            f"{out_a.dtype}/{out_b.dtype}, lse {lse_a.dtype}/{lse_b.dtype}")
         if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
             raise ValueError(f"the parts' shapes differ: out {tuple(out_a.shape)} vs "
                              f"{tuple(out_b.shape)}, lse {tuple(lse_a.shape)} vs {tuple(lse_b.shape)}")
@@ -369,6 +378,9 @@ def merge_attn_states(out_a, lse_a, out_b=None, lse_b=None):
     dense = outs.dim() == 5  # [N, B, S, H, D]
     if dense:
         n, b, s, h, d = outs.shape
+        if tuple(lses.shape) != (n, b, h, s):
+            raise ValueError(f"lses must have shape [parts, batch, heads, seqlen] = {[n, b, h, s]} "
+                             f"for outs {list(outs.shape)}, got {list(lses.shape)}")
         outs = outs.reshape(n, b * s, h, d)
     out, lse = _call(_ops.merge_attn_states, outs, lses)
     return (out.view(b, s, h, d) if dense else out), lse

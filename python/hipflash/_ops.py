@@ -42,7 +42,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if return_lse and q.dim() == 3:
         if lse_layout == "packed":
             shape = (q.shape[1], q.shape[0])
-        elif lse_layout == "padded" and cu_seqlens_q.dim() == 1:
+        elif lse_layout == "padded" and cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1 \
+                and max_seqlen_q >= 0:  # as the real kernel: otherwise it allocates nothing
             shape = (cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q)
     return out, _lse_like(q, shape)
 

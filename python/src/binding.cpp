@@ -191,8 +191,10 @@ void fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 /// launcher then reports them).
 at::Tensor alloc_lse(const at::Tensor& q, bool return_lse, std::vector<int64_t> shape) {
   if (!return_lse) return at::empty({0}, q.options().dtype(at::kFloat));
-  for (int64_t s : shape)
-    if (s < 0) return at::empty({0}, q.options().dtype(at::kFloat));
+  int64_t bytes = 4;
+  for (int64_t s : shape)  // a shape the launcher will refuse gets no buffer (it reports it)
+    if (s < 0 || __builtin_mul_overflow(bytes, s, &bytes) || bytes > (int64_t(1) << 48))
+      return at::empty({0}, q.options().dtype(at::kFloat));
   return at::empty(shape, q.options().dtype(at::kFloat));
 }
 
@@ -329,8 +331,9 @@ void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* o
   if (!at::GradMode::is_enabled()) return;
   for (const at::Tensor* t : tensors)
     TORCH_CHECK(!(t->defined() && t->requires_grad()), "hipflash.", op,
-                ": an input requires grad, but hipflash has no backward yet; call it under "
-                "torch.no_grad() or pass detached tensors");
+                ": an input requires grad, but hipflash has no backward yet for this call (the "
+                "backward runs on CPU tensors, without out=); call it under torch.no_grad() or "
+                "pass detached tensors");
 }
 
 /// Runs the op below autograd (the backend kernel), then bumps what it wrote.
@@ -360,10 +363,17 @@ void fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       int64_t window_right, int64_t num_splits, bool return_lse) {
   const at::Tensor none;
   refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_func");
+  // What the call wrote is bumped even when it stops early (an interrupt writes part of it).
+  struct Bump {
+    const at::Tensor& out;
+    const c10::optional<at::Tensor>& lse;
+    ~Bump() {
+      bump(out);
+      if (lse) bump(*lse);
+    }
+  } bump_on_exit{out, lse};
   below_autograd<decltype(fwd_out)>("hipflash::fwd_out", q, k, v, out, lse, softmax_scale, causal,
                                     window_left, window_right, num_splits, return_lse);
-  bump(out);
-  if (lse) bump(*lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(
@@ -386,12 +396,18 @@ void varlen_fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at:
                              bool return_lse, const std::string& lse_layout) {
   const at::Tensor none;
   refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_varlen_func");
+  struct Bump {
+    const at::Tensor& out;
+    const c10::optional<at::Tensor>& lse;
+    ~Bump() {
+      bump(out);
+      if (lse) bump(*lse);
+    }
+  } bump_on_exit{out, lse};
   below_autograd<decltype(varlen_fwd_out)>(
       "hipflash::varlen_fwd_out", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, out, lse, softmax_scale, causal, window_left, window_right, num_splits,
       return_lse, lse_layout);
-  bump(out);
-  if (lse) bump(*lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> merge_attn_states_autograd(const at::Tensor& outs,
@@ -400,16 +416,47 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states_autograd(const at::Tensor& 
   return below_autograd<decltype(merge_attn_states)>("hipflash::merge_attn_states", outs, lses);
 }
 
+/// The backward ops have no derivative of their own (no double backward): inputs that require
+/// grad under grad mode (create_graph=True) are refused, never silently treated as constants.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::optional<double> softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, bool deterministic) {
+  refuse_grad({&dout, &q, &k, &v, &out, &lse}, "bwd (double backward)");
+  return below_autograd<decltype(bwd)>("hipflash::bwd", dout, q, k, v, out, lse, softmax_scale,
+                                       causal, window_left, window_right, deterministic);
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_autograd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    bool deterministic, const std::string& lse_layout) {
+  refuse_grad({&dout, &q, &k, &v, &out, &lse}, "varlen_bwd (double backward)");
+  return below_autograd<decltype(varlen_bwd)>(
+      "hipflash::varlen_bwd", dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic, lse_layout);
+}
+
 // ---- Ctrl-C --------------------------------------------------------------------------------
 
 /// hipflash's interrupt check: runs Python's signal handlers (main thread only, as Python
 /// does). A handler that raised (KeyboardInterrupt) stops the call; the exception is cleared
 /// here and raised again by the Python wrapper from hipflash::interrupted.
+/// The exception a signal handler raised during a call (KeyboardInterrupt, or the handler's
+/// own), kept for the Python wrapper to raise again (take_pending_signal_error).
+thread_local PyObject* t_signal_type = nullptr;
+thread_local PyObject* t_signal_value = nullptr;
+thread_local PyObject* t_signal_tb = nullptr;
+
 bool python_interrupted() {
   if (!Py_IsInitialized()) return false;
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() == 0) return false;
-  PyErr_Clear();
+  Py_XDECREF(t_signal_type);
+  Py_XDECREF(t_signal_value);
+  Py_XDECREF(t_signal_tb);
+  PyErr_Fetch(&t_signal_type, &t_signal_value, &t_signal_tb);  // clears it until re-raised
   return true;
 }
 
@@ -460,6 +507,8 @@ TORCH_LIBRARY_IMPL(hipflash, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(hipflash, Autograd, m) {
+  m.impl("bwd", &bwd_autograd);
+  m.impl("varlen_bwd", &varlen_bwd_autograd);
   m.impl("merge_attn_states", &merge_attn_states_autograd);
   m.impl("fwd", &fwd_autograd);
   m.impl("fwd_out", &fwd_out_autograd);
@@ -503,6 +552,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("window_right") = -1, py::arg("num_splits") = 0,
       "The split count a dense call with these q, k and options runs with (num_splits=0 "
       "resolves by heuristic; passing the result explicitly gives bitwise the same output).");
+  m.def(
+      "take_pending_signal_error",
+      []() {
+        // Raises what the signal handler raised during the interrupted call (if anything).
+        if (t_signal_type == nullptr) return;
+        PyErr_Restore(t_signal_type, t_signal_value, t_signal_tb);
+        t_signal_type = t_signal_value = t_signal_tb = nullptr;
+        throw py::error_already_set();
+      },
+      "Raises the exception a signal handler raised during the last interrupted call.");
   m.def("gpu_available", &hipflash::gpu_available,
         "Whether this build has GPU kernels and a GPU is visible.");
   m.def("build_info", &hipflash::build_info, "What this build can run, e.g. 'cpu+cuda(...)'.");

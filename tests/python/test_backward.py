@@ -136,3 +136,27 @@ def test_varlen_gradients_equal_per_sequence_dense(lse_layout, causal):
                                 q[qs][None], k[ks][None], v[ks][None], dout[qs][None])
         for got, want in ((dq[qs], eq[0]), (dk[ks], ek[0]), (dv[ks], ev[0])):
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"sequence {b}"
+
+
+def test_varlen_rows_outside_every_sequence_get_zero_gradients():
+    cq = torch.tensor([0, 4], dtype=torch.int32)
+    ck = torch.tensor([2, 6], dtype=torch.int32)  # keys 0-1 belong to no sequence
+    q = torch.randn(6, 1, 64).to(torch.bfloat16)  # query rows 4-5 belong to no sequence
+    k = torch.randn(6, 1, 64).to(torch.bfloat16)
+    o, l = hipflash.flash_attn_varlen_func(q, k, k, cq, ck, 4, 4, return_lse=True)
+    for _ in range(5):  # fresh (NaN-poisoned in the allocator's reuse) buffers each time
+        torch.full((6, 1, 64), float("nan")).to(torch.bfloat16)
+        dq, dk, dv = torch.ops.hipflash.varlen_bwd(torch.randn(6, 1, 64).to(torch.bfloat16), q, k, k,
+                                                   o, l, cq, ck, 4, 4, None, False, -1, -1, True,
+                                                   "padded")
+        assert torch.equal(dq[4:].float(), torch.zeros(2, 1, 64))
+        assert torch.equal(dk[:2].float(), torch.zeros(2, 1, 64))
+        assert torch.equal(dv[:2].float(), torch.zeros(2, 1, 64))
+
+
+def test_double_backward_is_refused_not_silently_wrong():
+    x = torch.randn(1, 4, 2, 64).to(torch.bfloat16).requires_grad_()
+    out = hipflash.flash_attn_func(x, x, x)
+    gx, = torch.autograd.grad(out.float().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.float().pow(2).sum().backward()

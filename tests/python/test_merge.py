@@ -69,3 +69,12 @@ def test_requires_grad_and_bad_calls():
         hipflash.merge_attn_states(o.requires_grad_(), torch.zeros(2, 1, 3))
     with pytest.raises(ValueError, match="takes"):
         hipflash.merge_attn_states(o, l, o)
+
+
+def test_mismatched_parts_are_refused():
+    oa, ob = torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64)
+    la, lb = torch.randn(2, 1, 3), torch.randn(2, 1, 3)
+    with pytest.raises(ValueError, match="lses must have shape"):  # a [B*S]-compatible mix-up
+        hipflash.merge_attn_states(oa, la.permute(2, 1, 0).contiguous(), ob, lb.permute(2, 1, 0).contiguous())
+    with pytest.raises(TypeError, match="one dtype"):
+        hipflash.merge_attn_states(oa.bfloat16(), la, ob.half(), lb)

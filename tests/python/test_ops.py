@@ -239,6 +239,27 @@ def test_ctrl_c_interrupts_a_long_cpu_call():
     assert torch.isfinite(out).all()
 
 
+def test_a_signal_handlers_own_exception_comes_through():
+    import signal
+
+    class Timeout(Exception):
+        pass
+
+    def handler(*_):
+        raise Timeout()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    q, k, v = qkv("cpu", b=1, sq=4096, sk=4096, hq=8, hkv=8, d=64)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Timeout):
+            hipflash.flash_attn_func(q, k, v)
+            time.sleep(5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 # ---- Hostile arguments ---------------------------------------------------------------------
 
 
