@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "hipflash/detail/kernel_traits.hpp"
@@ -26,6 +27,11 @@ namespace hipflash::cpu {
 
 /// The CPU backend: SPEC §3 on host memory, multi-threaded, tiled with the online softmax.
 void run_forward(const FwdParams& params);
+
+/// Runs fn(0 .. items - 1) on the CPU backend's threads (the caller's among them), items taken
+/// in order from a shared counter; the calling thread polls the interrupt check between its
+/// items (hipflash::interrupted). The first exception of any item is rethrown here.
+void parallel_for(int64_t items, const std::function<void(int64_t)>& fn);
 
 /// The function set by hipflash::set_interrupt_check (nullptr: none).
 InterruptCheck interrupt_check();

@@ -2,11 +2,7 @@
 #include "hipflash/backward.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <exception>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "backend.hpp"
@@ -17,11 +13,7 @@
 namespace hipflash {
 namespace {
 
-std::string shape_str(const TensorRef& t) {
-  std::string s = "[";
-  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.sizes[i]);
-  return s + "]";
-}
+using detail::shape_str;
 
 void check_like(const TensorRef& t, const char* name, const TensorRef& like, const char* like_name) {
   HIPFLASH_CHECK(t.rank == like.rank, name, " must have the shape of ", like_name, " ",
@@ -122,39 +114,7 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
     }
   };
 
-  const int64_t tasks = B * Hkv;
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::exception_ptr error;
-  auto worker = [&] {
-    try {
-      for (int64_t t; (t = next.fetch_add(1)) < tasks;) task(t / Hkv, t % Hkv);
-    } catch (...) {
-      next = tasks;
-      std::lock_guard<std::mutex> lock(mu);
-      if (!error) error = std::current_exception();
-    }
-  };
-  const int n = int(std::min<int64_t>(cpu::num_threads(), tasks));
-  std::vector<std::thread> pool;
-  for (int i = 1; i < n; ++i) pool.emplace_back(worker);
-  // The calling thread works too and, between its tasks, polls the interrupt check (Ctrl-C).
-  if (tasks > 0) {
-    const InterruptCheck check = cpu::interrupt_check();
-    try {
-      for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
-        task(t / Hkv, t % Hkv);
-        if (check && check())
-          throw interrupted("hipflash: the call was interrupted (its outputs are partly written)");
-      }
-    } catch (...) {
-      next = tasks;
-      std::lock_guard<std::mutex> lock(mu);
-      if (!error) error = std::current_exception();
-    }
-  }
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+  cpu::parallel_for(B * Hkv, [&](int64_t t) { task(t / Hkv, t % Hkv); });
 }
 
 /// The gradients' checks (after the forward's own checks of q, k, v, out and lse).

@@ -15,6 +15,8 @@
 namespace hipflash {
 namespace {
 
+using detail::shape_str;
+
 /// What the last call on this thread ran; its name is built only when asked for (the string
 /// work stays off the per-call path).
 struct LastKernel {
@@ -24,12 +26,6 @@ struct LastKernel {
   Arch arch{};
 };
 thread_local LastKernel t_last_kernel;
-
-std::string shape_str(const TensorRef& t) {
-  std::string s = "[";
-  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.sizes[i]);
-  return s + "]";
-}
 
 std::string loc_str(Location l) {
   return l.kind == Location::cpu ? std::string("cpu") : "gpu:" + std::to_string(l.index);

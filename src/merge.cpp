@@ -13,13 +13,9 @@
 namespace hipflash {
 namespace {
 
-using detail::SoftmaxState;
+using detail::shape_str;
 
-std::string shape_str(const TensorRef& t) {
-  std::string s = "[";
-  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.sizes[i]);
-  return s + "]";
-}
+using detail::SoftmaxState;
 
 void check_tensor(const TensorRef& t, const char* name, int rank, const char* layout) {
   HIPFLASH_CHECK(t.rank == rank, name, " must have rank ", rank, " (", layout, "), got shape ",

@@ -77,6 +77,12 @@ void address_terms(const TensorRef& t, Terms& terms, int64_t& lowest) {
 
 }  // namespace
 
+std::string shape_str(const TensorRef& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.sizes[i]);
+  return s + "]";
+}
+
 bool indexable(const TensorRef& t, const char** why) {
   const char* unused;
   if (why == nullptr) why = &unused;

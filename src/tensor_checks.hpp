@@ -10,10 +10,14 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "hipflash/types.hpp"
 
 namespace hipflash::detail {
+
+/// "[2, 5, 7, 64]": a TensorRef's sizes, for error messages.
+std::string shape_str(const TensorRef& t);
 
 /// Whether `t`'s elements can all be addressed: sizes >= 0, and the element count and the
 /// offset of every element, in bytes, fit in int64 (no wrap-around of the address either).

@@ -99,7 +99,7 @@ __device__ __forceinline__ float pair_sum(float x) {
 }
 
 /// Scheduling hints (LLVM's AMDGPU instruction groups): `n` instructions of a class in order.
-enum SchedClass : int { kSchedValu = 0x002, kSchedMfma = 0x008, kSchedDsRead = 0x100 };
+enum SchedClass : int { kSchedMfma = 0x008, kSchedDsRead = 0x100 };
 #define HIPFLASH_SCHED_GROUP(cls, n) __builtin_amdgcn_sched_group_barrier((cls), (n), 0)
 
 #endif  // HIPFLASH_IS_GFX950

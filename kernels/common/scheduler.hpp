@@ -13,8 +13,6 @@ namespace hipflash::common {
 
 /// One thread block per work tile: the grid is the tile count, a block runs tile blockIdx.x.
 struct StaticScheduler {
-  static constexpr const char* kName = "static";
-
   /// Blocks to launch for `tiles` work tiles.
   HIPFLASH_HD static int64_t grid(int64_t tiles) { return tiles; }
 

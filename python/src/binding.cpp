@@ -357,21 +357,24 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::T
 
 void bump(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
 
+/// Bumps what an out= call wrote when it returns — also when it stops early (an interrupted
+/// call has written part of it).
+struct BumpOnExit {
+  const at::Tensor& out;
+  const c10::optional<at::Tensor>& lse;
+  ~BumpOnExit() {
+    bump(out);
+    if (lse) bump(*lse);
+  }
+};
+
 void fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const c10::optional<at::Tensor>& lse,
                       c10::optional<double> softmax_scale, bool causal, int64_t window_left,
                       int64_t window_right, int64_t num_splits, bool return_lse) {
   const at::Tensor none;
   refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_func");
-  // What the call wrote is bumped even when it stops early (an interrupt writes part of it).
-  struct Bump {
-    const at::Tensor& out;
-    const c10::optional<at::Tensor>& lse;
-    ~Bump() {
-      bump(out);
-      if (lse) bump(*lse);
-    }
-  } bump_on_exit{out, lse};
+  const BumpOnExit bump_on_exit{out, lse};
   below_autograd<decltype(fwd_out)>("hipflash::fwd_out", q, k, v, out, lse, softmax_scale, causal,
                                     window_left, window_right, num_splits, return_lse);
 }
@@ -396,14 +399,7 @@ void varlen_fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at:
                              bool return_lse, const std::string& lse_layout) {
   const at::Tensor none;
   refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_varlen_func");
-  struct Bump {
-    const at::Tensor& out;
-    const c10::optional<at::Tensor>& lse;
-    ~Bump() {
-      bump(out);
-      if (lse) bump(*lse);
-    }
-  } bump_on_exit{out, lse};
+  const BumpOnExit bump_on_exit{out, lse};
   below_autograd<decltype(varlen_fwd_out)>(
       "hipflash::varlen_fwd_out", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, out, lse, softmax_scale, causal, window_left, window_right, num_splits,
@@ -486,7 +482,9 @@ TORCH_LIBRARY(hipflash, m) {
         "bool deterministic, str lse_layout) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
-TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
+/// The backend kernels: one function for both dispatch keys (the launcher picks the backend
+/// from the tensors' location).
+static void register_backend_kernels(torch::Library& m) {
   m.impl("bwd", &bwd);
   m.impl("varlen_bwd", &varlen_bwd);
   m.impl("merge_attn_states", &merge_attn_states);
@@ -496,15 +494,8 @@ TORCH_LIBRARY_IMPL(hipflash, CPU, m) {
   m.impl("varlen_fwd_out", &varlen_fwd_out);
 }
 
-TORCH_LIBRARY_IMPL(hipflash, CUDA, m) {
-  m.impl("bwd", &bwd);
-  m.impl("varlen_bwd", &varlen_bwd);
-  m.impl("merge_attn_states", &merge_attn_states);
-  m.impl("fwd", &fwd);
-  m.impl("fwd_out", &fwd_out);
-  m.impl("varlen_fwd", &varlen_fwd);
-  m.impl("varlen_fwd_out", &varlen_fwd_out);
-}
+TORCH_LIBRARY_IMPL(hipflash, CPU, m) { register_backend_kernels(m); }
+TORCH_LIBRARY_IMPL(hipflash, CUDA, m) { register_backend_kernels(m); }
 
 TORCH_LIBRARY_IMPL(hipflash, Autograd, m) {
   m.impl("bwd", &bwd_autograd);

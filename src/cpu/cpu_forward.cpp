@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -209,7 +210,16 @@ void run_forward(const FwdParams& p) {
   }
   const int64_t m_blocks = (rows_q + kBlockM - 1) / kBlockM;
   const int64_t items = p.batch * p.heads_q * m_blocks;
-  if (items == 0) return;
+  parallel_for(items, [&](int64_t it) {
+    const int64_t mb = it % m_blocks;
+    const int64_t h = (it / m_blocks) % p.heads_q;
+    const int64_t b = it / (m_blocks * p.heads_q);
+    run_block(p, b, h, mb * kBlockM);
+  });
+}
+
+void parallel_for(int64_t items, const std::function<void(int64_t)>& fn) {
+  if (items <= 0) return;
   std::atomic<int64_t> next{0};
   std::mutex error_mu;
   std::exception_ptr error;  // the first failure of any worker (e.g. bad_alloc), rethrown here
@@ -218,7 +228,7 @@ void run_forward(const FwdParams& p) {
     std::lock_guard<std::mutex> lock(error_mu);
     if (!error) error = std::move(e);
   };
-  // The calling thread polls the interrupt check after its first tile, then at most every
+  // The calling thread polls the interrupt check after its first item, then at most every
   // kPoll.
   const InterruptCheck check = interrupt_check();
   constexpr auto kPoll = std::chrono::milliseconds(20);
@@ -226,10 +236,7 @@ void run_forward(const FwdParams& p) {
     auto last_poll = std::chrono::steady_clock::now() - kPoll;
     try {
       for (int64_t it; (it = next.fetch_add(1)) < items;) {
-        const int64_t mb = it % m_blocks;
-        const int64_t h = (it / m_blocks) % p.heads_q;
-        const int64_t b = it / (m_blocks * p.heads_q);
-        run_block(p, b, h, mb * kBlockM);
+        fn(it);
         if (polls && std::chrono::steady_clock::now() - last_poll >= kPoll) {
           last_poll = std::chrono::steady_clock::now();
           if (check()) throw interrupted("hipflash: the call was interrupted (its outputs are partly written)");
