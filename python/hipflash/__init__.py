@@ -353,8 +353,9 @@ def merge_attn_states(out_a, lse_a, out_b=None, lse_b=None):
     merge_attn_states); stacked along a new first dimension for the N-way form. The LSEs are
     natural log, fp32 (FlashInfer's base-2 LSE: multiply by ln 2 first). out = sum_i w_i out_i,
     w_i = exp(lse_i - lse), lse = log(sum_i exp(lse_i)): a part with lse -inf contributes
-    nothing, all -inf gives out 0 and lse -inf, NaN reaches the rows it touches. CPU tensors in
-    this build (a GPU call raises NotImplementedError: no merge kernel yet).
+    nothing, all -inf gives out 0 and lse -inf, NaN reaches the rows it touches. CPU tensors
+    run on the host, CUDA/HIP tensors on the GPU merge kernel (on the current stream); a build
+    without GPU kernels raises NotImplementedError for GPU tensors.
 
     Returns:
         (out, lse): out like one part (dtype of the parts), lse float32 like one part's LSE.
