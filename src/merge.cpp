@@ -46,10 +46,11 @@ void merge_on_cpu(const MergeParams& p) {
     for (int64_t h = 0; h < p.heads; ++h) {
       // -inf parts are empty (weight 0, never read); a NaN LSE reaches the total and every
       // weight.
-      const SoftmaxState total = p.total_state(t, h);
+      const int64_t row = p.lses_offset(t, h);
+      const SoftmaxState total = p.total_state(row);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < p.parts; ++i) {
-        const SoftmaxState part = p.part_state(i, t, h);
+        const SoftmaxState part = p.part_state(i, row);
         if (!part.live()) continue;
         const float w = detail::combine_weight(part, total);
         const int64_t o = p.outs_offset(i, t, h);

@@ -32,9 +32,9 @@ struct MergeParams {
   int64_t lses_part_stride = 0, lses_batch_stride = 0, lses_head_stride = 0, lses_row_stride = 0;
   int64_t lse_batch_stride = 0, lse_head_stride = 0, lse_row_stride = 0;
 
-  /// Offset in `lses` of part i's LSE of (row t, head h).
-  HIPFLASH_HD int64_t lses_offset(int64_t i, int64_t t, int64_t h) const {
-    return i * lses_part_stride + (t / lse_seqlen) * lses_batch_stride + h * lses_head_stride +
+  /// Offset in `lses` of part 0's LSE of (row t, head h); part i's is i * lses_part_stride on.
+  HIPFLASH_HD int64_t lses_offset(int64_t t, int64_t h) const {
+    return (t / lse_seqlen) * lses_batch_stride + h * lses_head_stride +
            (t % lse_seqlen) * lses_row_stride;
   }
   /// Offset in `lse` of the merged LSE of (row t, head h).
@@ -49,16 +49,17 @@ struct MergeParams {
     return t * out_row_stride + h * out_head_stride;
   }
 
-  /// Part i's softmax state of (row t, head h), rebuilt from its natural-log LSE.
-  HIPFLASH_HD detail::SoftmaxState part_state(int64_t i, int64_t t, int64_t h) const {
-    return detail::SoftmaxState::from_lse(lses[lses_offset(i, t, h)]);
+  /// Part i's softmax state of the row whose part-0 LSE is at `row` (lses_offset), rebuilt from
+  /// its natural-log LSE.
+  HIPFLASH_HD detail::SoftmaxState part_state(int64_t i, int64_t row) const {
+    return detail::SoftmaxState::from_lse(lses[row + i * lses_part_stride]);
   }
-  /// The merged state of (row t, head h): every part's state merged in part order (the split-K
+  /// The merged state of that row: every part's state merged in part order (the split-K
   /// combine's math; -inf parts are empty, a NaN LSE makes the total NaN). CPU and GPU run
   /// this same sequence of operations.
-  HIPFLASH_HD detail::SoftmaxState total_state(int64_t t, int64_t h) const {
+  HIPFLASH_HD detail::SoftmaxState total_state(int64_t row) const {
     detail::SoftmaxState total;
-    for (int64_t i = 0; i < parts; ++i) total.merge(part_state(i, t, h));
+    for (int64_t i = 0; i < parts; ++i) total.merge(part_state(i, row));
     return total;
   }
 };

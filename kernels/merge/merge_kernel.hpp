@@ -9,7 +9,8 @@
 // loads in flight before the first multiply-add, and accumulates w_i * out_i in fp32 in part
 // order. A part with LSE -inf is never read (its out may hold anything); a NaN LSE makes every
 // weight NaN; every part empty gives out 0 and LSE -inf. The piece-0 thread of a row writes
-// the merged LSE. Grid-stride loop over the pieces, 64-bit indices.
+// the merged LSE. Grid-stride loop over the pieces, 64-bit offsets (32-bit index arithmetic
+// where the indices fit).
 #pragma once
 
 #include <cstdint>
@@ -128,12 +129,29 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
   const int64_t pieces = p.head_dim >= kVec ? p.head_dim / kVec : 1;
   const int64_t items = p.rows * p.heads * pieces;
   const int64_t step = int64_t(gridDim.x) * kThreads;
+  // 32-bit divisions where every index fits (the common case): a 64-bit one costs as much as
+  // the thread's share of the memory traffic.
+  const bool narrow = items <= int64_t(UINT32_MAX) && p.lse_seqlen <= int64_t(UINT32_MAX);
   for (int64_t item = int64_t(blockIdx.x) * kThreads + threadIdx.x; item < items; item += step) {
-    const int64_t c = (item % pieces) * kVec;
-    const int64_t rh = item / pieces;
-    const int64_t h = rh % p.heads, t = rh / p.heads;
+    int64_t c, h, t, row;
+    if (narrow) {
+      const uint32_t it = uint32_t(item), np = uint32_t(pieces), nh = uint32_t(p.heads),
+                     ns = uint32_t(p.lse_seqlen);
+      const uint32_t rh = it / np, t32 = rh / nh;
+      c = int64_t(it - rh * np) * kVec;
+      h = int64_t(rh - t32 * nh);
+      t = t32;
+      const uint32_t tb = t32 / ns;
+      row = int64_t(tb) * p.lses_batch_stride + h * p.lses_head_stride +
+            int64_t(t32 - tb * ns) * p.lses_row_stride;
+    } else {
+      c = (item % pieces) * kVec;
+      const int64_t rh = item / pieces;
+      h = rh % p.heads, t = rh / p.heads;
+      row = p.lses_offset(t, h);
+    }
 
-    const SoftmaxState total = p.total_state(t, h);
+    const SoftmaxState total = p.total_state(row);
     float acc[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
@@ -147,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
         live[j] = false;
         w[j] = 0.f;
         if (i < p.parts) {
-          const SoftmaxState s = p.part_state(i, t, h);
+          const SoftmaxState s = p.part_state(i, row);
           live[j] = s.live();
           w[j] = detail::combine_weight(s, total);
           if (live[j] && c < p.head_dim) load_words<W, kVec>(outs + p.outs_offset(i, t, h) + c, v[j]);
