@@ -22,6 +22,11 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
                              const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
                              const TensorRef& cu_k, const VarlenOptions& opts, Stream stream);
 
+/// select -> resolve num_splits -> run, for FwdParams the caller validated (make_*_params and
+/// its own checks): the launcher's dispatch, shared with kvcache_forward.
+void dispatch_forward(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
+                      Workspace ws);
+
 }  // namespace hipflash
 
 namespace hipflash::cpu {
