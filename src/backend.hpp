@@ -22,6 +22,10 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
                              const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
                              const TensorRef& cu_k, const VarlenOptions& opts, Stream stream);
 
+/// The select and split steps of dispatch_forward alone: throws what dispatch_forward would
+/// throw before launching (a kernel or head dim this build lacks, a workspace too large).
+void check_forward_plan(const FwdParams& p, const FwdOptions& opts, Location loc);
+
 /// select -> resolve num_splits -> run, for FwdParams the caller validated (make_*_params and
 /// its own checks): the launcher's dispatch, shared with kvcache_forward.
 void dispatch_forward(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
@@ -72,6 +76,11 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
 
 /// Launches the merge_attn_states kernel for `p` (validated, on GPU `device`) on `stream`.
 void run_merge(const MergeParams& p, int device, Stream stream);
+
+/// Appends k_new / v_new ([B, S_new, Hkv, D], validated) to the cache `p` describes (k, v,
+/// strides, seqlens_k on the device, block table) on `stream`, before the forward.
+void run_kvcache_append(const FwdParams& p, const TensorRef& k_new, const TensorRef& v_new,
+                        int device, Stream stream);
 
 /// The tile of a GPU kernel: query rows and keys per block, resident blocks per multiprocessor
 /// (what the split heuristic fills). All zero when this build has no such kernel.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend.hpp"
@@ -94,7 +95,7 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                      const TensorRef* k_new, const TensorRef* v_new,
                      const TensorRef* cache_seqlens, const TensorRef* block_table,
                      const TensorRef& out, const TensorRef* lse, const KvCacheOptions& opts,
-                     Stream stream) {
+                     Stream stream, Workspace workspace) {
   // ---- Shapes, dtypes, devices (SPEC §4): nothing is read or written before these pass.
   HIPFLASH_CHECK(q.rank == 4, "q must have rank 4 ([batch, seqlen_q, heads_q, head_dim]), got ",
                  "shape ", shape_str(q));
@@ -179,21 +180,39 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     check_disjoint(out, "out", *t, name);
     if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
   }
-  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
-                    "flash_attn_with_kvcache runs on CPU tensors in this build (the GPU paged / "
-                    "KV-cache kernels are not built yet)");
+  const bool gpu = q.loc.kind == Location::gpu;
+  if (gpu) {
+    // The GPU kernels move 16-byte vectors (gpu::run_forward checks the same, but only after
+    // the append would have written the caches).
+    for (auto [t, name] : {std::pair{&q, "q"}, {&out, "out"}, {&k_cache, "k_cache"},
+                           {&v_cache, "v_cache"}}) {
+      HIPFLASH_CHECK((reinterpret_cast<uintptr_t>(t->data) & 15u) == 0, name,
+                     " must be 16-byte aligned for the GPU kernels");
+      for (int d = 0; d < 3; ++d)
+        HIPFLASH_CHECK(t->strides[d] % 8 == 0, name, " strides must be "
+                       "multiples of 8 elements (16 bytes) for the GPU kernels, got ",
+                       t->strides[d]);
+    }
+  }
 
-  // ---- The values: lengths and the block-table entries each sequence uses.
+  // ---- The values: lengths, and (CPU) the block-table entries each sequence uses. On the GPU
+  // the lengths are copied back as cu_seqlens are (not while the stream captures a graph); the
+  // block table is not (a copy of every entry per call is not cheap): an entry out of range
+  // there is the caller's error (docs/spec.md §7).
   std::vector<int32_t> lens(size_t(batch), 0);
-  if (cache_seqlens && batch > 0)
-    std::memcpy(lens.data(), cache_seqlens->data, size_t(batch) * sizeof(int32_t));
-  for (int64_t b = 0; b < batch; ++b) {
+  const bool capturing = gpu && gpu::stream_capturing(stream);
+  if (cache_seqlens && batch > 0) {
+    if (!gpu) std::memcpy(lens.data(), cache_seqlens->data, size_t(batch) * sizeof(int32_t));
+    else if (!capturing)
+      gpu::copy_to_host(lens.data(), cache_seqlens->data, size_t(batch) * sizeof(int32_t), stream);
+  }
+  for (int64_t b = 0; b < batch && !capturing; ++b) {
     const int64_t len = cache_seqlens ? int64_t(lens[size_t(b)]) : capacity;
     HIPFLASH_CHECK(len >= 0, "cache_seqlens[", b, "] = ", len, " is negative");
     HIPFLASH_CHECK(len + s_new <= capacity, "sequence ", b, " needs ", len, " cached + ", s_new,
                    " new keys but its cache holds ", capacity,
                    paged ? " (max_blocks_per_seq * page_size)" : " (k_cache.shape[1])");
-    if (paged) {
+    if (paged && !gpu) {
       const auto* row = static_cast<const int32_t*>(block_table->data) + b * block_table->strides[0];
       const int64_t used = (len + s_new + page - 1) / page, num_blocks = k_cache.sizes[0];
       for (int64_t e = 0; e < used; ++e)
@@ -219,11 +238,14 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   }
   // The window saturates against the capacity (the paged view above had no keys).
   p.window_left = opts.window_left >= capacity ? -1 : opts.window_left;
-  if (k_new && s_new > 0) {
+  check_forward_plan(p, opts, q.loc);  // what would stop the forward stops the append too
+  if (k_new && s_new > 0 && gpu) {
+    gpu::run_kvcache_append(p, *k_new, *v_new, q.loc.index, stream);
+  } else if (k_new && s_new > 0) {
     append_on_cpu(p, *k_new, k_cache.data, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
     append_on_cpu(p, *v_new, v_cache.data, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
   }
-  dispatch_forward(p, opts, q.loc, stream, Workspace{});
+  dispatch_forward(p, opts, q.loc, stream, std::move(workspace));
 }
 
 }  // namespace hipflash

@@ -25,7 +25,11 @@
 // Entries past a sequence's length are never read, so they may hold anything (e.g. -1). Two
 // sequences whose entries name the same page are not detected: appending to both writes one page.
 //
-// CPU tensors only in this build; GPU tensors raise hipflash::not_implemented.
+// CPU tensors run on the CPU backend. GPU tensors: the append kernel (kernels/kvcache), then the
+// decode or generic kernel reading K/V through common::KvRows (never the sm90 kernel), split-K
+// and LSE as for forward(); cache_seqlens is copied to the host for the checks above (skipped
+// while the stream captures a graph), the block table is not: on the GPU an entry out of range
+// is not detected (a device fault). The GPU path is compile-checked only so far.
 #pragma once
 
 #include "hipflash/forward.hpp"
@@ -46,6 +50,6 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                      const TensorRef* k_new, const TensorRef* v_new,
                      const TensorRef* cache_seqlens, const TensorRef* block_table,
                      const TensorRef& out, const TensorRef* lse, const KvCacheOptions& opts = {},
-                     Stream stream = nullptr);
+                     Stream stream = nullptr, Workspace workspace = {});
 
 }  // namespace hipflash

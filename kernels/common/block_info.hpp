@@ -39,7 +39,8 @@ struct BlockInfo {
     } else {
       q_start = k_start = 0;
       len_q = p.seqlen_q;
-      len_k = p.seqlen_k;
+      // A KV cache: sequence b holds its cached keys plus the appended ones.
+      len_k = p.seqlens_k != nullptr ? p.seqlens_k[b] + p.seqlen_k_new : p.seqlen_k;
     }
     diag = len_k - len_q;
     // Keys any row of this block may see (SPEC §3 window, bottom-right aligned).
@@ -119,6 +120,26 @@ struct BlockInfo {
   template <class T>
   HIPFLASH_HD ContiguousRows<T> v_source(const FwdParams& p) const {
     return {v_rows<T>(p), p.v_row_stride};
+  }
+
+  /// K and V of a KV cache (SPEC §7) as row sources: through the pages of p.block_table when it
+  /// is set, else as k_source / v_source (k_rows / v_rows are wrong for a paged cache). The
+  /// NVIDIA decode and generic loaders read through these; the AMD bodies keep the contiguous
+  /// sources (the two extra 64-bit fields spill SGPRs there) and the launcher refuses a KV
+  /// cache on AMD.
+  template <class T>
+  HIPFLASH_HD KvRows<T> k_cache_source(const FwdParams& p) const {
+    if (p.block_table != nullptr)
+      return {static_cast<const T*>(p.k) + h_kv * p.k_head_stride, p.k_row_stride,
+              p.block_table + b * p.block_table_stride, p.k_batch_stride, p.page_shift};
+    return {k_rows<T>(p), p.k_row_stride, nullptr, 0, 0};
+  }
+  template <class T>
+  HIPFLASH_HD KvRows<T> v_cache_source(const FwdParams& p) const {
+    if (p.block_table != nullptr)
+      return {static_cast<const T*>(p.v) + h_kv * p.v_head_stride, p.v_row_stride,
+              p.block_table + b * p.block_table_stride, p.v_batch_stride, p.page_shift};
+    return {v_rows<T>(p), p.v_row_stride, nullptr, 0, 0};
   }
 
   /// Whether key j is valid for query row i (both relative to this sequence).

@@ -35,8 +35,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int hd = int(p.head_dim);
   // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
   const auto q_src = bi.template q_source<T>(p);
-  const auto k_src = bi.template k_source<T>(p);
-  const auto v_src = bi.template v_source<T>(p);
+  const auto k_src = bi.template k_cache_source<T>(p);  // contiguous or paged (KV cache)
+  const auto v_src = bi.template v_cache_source<T>(p);
 
   float O[kRows][2 * Cfg::kDTiles];
 #pragma unroll

@@ -371,10 +371,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         (batch_size, nheads, seqlen_q), float32, -inf for a row that sees no key.
 
     A paged and a contiguous cache holding the same rows give bitwise the same result. CPU
-    tensors in this build; CUDA tensors raise NotImplementedError (the GPU KV-cache kernels are
-    not built yet). Bad block tables (entries a sequence uses out of range, too few entries
-    for a length, a page size that is not a power of two in [16, 256]) raise ValueError before
-    anything is written.
+    tensors run on the CPU backend, CUDA tensors on the decode / generic kernels (the append
+    first, on the current stream). Bad block tables (a page size that is not a power of two in
+    [16, 256], too few entries for a length; on CPU tensors also the entries a sequence uses
+    out of range — on the GPU those are not checked) raise ValueError before anything is
+    written.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(t, name)

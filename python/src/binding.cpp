@@ -283,6 +283,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
+  std::vector<at::Tensor> keep;
   run_launcher([&] {
     hipflash::KvCacheOptions o;
     static_cast<hipflash::FwdOptions&>(o) =
@@ -297,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     if (return_lse) lr = to_ref(lse, "lse", Role::lse);
     hipflash::kvcache_forward(qr, kc, vc, kr ? &*kr : nullptr, vr ? &*vr : nullptr,
                               sr ? &*sr : nullptr, br ? &*br : nullptr, outr, lr ? &*lr : nullptr,
-                              o, stream_of(q));
+                              o, stream_of(q), torch_workspace(q, keep));
   });
   return {out, lse};
 }

@@ -20,5 +20,8 @@ bool stream_capturing(Stream) { return false; }
 void run_forward(const FwdParams&, const Selection&, int, Stream, Workspace) { no_gpu(); }
 TileShape tile_shape(KernelKind, int) { return TileShape{}; }
 void run_merge(const MergeParams&, int, Stream) { no_gpu(); }
+void run_kvcache_append(const FwdParams&, const TensorRef&, const TensorRef&, int, Stream) {
+  no_gpu();
+}
 
 }  // namespace hipflash::gpu

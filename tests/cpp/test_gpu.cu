@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "hostile_cases.hpp"
+#include "kvcache_cases.hpp"
 #include "test_util.hpp"
 
 namespace hipflash::test {
@@ -776,6 +777,108 @@ TEST_F(Gpu, MergeBadCallsWriteNothing) {
   lse.download(d.lse);
   EXPECT_TRUE(d.out.all_nan());
   EXPECT_TRUE(d.lse.all_nan());
+}
+
+// ---- KV cache on the GPU (SPEC §7) -------------------------------------------------------------
+//
+// The append kernel, then the decode / generic kernel reading K/V through common::KvRows: a paged
+// and a contiguous cache give bitwise the same out and LSE, the appended caches equal the CPU
+// append bitwise, and the result matches the fp64 reference of the appended keys.
+
+class GpuKvCache : public ::testing::TestWithParam<KvCase> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available())
+      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
+  }
+};
+
+TEST_P(GpuKvCache, PagedEqualsContiguousAndMatchesTheReference) {
+  const KvCase& c = GetParam();
+  KvProblem t(c, 3);
+  const bool append = c.s_new > 0;
+  HostTensor out_c = t.out, lse_c = t.lse, out_p = t.out, lse_p = t.lse;
+  HostTensor kc = t.k_cache, vc = t.v_cache, kp = t.k_pages, vp = t.v_pages;
+  {
+    DeviceTensor q(t.q), kn(t.k_new), vn(t.v_new), lens(t.seqlens), table(t.table);
+    DeviceTensor dkc(kc), dvc(vc), dkp(kp), dvp(vp), oc(out_c), lc(lse_c), op(out_p), lp(lse_p);
+    const KvCacheOptions o = c.options();
+    kvcache_forward(q.ref, dkc.ref, dvc.ref, append ? &kn.ref : nullptr,
+                    append ? &vn.ref : nullptr, &lens.ref, nullptr, oc.ref, &lc.ref, o);
+    kvcache_forward(q.ref, dkp.ref, dvp.ref, append ? &kn.ref : nullptr,
+                    append ? &vn.ref : nullptr, &lens.ref, &table.ref, op.ref, &lp.ref, o);
+    sync();
+    // The sm90 kernel addresses K/V itself (no row source): a KV cache never runs on it.
+    EXPECT_NE(last_kernel_name().rfind("fwd_sm90_", 0), 0u) << last_kernel_name();
+    for (auto [d, h] : {std::pair{&dkc, &kc}, {&dvc, &vc}, {&dkp, &kp}, {&dvp, &vp},
+                        {&oc, &out_c}, {&lc, &lse_c}, {&op, &out_p}, {&lp, &lse_p}})
+      d->download(*h);
+  }
+  EXPECT_TRUE(out_p.bitwise_equal(out_c)) << "out: paged differs from contiguous";
+  EXPECT_TRUE(lse_p.bitwise_equal(lse_c)) << "lse: paged differs from contiguous";
+  // The CPU append of the same rows, bitwise.
+  HostTensor out_cpu = t.out, lse_cpu = t.lse;
+  t.run(false, append, out_cpu, lse_cpu);
+  t.run(true, append, out_cpu, lse_cpu);
+  EXPECT_TRUE(kc.bitwise_equal(t.k_cache) && vc.bitwise_equal(t.v_cache)) << "contiguous append";
+  EXPECT_TRUE(kp.bitwise_equal(t.k_pages) && vp.bitwise_equal(t.v_pages)) << "paged append";
+  EXPECT_REF_OK(t.check(out_c, lse_c, c.s_new));
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, GpuKvCache, ::testing::ValuesIn(kv_grid()), kv_name);
+
+TEST_F(Gpu, KvCacheLongDecodeSplitsAndGqaPacking) {
+  // Decode (Sq 1, GQA 32/8 packed into one block) over long paged caches, split-K by the
+  // heuristic: paged == contiguous bitwise, and the reference on a subset of rows.
+  KvCase c;
+  c.sq = 1, c.hq = 32, c.hkv = 8, c.d = 128, c.page = 256, c.splits = 0, c.s_new = 1;
+  c.lens = {9000, 3, 4000};
+  KvProblem t(c, 9);
+  HostTensor out_c = t.out, lse_c = t.lse, out_p = t.out, lse_p = t.lse;
+  HostTensor kc = t.k_cache, vc = t.v_cache;
+  {
+    DeviceTensor q(t.q), kn(t.k_new), vn(t.v_new), lens(t.seqlens), table(t.table);
+    DeviceTensor dkc(kc), dvc(vc), dkp(t.k_pages), dvp(t.v_pages), oc(out_c), lc(lse_c),
+        op(out_p), lp(lse_p);
+    const KvCacheOptions o = c.options();
+    kvcache_forward(q.ref, dkc.ref, dvc.ref, &kn.ref, &vn.ref, &lens.ref, nullptr, oc.ref,
+                    &lc.ref, o);
+    kvcache_forward(q.ref, dkp.ref, dvp.ref, &kn.ref, &vn.ref, &lens.ref, &table.ref, op.ref,
+                    &lp.ref, o);
+    sync();
+    for (auto [d, h] : {std::pair{&dkc, &kc}, {&dvc, &vc}, {&oc, &out_c}, {&lc, &lse_c},
+                        {&op, &out_p}, {&lp, &lse_p}})
+      d->download(*h);
+  }
+  EXPECT_TRUE(out_p.bitwise_equal(out_c));
+  EXPECT_TRUE(lse_p.bitwise_equal(lse_c));
+  t.k_cache = kc;
+  t.v_cache = vc;
+  EXPECT_REF_OK(t.check(out_c, lse_c, c.s_new));
+}
+
+TEST_F(Gpu, KvCacheBadCallsWriteNothing) {
+  KvCase c;
+  c.lens = {20, 40};
+  c.s_new = 2;
+  KvProblem t(c, 6);
+  DeviceTensor q(t.q), kn(t.k_new), vn(t.v_new), table(t.table), kp(t.k_pages), vp(t.v_pages),
+      out(t.out), lse(t.lse);
+  HostTensor lens = t.seqlens;
+  lens.i32()[1] = int32_t(c.capacity() - 1);  // + 2 new keys: past the capacity
+  DeviceTensor dlens(lens);
+  EXPECT_THROW(kvcache_forward(q.ref, kp.ref, vp.ref, &kn.ref, &vn.ref, &dlens.ref, &table.ref,
+                               out.ref, &lse.ref, c.options()),
+               invalid_argument);
+  EXPECT_THROW(kvcache_forward(q.ref, kp.ref, vp.ref, &kn.ref, &vn.ref, &t.seqlens.ref,
+                               &table.ref, out.ref, &lse.ref, c.options()),
+               invalid_argument);  // host cache_seqlens
+  sync();
+  HostTensor back = t.k_pages, out_back = t.out;
+  kp.download(back);
+  out.download(out_back);
+  EXPECT_TRUE(back.bitwise_equal(t.k_pages));
+  EXPECT_TRUE(out_back.all_nan());
 }
 
 }  // namespace

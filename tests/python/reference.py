@@ -185,3 +185,35 @@ def view_in_nan_storage(t, pad=8):
     view = storage[:, pad:pad + s, 1:, pad:pad + d]
     view.copy_(t)
     return view
+
+
+# ---- KV cache (SPEC §7) ----------------------------------------------------------------------
+
+
+def make_kv_cache(lens, capacity, hkv, d, dtype, page, seed=0, device="cpu"):
+    """A contiguous cache [B, capacity, Hkv, D] with NaN past each sequence's keys, and a paged
+    copy [num_blocks, page, Hkv, D] (pages shuffled, spare pages NaN) with its block table."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    k = torch.full((b, capacity, hkv, d), float("nan"), dtype=dtype)
+    v = torch.full_like(k, float("nan"))
+    for i, n in enumerate(lens):
+        k[i, :n] = torch.randn(n, hkv, d, generator=g).to(dtype)
+        v[i, :n] = torch.randn(n, hkv, d, generator=g).to(dtype)
+    max_blocks = capacity // page
+    blocks = b * max_blocks + 3
+    ids = torch.randperm(blocks, generator=g)[: b * max_blocks].reshape(b, max_blocks).to(torch.int32)
+    k_pages = torch.full((blocks, page, hkv, d), float("nan"), dtype=dtype)
+    v_pages = torch.full_like(k_pages, float("nan"))
+    for i in range(b):
+        for e in range(max_blocks):
+            k_pages[ids[i, e]] = k[i, e * page:(e + 1) * page]
+            v_pages[ids[i, e]] = v[i, e * page:(e + 1) * page]
+    return tuple(t.to(device) for t in (k, v, k_pages, v_pages, ids))
+
+
+def check_kv_per_sequence(out, lse, q, k_cache, v_cache, lens, **kw):
+    """A KV-cache result against the reference of each sequence's first lens[i] keys."""
+    for i, n in enumerate(lens):
+        check_attention(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
+                        v_cache[i:i + 1, :n], what=f"sequence {i}", **kw)

@@ -16,7 +16,9 @@ from reference import (
     assert_bitwise_equal,
     check_attention,
     check_lse,
+    check_kv_per_sequence,
     check_out,
+    make_kv_cache,
     make_qkv,
     make_varlen,
     varlen_attention_ref,
@@ -415,3 +417,50 @@ def test_merge_misaligned_view_and_bad_calls():
         hipflash.merge_attn_states(outs, lses[:, :, :32])
     with pytest.raises(TypeError, match="lses must have dtype float32"):
         hipflash.merge_attn_states(outs, lses.half())
+
+
+# ---- KV cache (SPEC §7) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("append", [0, 1, 5], ids=["attend", "append1", "append5"])
+@pytest.mark.parametrize("sq,causal", [(1, False), (1, True), (7, True)], ids=["decode", "decode_causal", "chunk7"])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (16, 1)], ids=lambda h: f"h{h[0]}_{h[1]}")
+@pytest.mark.parametrize("page", [16, 256])
+def test_kvcache_paged_equals_contiguous(page, heads, sq, causal, append):
+    hq, hkv = heads
+    lens = [3 * page + 7, 0, page, 100]
+    capacity = ((max(lens) + append + page - 1) // page) * page
+    k, v, k_pages, v_pages, table = make_kv_cache(lens, capacity, hkv, 128, torch.bfloat16, page,
+                                                  seed=page + hq, device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(4, sq, hq, 128, generator=g).bfloat16().to(DEVICE)
+    k_new = torch.randn(4, append, hkv, 128, generator=g).bfloat16().to(DEVICE) if append else None
+    v_new = torch.randn(4, append, hkv, 128, generator=g).bfloat16().to(DEVICE) if append else None
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(causal=causal, return_lse=True)
+    out_c, lse_c = hipflash.flash_attn_with_kvcache(q, k, v, k_new, v_new, seqlens, **kw)
+    out_p, lse_p = hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, seqlens,
+                                                    block_table=table, **kw)
+    sync()
+    assert_bitwise_equal(out_p, out_c, "out")
+    assert_bitwise_equal(lse_p, lse_c, "lse")
+    check_kv_per_sequence(out_c, lse_c, q, k, v, [n + append for n in lens], causal=causal)
+    if append:
+        for i, n in enumerate(lens):
+            assert torch.equal(k[i, n:n + append], k_new[i])
+            pos = n + append - 1
+            assert torch.equal(v_pages[table[i, pos // page], pos % page], v_new[i, -1])
+    if not ON_CPU:
+        assert not hipflash.last_kernel_name().startswith("fwd_sm90_"), hipflash.last_kernel_name()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_kvcache_splits_match(num_splits):
+    k, v, k_pages, v_pages, table = make_kv_cache([5000, 17], 5120, 2, 64, torch.float16, 64,
+                                                  seed=1, device=DEVICE)
+    q = torch.randn(2, 1, 8, 64).half().to(DEVICE)
+    seqlens = torch.tensor([5000, 17], dtype=torch.int32, device=DEVICE)
+    out, lse = hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
+                                                block_table=table, num_splits=num_splits,
+                                                return_lse=True)
+    check_kv_per_sequence(out, lse, q, k, v, [5000, 17])

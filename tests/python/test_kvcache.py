@@ -5,35 +5,9 @@ import pytest
 import torch
 
 import hipflash
-from reference import assert_bitwise_equal, check_attention
-
-
-def make_cache(lens, capacity, hkv, d, dtype, page, seed=0):
-    """A contiguous cache [B, capacity, Hkv, D] with NaN past each sequence's keys, and a paged
-    copy [num_blocks, page, Hkv, D] (pages shuffled, spare pages NaN) with its block table."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(lens)
-    k = torch.full((b, capacity, hkv, d), float("nan"), dtype=dtype)
-    v = torch.full_like(k, float("nan"))
-    for i, n in enumerate(lens):
-        k[i, :n] = torch.randn(n, hkv, d, generator=g).to(dtype)
-        v[i, :n] = torch.randn(n, hkv, d, generator=g).to(dtype)
-    max_blocks = capacity // page
-    blocks = b * max_blocks + 3
-    ids = torch.randperm(blocks, generator=g)[: b * max_blocks].reshape(b, max_blocks).to(torch.int32)
-    k_pages = torch.full((blocks, page, hkv, d), float("nan"), dtype=dtype)
-    v_pages = torch.full_like(k_pages, float("nan"))
-    for i in range(b):
-        for e in range(max_blocks):
-            k_pages[ids[i, e]] = k[i, e * page:(e + 1) * page]
-            v_pages[ids[i, e]] = v[i, e * page:(e + 1) * page]
-    return k, v, k_pages, v_pages, ids
-
-
-def check_per_sequence(out, lse, q, k_cache, v_cache, lens, **kw):
-    for i, n in enumerate(lens):
-        check_attention(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :n],
-                        v_cache[i:i + 1, :n], what=f"sequence {i}", **kw)
+from reference import assert_bitwise_equal
+from reference import check_kv_per_sequence as check_per_sequence
+from reference import make_kv_cache as make_cache
 
 
 @pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
@@ -140,14 +114,3 @@ def test_requires_grad_is_refused_and_caches_are_bumped():
     hipflash.flash_attn_with_kvcache(q, k, v, torch.randn(1, 1, 1, 64).bfloat16(),
                                      torch.randn(1, 1, 1, 64).bfloat16(), cache_seqlens=3)
     assert k._version > version
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and hipflash.gpu_available()),
-                    reason="needs a GPU visible to torch and a hipflash built with GPU kernels")
-def test_cuda_tensors_are_not_implemented_yet():
-    k, v, k_pages, v_pages, table = make_cache([3], 16, 1, 64, torch.bfloat16, 16)
-    q = torch.randn(1, 1, 2, 64).bfloat16()
-    with pytest.raises(NotImplementedError, match="CPU tensors"):
-        hipflash.flash_attn_with_kvcache(q.cuda(), k_pages.cuda(), v_pages.cuda(),
-                                         cache_seqlens=torch.tensor([3], dtype=torch.int32).cuda(),
-                                         block_table=table.cuda())
