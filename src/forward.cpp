@@ -226,12 +226,15 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
   plan.sel = select_kernel(make_problem(p), plan.arch, gpu::build_caps());
   HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);
   // A KV cache (per-sequence key counts, pages) is read through the row sources of the NVIDIA
-  // decode and generic loaders (common::KvRows); the sm90 kernel addresses K/V itself, so such
-  // calls take the generic kernel there. TODO(selector owner): fold this into select_kernel (a
-  // Problem flag) — kept here while src/selector.cpp is being reworked.
+  // decode and generic loaders only (common::KvRows); every other kernel (the sm90 ones address
+  // K/V themselves, with TMA or their own loaders) hands such calls to the generic kernel.
+  // TODO(selector owner): fold this into select_kernel (a Problem flag) — kept here while
+  // src/selector.cpp is being reworked.
   HIPFLASH_CHECK_AS(not_implemented, !(p.is_kvcache() && plan.arch.vendor == Arch::amd),
                     "flash_attn_with_kvcache: the AMD kernels do not read a KV cache yet");
-  if (p.is_kvcache() && plan.sel.kind == KernelKind::sm90) plan.sel.kind = KernelKind::generic;
+  if (p.is_kvcache() && plan.sel.kind != KernelKind::decode &&
+      plan.sel.kind != KernelKind::generic)
+    plan.sel.kind = KernelKind::generic;
   const gpu::TileShape tile = gpu::tile_shape(plan.sel.kind, padded_head_dim(int(p.head_dim)));
   plan.num_splits = resolve_splits(p, requested, tile, plan.arch.num_sms, true);
   plan.sel.key.split = plan.num_splits > 1;

@@ -451,7 +451,8 @@ def test_kvcache_paged_equals_contiguous(page, heads, sq, causal, append):
             pos = n + append - 1
             assert torch.equal(v_pages[table[i, pos // page], pos % page], v_new[i, -1])
     if not ON_CPU:
-        assert not hipflash.last_kernel_name().startswith("fwd_sm90_"), hipflash.last_kernel_name()
+        name = hipflash.last_kernel_name()  # only these kernels read K/V through a row source
+        assert name.startswith(("fwd_decode_", "fwd_generic_")), name
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
