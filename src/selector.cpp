@@ -67,12 +67,12 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     }
     // Few query rows per head (decode): the 16-row decode kernel. Otherwise Hopper (sm_90
     // exactly: wgmma does not exist on later archs) runs the TMA warp-specialised kernel for
-    // dense calls at head dims 128 and 256 whose tensors TMA can describe, the cp.async wgmma
-    // kernel for the rest up to head dim 128 (varlen, hd 64, odd strides), where they were
-    // built, and everything else the generic mma.sync kernel.
+    // dense calls whose tensors TMA can describe, the cp.async wgmma kernel for the rest up to
+    // head dim 128 (varlen, odd strides), where they were built, and everything else the
+    // generic mma.sync kernel.
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = KernelKind::decode;
-    else if (arch.version == 90 && caps.sm90_ws && !p.varlen && p.tma_compatible && hd >= 128)
+    else if (arch.version == 90 && caps.sm90_ws && !p.varlen && p.tma_compatible)
       sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && hd <= 128)
       sel.kind = KernelKind::sm90;

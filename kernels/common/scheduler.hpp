@@ -23,6 +23,11 @@ struct StaticScheduler {
   __device__ __forceinline__ static void run(Body&& body) {
     body(int64_t(blockIdx.x));
   }
+  /// The same, for kernels written against a tile count (which one block per tile ignores).
+  template <class Body>
+  __device__ __forceinline__ static void run(int64_t /*tiles*/, Body&& body) {
+    body(int64_t(blockIdx.x));
+  }
 #endif  // device compiler
 };
 

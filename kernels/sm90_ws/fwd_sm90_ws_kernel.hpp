@@ -1,6 +1,6 @@
 // hipflash — the warp-specialised Hopper forward kernel (sm_90a).
 //
-// One producer warpgroup and two consumer warpgroups per block:
+// One producer warpgroup and two or three consumer warpgroups per block:
 //  * the producer's first thread loads the 128-row Q tile once per work tile and the K and V
 //    tiles of every key block with the tensor-memory accelerator (TMA) into a ring of kStages
 //    stages each; a stage's "full" mbarrier counts the bytes landed, its "empty" mbarrier the
@@ -8,12 +8,14 @@
 //  * each consumer warpgroup owns 64 query rows: S = Q K^T (wgmma SS) and O += P V (wgmma RS,
 //    P from registers) with the online softmax of the generic kernel (common::RowSoftmax), the
 //    softmax of key block n - 1 running while P(n) V(n) is on the tensor cores. The two
-//    consumers take turns issuing their GEMMs (named barriers), so that one's softmax runs
-//    under the other's GEMMs.
+//    consumers take turns issuing their GEMMs (named barriers, round robin), so that one's
+//    softmax runs under the others' GEMMs.
 // The shared-memory tiles use the panelled 128-byte swizzle of atoms/sm90/wgmma.hpp, which is
 // the TMA's SWIZZLE_128B layout of [rows x 64] boxes. Masks, split-K and the LSE follow the
 // other schedules (common/block_info.hpp, common/epilogue.hpp).
 #pragma once
+
+#include <type_traits>
 
 #include "atoms/sm80.hpp"
 #include "atoms/sm90/tma.hpp"
@@ -41,8 +43,17 @@ struct TmaMaps {
   TensorMap q, k, v;
 };
 
-/// Every work tile is a (query block, split, head, batch); one block per SM walks them.
-using Scheduler = common::PersistentScheduler;
+/// Every work tile is a (query block, split, head, batch). Unmasked tiles all cost the same: one
+/// block per SM walks them (persistent), its producer loading the next tile's Q and K while the
+/// consumers finish the last. Causal tiles differ up to Sk / kBlockN-fold in cost, and a fixed
+/// stride deals them out unevenly (docs/perf-notes.md): one block per tile, heaviest first, so
+/// the hardware hands the next tile to whichever SM is free.
+#ifndef HIPFLASH_SM90WS_PERSISTENT  // a tuning hook: 0 launches one block per tile everywhere
+#define HIPFLASH_SM90WS_PERSISTENT 1
+#endif
+template <class Traits>
+using Scheduler = std::conditional_t<Traits::kMasked || !HIPFLASH_SM90WS_PERSISTENT,
+                                     common::StaticScheduler, common::PersistentScheduler>;
 
 #if defined(HIPFLASH_HAS_WGMMA)
 
@@ -87,19 +98,19 @@ struct Smem {
   }
 };
 
-/// Named barriers (0 is __syncthreads): consumer warpgroup w issues its GEMMs after a sync on
-/// kTurn + w, then hands the turn to the other; kEpilogue syncs both consumers.
-enum NamedBarrier : int { kTurn = 1, kEpilogue = 3 };
+/// Named barriers (0 is __syncthreads): kEpilogue syncs the consumers; consumer warpgroup w
+/// issues its GEMMs after a sync on kTurn + w, then hands the turn to the next, round robin.
+enum NamedBarrier : int { kEpilogue = 1, kTurn = 2 };
 
 /// The producer thread: Q, then K(n) and V(n) for the tile's key blocks from last to first
 /// (the consumers' order), each into the next free stage of its ring.
 template <class Traits>
 __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
-                                        const Smem<Tile<Traits::kHeadDim>>& sm, int64_t tile,
+                                        const Smem<Tile<Traits::kHeadDim, Traits::kMasked>>& sm, int64_t tile,
                                         int num_m_blocks, uint32_t& q_it,
-                                        RingPos<Tile<Traits::kHeadDim>::kStages>& k_pos,
-                                        RingPos<Tile<Traits::kHeadDim>::kStages>& v_pos) {
-  using Cfg = Tile<Traits::kHeadDim>;
+                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& k_pos,
+                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& v_pos) {
+  using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int m0 = bi.m_block * Cfg::kBlockM;
@@ -139,12 +150,12 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 /// One consumer warpgroup's work on one tile: its 64 query rows against the tile's key blocks,
 /// then the epilogue (both consumers together).
 template <class Traits>
-__device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Traits::kHeadDim>>& sm,
+__device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Traits::kHeadDim, Traits::kMasked>>& sm,
                                         int64_t tile, int num_m_blocks, uint32_t& q_it,
-                                        RingPos<Tile<Traits::kHeadDim>::kStages>& k_pos,
-                                        RingPos<Tile<Traits::kHeadDim>::kStages>& v_pos) {
+                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& k_pos,
+                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& v_pos) {
   using namespace atom::sm80;  // pack2
-  using Cfg = Tile<Traits::kHeadDim>;
+  using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
   using T = typename common::Element<Traits::kDType>::type;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
@@ -154,7 +165,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   using PV = wgmma::Op<kDT, kHD>;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
 
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;  // warps 0..7
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;  // consumer warps
   const int wg = warp / 4, g = lane / 4, t = lane % 4;
   const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
@@ -171,7 +182,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   const uint32_t sQ_wg = sm.q() + wg * 64 * 128;
 
   auto turn_begin = [&] { named_sync<256>(kTurn + wg); };
-  auto turn_end = [&] { named_arrive<256>(kTurn + (wg ^ 1)); };
+  auto turn_end = [&] { named_arrive<256>(kTurn + (wg + 1) % Cfg::kConsumers); };
   auto release = [&](const Mbarrier& bar) {
     if (lane == 0) bar.arrive();
   };
@@ -356,11 +367,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
 
 /// The warp-specialised sm90 forward kernel: a persistent grid, one block per SM.
 template <class Traits>
-__global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(Tile<Traits::kHeadDim, Traits::kMasked>::kThreads, 1)
     fwd_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks,
                        const HIPFLASH_GRID_CONSTANT TmaMaps maps) {
 #if defined(HIPFLASH_HAS_WGMMA)
-  using Cfg = Tile<Traits::kHeadDim>;
+  using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Smem<Cfg> sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
@@ -382,14 +393,14 @@ __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads, 1)
   if (threadIdx.x >= Cfg::kConsumerThreads) {  // the producer warpgroup
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (warp == Cfg::kConsumerThreads / 32 && lane == 0)
-      Scheduler::run(tiles, [&](int64_t tile) {
+      Scheduler<Traits>::run(tiles, [&](int64_t tile) {
         produce<Traits>(p, maps, sm, tile, num_m_blocks, q_it, k_pos, v_pos);
       });
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    // The first turn is consumer 0's: consumer 1 hands it over once.
-    if (warp >= 4) named_arrive<256>(kTurn);
-    Scheduler::run(tiles, [&](int64_t tile) {
+    // The first turn is consumer 0's: the last consumer hands it over once.
+    if (warp / 4 == Cfg::kConsumers - 1) named_arrive<256>(kTurn);
+    Scheduler<Traits>::run(tiles, [&](int64_t tile) {
       consume<Traits>(p, sm, tile, num_m_blocks, q_it, k_pos, v_pos);
     });
   }

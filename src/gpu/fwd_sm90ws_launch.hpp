@@ -70,8 +70,8 @@ inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim,
 /// The warp-specialised sm90 kernel's launch traits: a persistent grid and the tensor maps.
 template <class Traits>
 struct Sm90WsLaunch {
-  using Tile = sm90ws::Tile<Traits::kHeadDim>;
-  using Scheduler = sm90ws::Scheduler;
+  using Tile = sm90ws::Tile<Traits::kHeadDim, Traits::kMasked>;
+  using Scheduler = sm90ws::Scheduler<Traits>;
   static constexpr auto kKernel = sm90ws::fwd_sm90_ws_kernel<Traits>;
   static constexpr const char* kName = "sm90_ws";
   static std::tuple<sm90ws::TmaMaps> prepare(const FwdParams& p) {

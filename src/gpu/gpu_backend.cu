@@ -158,8 +158,9 @@ TileShape tile_shape(KernelKind kind, int hd) {
                     : shape_of<sm90::Tile<128>>(sm90::Tile<128>::kMinBlocks);
   }
   if (kind == KernelKind::sm90_ws) {
-    return hd == 256 ? shape_of<sm90ws::Tile<256>>(sm90ws::Tile<256>::kMinBlocks)
-                     : shape_of<sm90ws::Tile<128>>(sm90ws::Tile<128>::kMinBlocks);
+    return hd == 64    ? shape_of<sm90ws::Tile<64>>(sm90ws::Tile<64>::kMinBlocks)
+         : hd == 128 ? shape_of<sm90ws::Tile<128>>(sm90ws::Tile<128>::kMinBlocks)
+                     : shape_of<sm90ws::Tile<256>>(sm90ws::Tile<256>::kMinBlocks);
   }
   if (kind == KernelKind::decode) {
     // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).
@@ -247,12 +248,7 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
                     break;
                   }
                   throw not_built();
-                case KernelKind::sm90_ws:
-                  if constexpr (kHD >= 128) {
-                    launch_sm90ws_fwd<Traits>(p, stream);
-                    break;
-                  }
-                  throw not_built();
+                case KernelKind::sm90_ws: launch_sm90ws_fwd<Traits>(p, stream); break;
 #endif  // HIPFLASH_HAS_SM90_KERNELS
                 default:
                   throw not_built();

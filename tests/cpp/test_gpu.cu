@@ -210,9 +210,9 @@ INSTANTIATE_TEST_SUITE_P(DecodeKernel, GpuForward, ::testing::ValuesIn(decode_ke
 
 TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
   // GQA decode (32/8 packs 4 rows) and Sq <= 16 take the decode kernel; longer queries on
-  // Hopper where built (unless HIPFLASH_DISABLE_SM90=1): the TMA warp-specialised kernel at
-  // head dims 128 and 256 (unless HIPFLASH_DISABLE_SM90_WS=1), the cp.async wgmma kernel at 64
-  // and for varlen; else generic.
+  // Hopper where built (unless HIPFLASH_DISABLE_SM90=1): the TMA warp-specialised kernel for
+  // dense calls (unless HIPFLASH_DISABLE_SM90_WS=1), the cp.async wgmma kernel for varlen; else
+  // generic.
   int device = 0, major = 0, minor = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
@@ -231,7 +231,7 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
        {std::tuple<int64_t, int64_t, int64_t, int64_t, std::string>{1, 32, 8, 128, "fwd_decode_"},
         {16, 6, 6, 64, "fwd_decode_"},
         {17, 6, 6, 128, tma},
-        {1, 64, 2, 64, wgmma},  // 32 packed rows
+        {1, 64, 2, 64, tma},  // 32 packed rows
         {300, 4, 4, 256, ws ? tma : generic}}) {
     Dense t = make({DType::bf16, 1, sq, 300, hq, hkv, d, false, -1, -1, 1});
     run_gpu(t);

@@ -108,7 +108,7 @@ TEST(Selector, HopperTakesTheWgmmaKernelWhereBuilt) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::sm90), "sm90");
 }
 
-TEST(Selector, HopperTakesTheTmaKernelForDenseHeadDims128And256) {
+TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   auto dense = [](int d) {
@@ -116,10 +116,8 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseHeadDims128And256) {
     p.tma_compatible = true;
     return p;
   };
-  for (int d : {96, 128, 256})
+  for (int d : {32, 64, 96, 128, 256})
     EXPECT_EQ(select_kernel(dense(d), kSm90, caps).kind, KernelKind::sm90_ws) << d;
-  for (int d : {32, 64})  // no warp-specialised tile: the cp.async wgmma kernel
-    EXPECT_EQ(select_kernel(dense(d), kSm90, caps).kind, KernelKind::sm90) << d;
   Problem varlen = dense(128);  // TMA cannot stop at a sequence's end: cp.async zero-fills
   varlen.varlen = true;
   EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90);

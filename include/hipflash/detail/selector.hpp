@@ -24,7 +24,7 @@ enum class KernelKind : int {
   generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
   decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
   sm90,             ///< kernels/sm90: wgmma with cp.async (sm_90a), head dims <= 128
-  sm90_ws,          ///< kernels/sm90_ws: TMA + warp-specialised wgmma (sm_90a), dense, hd 128/256
+  sm90_ws,          ///< kernels/sm90_ws: TMA + warp-specialised wgmma (sm_90a), dense calls
   gfx950_dualwave,  ///< kernels/gfx950: 256-row blocks, two waves per SIMD (compile-checked only)
   unsupported,
 };
