@@ -9,7 +9,9 @@ side by side in one process.
 Suites: fa-grid (FlashAttention's grid: B*S = 16k, H*D = 2048, D 64/128, S 512..16k, causal and
 not), decode (Sq 1, GQA 32/8, Sk 4k..128k, B 1/8/32), varlen (mixed lengths), lse-overhead,
 host-overhead (the cost of a call as a user makes it, on a tiny problem and B 1/8 decode);
-quick (a subset of each, to run after every kernel change) and full (all five).
+quick (a subset of each, to run after every kernel change) and full (all five). merge (run on
+its own): hipflash.merge_attn_states in GB/s against a torch copy of the same bytes (see
+run_merge_suite).
 
 Per cell: fresh random inputs (never zeros), several input sets rotated so the inputs of one call
 are not in L2 from the call before; every backend's result is checked against an fp32 reference
@@ -662,8 +664,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="quick",
-                    choices=["quick", "full", "fa-grid", "head-dims", "dev", "decode", "varlen", "lse-overhead",
-                             HOST, "tiny"])
+                    choices=["quick", "full", "fa-grid", "head-dims", "dev", "decode", "varlen",
+                             "lse-overhead", HOST, "tiny", "merge"])
     ap.add_argument("--out", default=None, help="results directory (default bench/results/SUITE)")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="default: cuda if available, else cpu (CPU runs only test the runner)")
@@ -692,6 +694,8 @@ def main(argv=None):
     device = args.device or ("cuda" if torch.cuda.is_available() or args.dry_run else "cpu")
     if device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    if args.suite == "merge":
+        return run_merge_suite(args, device)
     if device == "cpu" and args.suite != "tiny":
         print(f"note: --device cpu runs only the tiny suite (asked for {args.suite})")
         args.suite = "tiny"
@@ -812,6 +816,83 @@ def main(argv=None):
         print(f"STOPPED EARLY: {fatal}")
         return 2
     return 0
+
+
+# ---- The merge suite -------------------------------------------------------------------------
+
+# (label, parts, rows T, heads H, head dim D): decode-like (T = batch, one row each) and
+# prefill-like (T = tokens) merges of attention states, packed layout ([T, H, D], LSE [H, T]).
+MERGE_CELLS = [("decode B=32", 2, 32, 32, 128), ("decode B=256", 2, 256, 32, 128),
+               ("prefill T=4k", 2, 4096, 32, 128), ("prefill T=16k", 2, 16384, 32, 128),
+               ("prefill T=16k hd64", 2, 16384, 32, 64), ("4-way T=16k", 4, 16384, 32, 128)]
+MERGE_TINY = [("tiny 2-way", 2, 64, 4, 64), ("tiny 3-way", 3, 33, 2, 128)]
+
+
+def run_merge_suite(args, device):
+    """hipflash.merge_attn_states, bandwidth: bytes moved (N parts read, one output written,
+    LSEs included) per second, against a torch copy (dst.copy_(src)) that moves the same number
+    of bytes (read + write), timed the same way (CUDA events, inputs rotated past L2). Each cell
+    is checked against an fp32 torch merge first; a FAIL is not timed. Writes OUT/results.json
+    and OUT/results.md."""
+    hf = ab.import_hipflash(args.hipflash_path)
+    dtype = DTYPES[args.dtype]
+    out_dir = args.out or os.path.join(HERE, "results", "merge")
+    os.makedirs(out_dir, exist_ok=True)
+    meta = collect_meta(args, device, args.hipflash_path)
+    budget = BUDGETS[args.budget or "full"] if device == "cuda" else (5.0, 20.0, 3, 50)
+    timer = Timer(device, *budget)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
+    cells = MERGE_CELLS if device == "cuda" else MERGE_TINY
+    if args.cells:
+        cells = [c for c in cells if re.search(args.cells, c[0])]
+    rows = []
+    for label, n, T, H, D in cells:
+        g = torch.Generator(device=device).manual_seed(zlib.crc32(label.encode()))
+        elem = torch.finfo(dtype).bits // 8
+        moved = (n + 1) * T * H * D * elem + (n + 1) * H * T * 4
+        nsets = max(1, min(16, math.ceil(4 * l2 / moved))) if device == "cuda" else 2
+        sets = [(torch.randn(n, T, H, D, device=device, dtype=dtype, generator=g),
+                 torch.randn(n, H, T, device=device, generator=g) * 3) for _ in range(nsets)]
+        row = {"suite": "merge", "label": label, "parts": n, "T": T, "H": H, "D": D,
+               "dtype": args.dtype, "bytes": moved, "status": "ok", "note": ""}
+        outs, lses = sets[0]
+        out, lse = hf.merge_attn_states(outs, lses)
+        w = torch.softmax(lses.float(), dim=0)                      # [n, H, T]
+        ref = (w.permute(0, 2, 1)[..., None] * outs.float()).sum(0)  # [T, H, D]
+        err = (out.float() - ref).abs().max().item()
+        lse_err = (lse - torch.logsumexp(lses.float(), dim=0)).abs().max().item()
+        tol = 2 * (ref.to(dtype).float() - ref).abs().max().item() + 1e-5
+        if not (err <= tol and lse_err <= 1e-4):
+            row.update(status="FAIL", note=f"err {err:.3g} > {tol:.3g} or lse err {lse_err:.3g}")
+            rows.append(row)
+            continue
+        src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+        dst = [torch.empty_like(src) for _ in range(nsets)]
+        srcs = [torch.empty_like(src) for _ in range(nsets)]
+        t_merge = timer.time(lambda j: hf.merge_attn_states(*sets[j]), nsets)["time_ms"]
+        t_copy = timer.time(lambda j: dst[j].copy_(srcs[j]), nsets)["time_ms"]
+        row.update(merge_ms=t_merge, copy_ms=t_copy, merge_gbps=moved / t_merge / 1e6,
+                   copy_gbps=moved / t_copy / 1e6, of_copy=t_copy / t_merge)
+        rows.append(row)
+        print(f"{label:22s} merge {row['merge_gbps']:8.1f} GB/s  copy {row['copy_gbps']:8.1f} GB/s"
+              f"  {row['of_copy'] * 100:5.1f}% of copy", flush=True)
+        del sets, src, dst, srcs
+    rep.write_json(meta, rows, os.path.join(out_dir, "results.json"))
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(f"# merge_attn_states bandwidth ({meta.get('gpu', device)}, commit "
+                f"{meta['commit']}, {args.dtype})\n\n`{meta['command']}`\n\n"
+                "| cell | parts | T | H | D | MB moved | merge GB/s | copy GB/s | % of copy |\n"
+                "|---|---|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            if r["status"] != "ok":
+                f.write(f"| {r['label']} | {r['parts']} | {r['T']} | {r['H']} | {r['D']} | "
+                        f"{r['bytes'] / 1e6:.1f} | {r['status']}: {r['note']} | | |\n")
+                continue
+            f.write(f"| {r['label']} | {r['parts']} | {r['T']} | {r['H']} | {r['D']} | "
+                    f"{r['bytes'] / 1e6:.1f} | {r['merge_gbps']:.1f} | {r['copy_gbps']:.1f} | "
+                    f"{r['of_copy'] * 100:.1f}% |\n")
+    print(f"wrote {out_dir}/results.json, results.md")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
 def _warm_gpu(ms=600.0):

@@ -80,6 +80,7 @@ DYNAMIC_LDS = [
     (r"gfx950::fwd_dualwave_kernel<hipflash::FwdTraits<[^,]+, (\d+),",
      "hipflash::gfx950::DualwaveTile<{0}>::kSmemBytes", "gfx950/dualwave_schedule.hpp"),
     (r"combine::combine_kernel<", "0", None),  # src/gpu/combine_launch.cu: <<<..., 0, stream>>>
+    (r"merge::merge_kernel<", "0", None),  # src/gpu/merge_launch.cu: <<<..., 0, stream>>>
 ]
 
 # Architecture-specific schedules: compiled into every arch of a build (a trapping stub where the
@@ -175,7 +176,7 @@ def short_name(demangled, dtypes):
         s += "_splitk" if split == "true" else "_lse" if lse == "true" else ""
         return s
     s = re.sub(r"\(.*\)$", "", demangled)
-    return re.sub(r"\b(?:hipflash|generic|combine|gpu)::", "", s)
+    return re.sub(r"\b(?:hipflash|generic|combine|merge|gpu)::", "", s)
 
 
 def probe_constants(build, exprs, tmp):

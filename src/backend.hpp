@@ -8,6 +8,7 @@
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/detail/selector.hpp"
 #include "hipflash/forward.hpp"
+#include "hipflash/merge_params.hpp"
 #include "hipflash/params.hpp"
 
 namespace hipflash {
@@ -20,6 +21,11 @@ FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const Tensor
 FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                              const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
                              const TensorRef& cu_k, const VarlenOptions& opts, Stream stream);
+
+/// select -> resolve num_splits -> run, for FwdParams the caller validated (make_*_params and
+/// its own checks): the launcher's dispatch, shared with kvcache_forward.
+void dispatch_forward(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
+                      Workspace ws);
 
 }  // namespace hipflash
 
@@ -63,6 +69,9 @@ bool stream_capturing(Stream stream);
 /// `params` are validated; the split workspace is allocated here when `ws` is too small.
 void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream,
                  Workspace ws);
+
+/// Launches the merge_attn_states kernel for `p` (validated, on GPU `device`) on `stream`.
+void run_merge(const MergeParams& p, int device, Stream stream);
 
 /// The tile of a GPU kernel: query rows and keys per block, resident blocks per multiprocessor
 /// (what the split heuristic fills). All zero when this build has no such kernel.

@@ -264,8 +264,7 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
   gpu::run_forward(p, plan.sel, loc.index, stream, ws);
 }
 
-Location resolve_location(const TensorRef& q) {
-  Location loc = q.loc;
+Location resolve_location_of(Location loc) {
   if (loc.kind == Location::gpu) {
     HIPFLASH_CHECK_AS(not_implemented, gpu::build_caps().gpu,
                       "q is on a GPU but this hipflash was built without GPU kernels "
@@ -274,6 +273,7 @@ Location resolve_location(const TensorRef& q) {
   }
   return loc;
 }
+Location resolve_location(const TensorRef& q) { return resolve_location_of(q.loc); }
 
 }  // namespace
 
@@ -474,6 +474,13 @@ void varlen_forward(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                     Workspace ws) {
   FwdParams p = make_varlen_params(q, k, v, out, lse, cu_q, cu_k, opts, stream);
   dispatch(p, opts, resolve_location(q), stream, ws);
+}
+
+void dispatch_forward(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
+                      Workspace ws) {
+  HIPFLASH_CHECK_AS(not_implemented, !(p.is_kvcache() && loc.kind == Location::gpu),
+                    "the GPU kernels do not read a KV cache (per-sequence lengths, pages) yet");
+  dispatch(p, opts, resolve_location_of(loc), stream, ws);
 }
 
 size_t splitk_workspace_bytes(const FwdParams& p) {

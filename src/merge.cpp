@@ -1,13 +1,16 @@
-// hipflash — merge_attn_states (SPEC §7): validation, then the CPU implementation on the shared
-// softmax state (the combine kernel's math, from natural-log LSEs).
+// hipflash — merge_attn_states (SPEC §7): validation, MergeParams, then the CPU implementation
+// or the GPU kernel (src/gpu/merge_launch.cu), both on the shared softmax state (the combine
+// kernel's math, from natural-log LSEs) through MergeParams::total_state / part_state.
 #include "hipflash/merge.hpp"
 
 #include <algorithm>
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "hipflash/detail/host_numeric.hpp"
 #include "hipflash/detail/softmax_state.hpp"
+#include "hipflash/merge_params.hpp"
 #include "tensor_checks.hpp"
 
 namespace hipflash {
@@ -26,29 +29,43 @@ void check_tensor(const TensorRef& t, const char* name, int rank, const char* la
   HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
 }
 
-float load(const TensorRef& t, int64_t off) {
-  return t.dtype == DType::f32 ? static_cast<const float*>(t.data)[off]
-                               : detail::load_as_float(t.data, off, t.dtype);
+float load(const void* base, DType dt, int64_t off) {
+  return dt == DType::f32 ? static_cast<const float*>(base)[off]
+                          : detail::load_as_float(base, off, dt);
 }
-void store(const TensorRef& t, int64_t off, float v) {
-  if (t.dtype == DType::f32) static_cast<float*>(t.data)[off] = v;
-  else detail::store_from_float(t.data, off, v, t.dtype);
+void store(void* base, DType dt, int64_t off, float v) {
+  if (dt == DType::f32) static_cast<float*>(base)[off] = v;
+  else detail::store_from_float(base, off, v, dt);
 }
 
-/// Offset of (part i, row t, head h) in an LSE of rank 3 ([N, H, T]) or 4 ([N, B, H, S]); the
-/// output LSE has no part dimension (i = -1).
-int64_t lse_offset(const TensorRef& l, int64_t i, int64_t t, int64_t h) {
-  const int first = i < 0 ? 0 : 1;
-  int64_t off = i < 0 ? 0 : i * l.strides[0];
-  if (l.rank - first == 2) return off + h * l.strides[first] + t * l.strides[first + 1];
-  const int64_t s = l.sizes[first + 2];
-  return off + (t / s) * l.strides[first] + h * l.strides[first + 1] + (t % s) * l.strides[first + 2];
+/// The CPU merge: per (row, head), the parts' states merged in part order (the GPU kernel's
+/// order too), then out = sum_i w_i out_i in fp32 over the live parts, rounded once.
+void merge_on_cpu(const MergeParams& p) {
+  std::vector<float> acc(static_cast<size_t>(p.head_dim));
+  for (int64_t t = 0; t < p.rows; ++t)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      // -inf parts are empty (weight 0, never read); a NaN LSE reaches the total and every
+      // weight.
+      const int64_t row = p.lses_offset(t, h);
+      const SoftmaxState total = p.total_state(row);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < p.parts; ++i) {
+        const SoftmaxState part = p.part_state(i, row);
+        if (!part.live()) continue;
+        const float w = detail::combine_weight(part, total);
+        const int64_t o = p.outs_offset(i, t, h);
+        for (int64_t d = 0; d < p.head_dim; ++d) acc[size_t(d)] += w * load(p.outs, p.dtype, o + d);
+      }
+      const int64_t o = p.out_offset(t, h);
+      for (int64_t d = 0; d < p.head_dim; ++d) store(p.out, p.dtype, o + d, acc[size_t(d)]);
+      if (p.lse) p.lse[p.lse_offset(t, h)] = total.lse();
+    }
 }
 
 }  // namespace
 
 void merge_attn_states(const TensorRef& outs, const TensorRef& lses, const TensorRef& out,
-                       const TensorRef* lse, Stream) {
+                       const TensorRef* lse, Stream stream) {
   check_tensor(outs, "outs", 4, "[parts, rows, heads, head_dim]");
   check_tensor(out, "out", 3, "[rows, heads, head_dim]");
   HIPFLASH_CHECK(lses.rank == 3 || lses.rank == 4, "lses must have rank 3 ([parts, heads, rows]) "
@@ -99,32 +116,41 @@ void merge_attn_states(const TensorRef& outs, const TensorRef& lses, const Tenso
       HIPFLASH_CHECK(detail::overlap(*lse, *t) == detail::Overlap::none, "lse must not alias ",
                      name);
   }
-  HIPFLASH_CHECK_AS(not_implemented, out.loc.kind == Location::cpu,
-                    "merge_attn_states runs on CPU tensors only in this build (no GPU merge "
-                    "kernel yet)");
 
-  std::vector<SoftmaxState> part(static_cast<size_t>(n));
-  std::vector<float> acc(static_cast<size_t>(dim));
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      // The combine kernel's math on states rebuilt from natural-log LSEs: -inf parts are
-      // empty (weight 0, never read), NaN reaches the total and every weight.
-      SoftmaxState total;
-      for (int64_t i = 0; i < n; ++i) {
-        part[size_t(i)] = SoftmaxState::from_lse(load(lses, lse_offset(lses, i, t, h)));
-        total.merge(part[size_t(i)]);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < n; ++i) {
-        if (!part[size_t(i)].live()) continue;
-        const float w = detail::combine_weight(part[size_t(i)], total);
-        const int64_t o = i * outs.strides[0] + t * outs.strides[1] + h * outs.strides[2];
-        for (int64_t d = 0; d < dim; ++d) acc[size_t(d)] += w * load(outs, o + d);
-      }
-      const int64_t o = t * out.strides[0] + h * out.strides[1];
-      for (int64_t d = 0; d < dim; ++d) store(out, o + d, acc[size_t(d)]);
-      if (lse) static_cast<float*>(lse->data)[lse_offset(*lse, -1, t, h)] = total.lse();
+  MergeParams p;
+  p.outs = outs.data;
+  p.lses = static_cast<const float*>(lses.data);
+  p.out = out.data;
+  p.lse = lse ? static_cast<float*>(lse->data) : nullptr;
+  p.parts = n, p.rows = rows, p.heads = heads, p.head_dim = dim;
+  p.dtype = outs.dtype;
+  p.outs_part_stride = outs.strides[0], p.outs_row_stride = outs.strides[1];
+  p.outs_head_stride = outs.strides[2];
+  p.out_row_stride = out.strides[0], p.out_head_stride = out.strides[1];
+  // Dense [N, B, H, S]: row t is (t / S, t % S). Packed [N, H, T]: one "batch" of T rows.
+  p.lses_part_stride = lses.strides[0];
+  if (dense) {
+    p.lse_seqlen = std::max<int64_t>(lses.sizes[3], 1);
+    p.lses_batch_stride = lses.strides[1], p.lses_head_stride = lses.strides[2];
+    p.lses_row_stride = lses.strides[3];
+  } else {
+    p.lse_seqlen = std::max<int64_t>(rows, 1);
+    p.lses_head_stride = lses.strides[1], p.lses_row_stride = lses.strides[2];
+  }
+  if (lse) {
+    if (dense) {
+      p.lse_batch_stride = lse->strides[0], p.lse_head_stride = lse->strides[1];
+      p.lse_row_stride = lse->strides[2];
+    } else {
+      p.lse_head_stride = lse->strides[0], p.lse_row_stride = lse->strides[1];
     }
+  }
+
+  if (out.loc.kind == Location::gpu) {
+    gpu::run_merge(p, out.loc.index, stream);
+    return;
+  }
+  merge_on_cpu(p);
 }
 
 }  // namespace hipflash

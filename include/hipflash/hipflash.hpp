@@ -4,6 +4,7 @@
 #include "hipflash/errors.hpp"
 #include "hipflash/forward.hpp"
 #include "hipflash/backward.hpp"
+#include "hipflash/kvcache.hpp"
 #include "hipflash/merge.hpp"
 #include "hipflash/numeric.hpp"
 #include "hipflash/params.hpp"

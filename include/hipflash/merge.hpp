@@ -15,10 +15,14 @@
 // The LSEs are fp32: at score magnitudes of ~1e7 and beyond an fp32 LSE keeps little of log l,
 // so parts whose scores tie there are weighed by their LSEs' rounding (the forward's own
 // split-K combine keeps (m, l) and is exact; an LSE interface cannot be).
-// CPU tensors today; a GPU call throws hipflash::not_implemented (no merge kernel yet).
+// CPU tensors run on the host; GPU tensors run the merge kernel (kernels/merge) on `stream`, one
+// pass over the parts with 16-byte loads where rows are 16-byte aligned. Both follow the same
+// sequence of softmax-state operations (MergeParams::total_state); they differ only by the
+// device's exp2/log2 and fused multiply-adds (within a rounding step of the output dtype).
 #pragma once
 
 #include "hipflash/forward.hpp"
+#include "hipflash/merge_params.hpp"
 #include "hipflash/types.hpp"
 
 namespace hipflash {

@@ -42,6 +42,18 @@ struct FwdParams {
   const int32_t* __restrict__ cu_seqlens_q = nullptr;
   const int32_t* __restrict__ cu_seqlens_k = nullptr;
 
+  // KV cache (SPEC §7, kvcache_forward; dense q only). seqlens_k: int32 [B], sequence b has
+  // seqlens_k[b] + seqlen_k_new keys (nullptr: seqlen_k each). block_table: int32 [B, *] with
+  // row stride block_table_stride, or nullptr for a contiguous cache; when set, k/v are pages
+  // [num_blocks, 2^page_shift, Hkv, D], k_batch_stride / v_batch_stride are the page strides,
+  // and key j of sequence b is row j % 2^page_shift of page block_table[b][j >> page_shift]
+  // (common::PagedRows). The CPU backend reads them; the GPU kernels do not yet (refused).
+  const int32_t* __restrict__ seqlens_k = nullptr;
+  int64_t seqlen_k_new = 0;
+  const int32_t* __restrict__ block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int page_shift = 0;
+
   int64_t batch = 0;
   int64_t seqlen_q = 0;  ///< dense Sq, or max_seqlen_q for varlen
   int64_t seqlen_k = 0;  ///< dense Sk, or max_seqlen_k for varlen
@@ -77,6 +89,7 @@ struct FwdParams {
   }
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  bool is_kvcache() const { return seqlens_k != nullptr || block_table != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   /// GQA decode (one query row, no window, dense): the GPU launcher packs the query heads that
   /// share a kv head into the rows of one query block (see gpu_backend.cu).

@@ -19,4 +19,22 @@ struct ContiguousRows {
   HIPFLASH_HD const T* row(int64_t j) const { return base + j * ld; }
 };
 
+/// Rows of a paged KV cache: row j of the sequence is row j % 2^page_shift of page
+/// table[j >> page_shift]; pages are page_stride elements apart, rows ld apart within a page.
+/// The table entries a caller reaches were validated (in range) before the launch. T is const
+/// for the loaders, non-const for the cache append.
+template <class T>
+struct PagedRows {
+  T* base;               ///< row 0 of page 0 (the head offset applied)
+  const int32_t* table;  ///< this sequence's block-table row
+  int64_t page_stride;   ///< elements from one page to the next
+  int64_t ld;            ///< elements from one row to the next within a page
+  int page_shift;        ///< log2(page size)
+
+  HIPFLASH_HD T* row(int64_t j) const {
+    const int64_t page = table[j >> page_shift];
+    return base + page * page_stride + (j & ((int64_t(1) << page_shift) - 1)) * ld;
+  }
+};
+
 }  // namespace hipflash::common

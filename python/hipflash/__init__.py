@@ -29,6 +29,7 @@ from . import _ops
 __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "merge_attn_states",
     "gpu_available",
     "build_info",
@@ -342,6 +343,66 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_lse else out
 
 
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), num_splits=0, return_lse=False):
+    """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim), bfloat16 or float16.
+        k_cache, v_cache: (batch_size, seqlen_cache, nheads_k, headdim) without a block table,
+            or (num_blocks, page_size, nheads_k, headdim) with one (a paged cache; page_size a
+            power of two in [16, 256]). q's dtype and device.
+        k, v: optional (batch_size, seqlen_new, nheads_k, headdim): written into the caches at
+            rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b (in place)
+            before attending. Needs cache_seqlens.
+        cache_seqlens: int, or (batch_size,) int32 tensor on q's device: the keys each sequence
+            holds before the append. None: every sequence fills its cache (seqlen_cache, or
+            max_blocks_per_seq * page_size).
+        block_table: optional (batch_size, max_blocks_per_seq) int32 on q's device: row j of
+            sequence b lives in page block_table[b, j // page_size]. Entries past what a
+            sequence uses are never read.
+        softmax_scale, causal, window_size, num_splits, return_lse: as for
+            :func:`flash_attn_func`, with seqlen_k = cache_seqlens[b] + seqlen_new per sequence
+            (causal is bottom-right aligned against it).
+
+    Returns:
+        out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
+        (batch_size, nheads, seqlen_q), float32, -inf for a row that sees no key.
+
+    A paged and a contiguous cache holding the same rows give bitwise the same result. CPU
+    tensors in this build; CUDA tensors raise NotImplementedError (the GPU KV-cache kernels are
+    not built yet). Bad block tables (entries a sequence uses out of range, too few entries
+    for a length, a page size that is not a power of two in [16, 256]) raise ValueError before
+    anything is written.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(t, name)
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) must be given together")
+    named = [("k_cache", k_cache), ("v_cache", v_cache)]
+    if k is not None:
+        _check_tensor(k, "k")
+        _check_tensor(v, "v")
+        named += [("k", k), ("v", v)]
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        n = _int(cache_seqlens, "cache_seqlens")
+        cache_seqlens = torch.full((q.shape[0] if q.dim() >= 1 else 0,), n, dtype=torch.int32,
+                                   device=q.device)
+    if cache_seqlens is not None:
+        named.append(("cache_seqlens", cache_seqlens))
+    if block_table is not None:
+        _check_tensor(block_table, "block_table")
+        named.append(("block_table", block_table))
+    _check_same_device(q, named)
+    left, right = _window(window_size)
+    scale = _scale(softmax_scale)
+    num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
+    out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                     scale, bool(causal), left, right, num_splits, bool(return_lse))
+    return (out, lse) if return_lse else out
+
+
 def merge_attn_states(out_a, lse_a, out_b=None, lse_b=None):
     """Merges attention over disjoint key sets by their LSEs (the split-K combine's math).
 
@@ -353,8 +414,9 @@ def merge_attn_states(out_a, lse_a, out_b=None, lse_b=None):
     merge_attn_states); stacked along a new first dimension for the N-way form. The LSEs are
     natural log, fp32 (FlashInfer's base-2 LSE: multiply by ln 2 first). out = sum_i w_i out_i,
     w_i = exp(lse_i - lse), lse = log(sum_i exp(lse_i)): a part with lse -inf contributes
-    nothing, all -inf gives out 0 and lse -inf, NaN reaches the rows it touches. CPU tensors in
-    this build (a GPU call raises NotImplementedError: no merge kernel yet).
+    nothing, all -inf gives out 0 and lse -inf, NaN reaches the rows it touches. CPU tensors
+    run on the host, CUDA/HIP tensors on the GPU merge kernel (on the current stream); a build
+    without GPU kernels raises NotImplementedError for GPU tensors.
 
     Returns:
         (out, lse): out like one part (dtype of the parts), lse float32 like one part's LSE.

@@ -5,6 +5,8 @@
 //   hipflash::varlen_fwd      (q, k, v, cu_q, cu_k, ...)    -> (out, lse)
 //   hipflash::varlen_fwd_out  (q, k, v, out!, lse!?, ...)   -> ()
 //   hipflash::merge_attn_states (outs, lses)                -> (out, lse)   stacked parts
+//   hipflash::fwd_kvcache     (q, k_cache!, v_cache!, k?, v?, cache_seqlens?, block_table?, ...)
+//                                                            -> (out, lse)   appends k/v in place
 //   hipflash::bwd             (dout, q, k, v, out, lse, ...) -> (dq, dk, dv) CPU backward
 //
 // Registered with TORCH_LIBRARY, so torch.compile, torch.jit.trace, CUDA graphs and
@@ -270,6 +272,36 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states(const at::Tensor& outs, con
   return {out, lse};
 }
 
+/// Attention against a KV cache (contiguous, or paged with a block table), after appending the
+/// optional k / v in place at cache_seqlens.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
+    const c10::optional<at::Tensor>& cache_seqlens, const c10::optional<at::Tensor>& block_table,
+    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    int64_t num_splits, bool return_lse) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
+                                : alloc_lse(q, return_lse, {-1});
+  run_launcher([&] {
+    hipflash::KvCacheOptions o;
+    static_cast<hipflash::FwdOptions&>(o) =
+        fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+    const auto qr = to_ref(q, "q", Role::operand), kc = to_ref(k_cache, "k_cache", Role::operand),
+               vc = to_ref(v_cache, "v_cache", Role::operand), outr = to_ref(out, "out", Role::operand);
+    std::optional<hipflash::TensorRef> kr, vr, sr, br, lr;
+    if (k) kr = to_ref(*k, "k", Role::operand);
+    if (v) vr = to_ref(*v, "v", Role::operand);
+    if (cache_seqlens) sr = to_ref(*cache_seqlens, "cache_seqlens", Role::index);
+    if (block_table) br = to_ref(*block_table, "block_table", Role::index);
+    if (return_lse) lr = to_ref(lse, "lse", Role::lse);
+    hipflash::kvcache_forward(qr, kc, vc, kr ? &*kr : nullptr, vr ? &*vr : nullptr,
+                              sr ? &*sr : nullptr, br ? &*br : nullptr, outr, lr ? &*lr : nullptr,
+                              o, stream_of(q));
+  });
+  return {out, lse};
+}
+
 /// The backward (CPU): gradients of fwd from its saved (q, k, v, out, lse).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -412,6 +444,31 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states_autograd(const at::Tensor& 
   return below_autograd<decltype(merge_attn_states)>("hipflash::merge_attn_states", outs, lses);
 }
 
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_autograd(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
+    const c10::optional<at::Tensor>& cache_seqlens, const c10::optional<at::Tensor>& block_table,
+    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    int64_t num_splits, bool return_lse) {
+  const at::Tensor none;
+  refuse_grad({&q, &k_cache, &v_cache, k ? &*k : &none, v ? &*v : &none},
+              "flash_attn_with_kvcache");
+  // The caches are written in place when k / v are appended: bumped like any in-place op's
+  // outputs (also when the call stops early).
+  struct BumpCaches {
+    const at::Tensor &k_cache, &v_cache;
+    bool on;
+    ~BumpCaches() {
+      if (!on) return;
+      bump(k_cache);
+      bump(v_cache);
+    }
+  } bump_caches{k_cache, v_cache, k.has_value()};
+  return below_autograd<decltype(fwd_kvcache)>(
+      "hipflash::fwd_kvcache", q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+      softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+}
+
 /// The backward ops have no derivative of their own (no double backward): inputs that require
 /// grad under grad mode (create_graph=True) are refused, never silently treated as constants.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
@@ -473,6 +530,10 @@ TORCH_LIBRARY(hipflash, m) {
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
         "bool return_lse, str lse_layout) -> ()");
   m.def("merge_attn_states(Tensor outs, Tensor lses) -> (Tensor out, Tensor lse)");
+  m.def("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+        "Tensor? cache_seqlens, Tensor? block_table, float? softmax_scale, bool causal, "
+        "int window_left, int window_right, int num_splits, bool return_lse) "
+        "-> (Tensor out, Tensor lse)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
         "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
@@ -488,6 +549,7 @@ static void register_backend_kernels(torch::Library& m) {
   m.impl("bwd", &bwd);
   m.impl("varlen_bwd", &varlen_bwd);
   m.impl("merge_attn_states", &merge_attn_states);
+  m.impl("fwd_kvcache", &fwd_kvcache);
   m.impl("fwd", &fwd);
   m.impl("fwd_out", &fwd_out);
   m.impl("varlen_fwd", &varlen_fwd);
@@ -501,6 +563,7 @@ TORCH_LIBRARY_IMPL(hipflash, Autograd, m) {
   m.impl("bwd", &bwd_autograd);
   m.impl("varlen_bwd", &varlen_bwd_autograd);
   m.impl("merge_attn_states", &merge_attn_states_autograd);
+  m.impl("fwd_kvcache", &fwd_kvcache_autograd);
   m.impl("fwd", &fwd_autograd);
   m.impl("fwd_out", &fwd_out_autograd);
   m.impl("varlen_fwd", &varlen_fwd_autograd);

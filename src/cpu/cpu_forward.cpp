@@ -17,6 +17,7 @@
 #include "../backend.hpp"
 #include "hipflash/detail/host_numeric.hpp"
 #include "hipflash/detail/softmax_state.hpp"
+#include "common/kv_source.hpp"
 
 namespace hipflash::cpu {
 namespace {
@@ -34,6 +35,7 @@ struct Seq {
 };
 
 Seq sequence(const FwdParams& p, int64_t b) {
+  if (p.seqlens_k) return {0, 0, p.seqlen_q, p.seqlens_k[b] + p.seqlen_k_new};  // KV cache
   if (!p.is_varlen()) return {0, 0, p.seqlen_q, p.seqlen_k};
   return {p.cu_seqlens_q[b], p.cu_seqlens_k[b], p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
           p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]};
@@ -46,26 +48,47 @@ void key_range(const FwdParams& p, const Seq& s, int64_t i, int64_t& lo, int64_t
   hi = p.window_right >= 0 ? std::min<int64_t>(s.len_k, diag + p.window_right + 1) : s.len_k;
 }
 
+using Elem = uint16_t;  // the raw bits of a bf16 / f16 element
+
+/// Calls fn(k_rows, v_rows) with the row sources (common/kv_source.hpp) of sequence b's keys and
+/// values for kv head hk: pages through the block table for a paged KV cache, rows at a fixed
+/// stride otherwise. A paged and a contiguous cache run the same arithmetic on the same values.
+template <class Fn>
+void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& fn) {
+  const auto* k = static_cast<const Elem*>(p.k);
+  const auto* v = static_cast<const Elem*>(p.v);
+  if (p.block_table) {
+    const int32_t* table = p.block_table + b * p.block_table_stride;
+    fn(common::PagedRows<const Elem>{k + hk * p.k_head_stride, table, p.k_batch_stride,
+                                     p.k_row_stride, p.page_shift},
+       common::PagedRows<const Elem>{v + hk * p.v_head_stride, table, p.v_batch_stride,
+                                     p.v_row_stride, p.page_shift});
+    return;
+  }
+  fn(common::ContiguousRows<Elem>{k + b * p.k_batch_stride + s.k_start * p.k_row_stride +
+                                      hk * p.k_head_stride, p.k_row_stride},
+     common::ContiguousRows<Elem>{v + b * p.v_batch_stride + s.k_start * p.v_row_stride +
+                                      hk * p.v_head_stride, p.v_row_stride});
+}
+
 /// One split of one row block: partial softmax state and unnormalised accumulator per row.
-void attend(const FwdParams& p, const Seq& s, int64_t b, int64_t h, int64_t m0, int64_t rows,
-            int64_t key_lo, int64_t key_hi, const std::vector<float>& qf,
+template <class Rows>
+void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_rows, int64_t m0,
+            int64_t rows, int64_t key_lo, int64_t key_hi, const std::vector<float>& qf,
             std::vector<SoftmaxState>& state, std::vector<float>& acc,
             std::vector<float>& kf, std::vector<float>& vf, std::vector<float>& x) {
   const int64_t D = p.head_dim;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
-  const auto* kbase = static_cast<const char*>(p.k);
-  const auto* vbase = static_cast<const char*>(p.v);
-  const int64_t k_off = b * p.k_batch_stride + s.k_start * p.k_row_stride + hk * p.k_head_stride;
-  const int64_t v_off = b * p.v_batch_stride + s.k_start * p.v_row_stride + hk * p.v_head_stride;
   for (int64_t n0 = key_lo; n0 < key_hi; n0 += kBlockN) {
     const int64_t cols = std::min(kBlockN, key_hi - n0);
     // K is kept transposed ([D][kBlockN]) so that the score loop runs along contiguous keys.
-    for (int64_t j = 0; j < cols; ++j)
+    for (int64_t j = 0; j < cols; ++j) {
+      const Elem* kr = k_rows.row(n0 + j);
+      const Elem* vr = v_rows.row(n0 + j);
       for (int64_t d = 0; d < D; ++d) {
-        kf[d * kBlockN + j] =
-            detail::load_as_float(kbase, k_off + (n0 + j) * p.k_row_stride + d, p.dtype);
-        vf[j * D + d] = detail::load_as_float(vbase, v_off + (n0 + j) * p.v_row_stride + d, p.dtype);
+        kf[d * kBlockN + j] = detail::load_as_float(kr, d, p.dtype);
+        vf[j * D + d] = detail::load_as_float(vr, d, p.dtype);
       }
+    }
     const float scale_log2 = p.softmax_scale * kLog2e;
     for (int64_t r = 0; r < rows; ++r) {
       int64_t lo, hi;
@@ -140,7 +163,10 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
     const int64_t hi = std::min(key_hi, (sp + 1) * blocks_per_split * kBlockN);
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(state.begin(), state.end(), SoftmaxState{});
-    if (lo < hi) attend(p, s, b, h, m0, rows, lo, hi, qf, state, acc, kf, vf, x);
+    if (lo < hi)
+      with_kv_rows(p, s, b, h / (p.heads_q / p.heads_kv), [&](const auto& kr, const auto& vr) {
+        attend(p, s, kr, vr, m0, rows, lo, hi, qf, state, acc, kf, vf, x);
+      });
     if (splits == 1) {
       total = state;
       out_total = acc;

@@ -19,5 +19,6 @@ void copy_to_host(void*, const void*, size_t, Stream) { no_gpu(); }
 bool stream_capturing(Stream) { return false; }
 void run_forward(const FwdParams&, const Selection&, int, Stream, Workspace) { no_gpu(); }
 TileShape tile_shape(KernelKind, int) { return TileShape{}; }
+void run_merge(const MergeParams&, int, Stream) { no_gpu(); }
 
 }  // namespace hipflash::gpu

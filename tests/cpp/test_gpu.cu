@@ -559,5 +559,232 @@ TEST_F(Gpu, CuSeqlensOnTheHostAreRejected) {
   EXPECT_TRUE(back.all_nan());
 }
 
+// ---- merge_attn_states on the GPU (SPEC §7) ----------------------------------------------------
+//
+// The GPU merge against the CPU merge over the same inputs: the same sequence of softmax-state
+// operations (MergeParams::total_state), so they differ only by the device's exp2/log2 and fused
+// multiply-adds: NaN, +-inf and -inf LSEs at exactly the same places, finite values within a
+// rounding step of the output dtype.
+
+struct MergeCase {
+  DType dt;
+  int64_t parts, batch, seqlen, heads, dim;
+  bool dense;          ///< lses [N, B, H, S] (else packed [N, H, T], T = B * S)
+  int64_t offset = 0;  ///< elements before outs' first element (1: misaligned, scalar path)
+  std::string name() const {
+    return std::string(dtype_name(dt)) + "_n" + std::to_string(parts) + "_b" + std::to_string(batch) +
+           "_s" + std::to_string(seqlen) + "_h" + std::to_string(heads) + "_d" + std::to_string(dim) +
+           (dense ? "_dense" : "_packed") + (offset ? "_off" + std::to_string(offset) : "");
+  }
+};
+
+/// The inputs and both results of one merge.
+struct MergeData {
+  HostTensor outs, lses, out, lse;
+  MergeData(const MergeCase& c, uint32_t seed) {
+    const int64_t T = c.batch * c.seqlen, N = c.parts, H = c.heads, D = c.dim;
+    outs = HostTensor::strided(c.dt, {N, T, H, D}, {T * H * D, H * D, D, 1}, N * T * H * D + c.offset);
+    outs.fill(kNaN);  // storage outside the view: poison
+    outs.ref.data = static_cast<char*>(outs.ref.data) + c.offset * dtype_size(c.dt);
+    std::mt19937 rng(seed);
+    outs.randomize(rng, 2.f);
+    lses = c.dense ? HostTensor(DType::f32, {N, c.batch, H, c.seqlen}) : HostTensor(DType::f32, {N, H, T});
+    out = HostTensor(c.dt, {T, H, D});
+    lse = c.dense ? HostTensor(DType::f32, {c.batch, H, c.seqlen}) : HostTensor(DType::f32, {H, T});
+    out.fill(kNaN);
+    lse.fill(kNaN);
+    // LSEs in [-6, 6]; every 7th entry an empty part (-inf); every (row, head) with
+    // (t + h) % 11 == 3 has every part empty.
+    std::uniform_real_distribution<float> u(-6.f, 6.f);
+    const int64_t n_lse = lses.ref.numel();
+    for (int64_t e = 0; e < n_lse; ++e) lses.f32()[e] = e % 7 == 5 ? -kInf : u(rng);
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          if ((t + h) % 11 == 3) lses.f32()[lse_index(c, i, t, h)] = -kInf;
+  }
+  static int64_t lse_index(const MergeCase& c, int64_t i, int64_t t, int64_t h) {
+    const int64_t T = c.batch * c.seqlen;
+    return c.dense ? ((i * c.batch + t / c.seqlen) * c.heads + h) * c.seqlen + t % c.seqlen
+                   : (i * c.heads + h) * T + t;
+  }
+};
+
+/// Runs the merge of d's inputs on the GPU; out and lse come back into d's host buffers.
+void run_gpu_merge(MergeData& d, bool with_lse = true) {
+  DeviceTensor outs(d.outs), lses(d.lses), out(d.out), lse(d.lse);
+  merge_attn_states(outs.ref, lses.ref, out.ref, with_lse ? &lse.ref : nullptr);
+  sync();
+  out.download(d.out);
+  lse.download(d.lse);
+}
+
+/// Element by element over the whole storage (guard words included): NaN and infinities at the
+/// same places, finite values within `rel` * max(1, |cpu|).
+::testing::AssertionResult same_up_to_rounding(const HostTensor& gpu, const HostTensor& cpu,
+                                               float rel) {
+  const int64_t n = cpu.storage_elems();
+  int64_t bad = 0, first = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gpu.get_raw(i), c = cpu.get_raw(i);
+    bool ok;
+    if (std::isnan(c) || std::isnan(g)) ok = std::isnan(c) && std::isnan(g);
+    else if (std::isinf(c) || std::isinf(g)) ok = g == c;
+    else ok = std::abs(g - c) <= rel * std::max(1.f, std::abs(c));
+    if (!ok && bad++ == 0) first = i;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << n << " elements differ; first at "
+                                       << first << ": gpu " << gpu.get_raw(first) << " cpu "
+                                       << cpu.get_raw(first);
+}
+
+float merge_tolerance(DType dt) {
+  return dt == DType::bf16 ? 8e-3f : dt == DType::f16 ? 1e-3f : 1e-5f;  // ~2 ulp of the dtype
+}
+
+class GpuMerge : public ::testing::TestWithParam<MergeCase> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available())
+      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
+  }
+};
+
+TEST_P(GpuMerge, MatchesTheCpuMerge) {
+  const MergeCase& c = GetParam();
+  MergeData gpu(c, 11), cpu(c, 11);
+  run_gpu_merge(gpu);
+  merge_attn_states(cpu.outs.ref, cpu.lses.ref, cpu.out.ref, &cpu.lse.ref);
+  EXPECT_TRUE(same_up_to_rounding(gpu.out, cpu.out, merge_tolerance(c.dt))) << "out";
+  EXPECT_TRUE(same_up_to_rounding(gpu.lse, cpu.lse, 1e-5f)) << "lse";
+  // Without an lse buffer the LSE stays untouched (NaN poison) and out is the same.
+  MergeData no_lse(c, 11);
+  run_gpu_merge(no_lse, false);
+  EXPECT_TRUE(no_lse.lse.all_nan());
+  EXPECT_TRUE(no_lse.out.bitwise_equal(gpu.out)) << "out differs without an lse buffer";
+}
+
+std::string merge_case_name(const ::testing::TestParamInfo<MergeCase>& info) {
+  return info.param.name();
+}
+
+/// Two-way and N-way (past the kernel's batch of 4 parts in flight, up to kMaxMergeParts),
+/// dense and packed LSEs, every dtype, vector path (head dims 64, 128, 96, 40) and scalar path
+/// (head dims 36 and 1, a misaligned view).
+std::vector<MergeCase> merge_grid() {
+  return {
+      {DType::bf16, 2, 2, 37, 4, 64, true},     {DType::f16, 2, 1, 300, 8, 128, false},
+      {DType::f32, 2, 3, 5, 2, 128, true},      {DType::bf16, 3, 2, 17, 6, 96, false},
+      {DType::f16, 5, 1, 64, 4, 40, true},      {DType::bf16, 9, 2, 33, 2, 128, true},
+      {DType::f32, 17, 1, 20, 3, 64, false},    {DType::bf16, kMaxMergeParts, 1, 7, 2, 64, false},
+      {DType::bf16, 2, 1, 50, 3, 36, true},     {DType::f16, 4, 2, 9, 5, 1, false},
+      {DType::bf16, 2, 2, 31, 4, 128, true, 1}, {DType::f32, 3, 1, 40, 2, 64, false, 3},
+      {DType::bf16, 1, 2, 16, 2, 64, true},     {DType::f16, 2, 0, 16, 2, 64, true},
+  };
+}
+INSTANTIATE_TEST_SUITE_P(Grid, GpuMerge, ::testing::ValuesIn(merge_grid()), merge_case_name);
+
+TEST_F(Gpu, MergeNanReachesWhatItTouchesAndEmptyPartsAreNeverRead) {
+  const int64_t T = 4, H = 2, D = 64;
+  MergeCase c{DType::bf16, 2, 1, T, H, D, false};
+  MergeData d(c, 3);
+  auto lse_at = [&](int64_t i, int64_t t, int64_t h) -> float& {
+    return d.lses.f32()[MergeData::lse_index(c, i, t, h)];
+  };
+  auto out_at = [&](int64_t i, int64_t t, int64_t h, int64_t e) {
+    return d.outs.base() + ((i * T + t) * H + h) * D + e;
+  };
+  for (int64_t h = 0; h < H; ++h) {
+    lse_at(0, 0, h) = kNaN, lse_at(1, 0, h) = 0.f;  // row 0: a NaN LSE: every column NaN
+    lse_at(0, 1, h) = 0.f, lse_at(1, 1, h) = -30.f;  // row 1: a NaN at weight ~1e-13
+    d.outs.set_raw(out_at(1, 1, h, 5), kNaN);
+    lse_at(0, 2, h) = -kInf, lse_at(1, 2, h) = 1.f;  // row 2: part 0 empty, its out NaN
+    for (int64_t e = 0; e < D; ++e) d.outs.set_raw(out_at(0, 2, h, e), kNaN);
+    lse_at(0, 3, h) = -kInf, lse_at(1, 3, h) = -kInf;  // row 3: both empty
+  }
+  MergeData cpu = d;
+  run_gpu_merge(d);
+  merge_attn_states(cpu.outs.ref, cpu.lses.ref, cpu.out.ref, &cpu.lse.ref);
+  EXPECT_TRUE(same_up_to_rounding(d.out, cpu.out, merge_tolerance(c.dt)));
+  EXPECT_TRUE(same_up_to_rounding(d.lse, cpu.lse, 1e-5f));
+  for (int64_t h = 0; h < H; ++h) {
+    EXPECT_TRUE(std::isnan(d.lse.f32()[h * T + 0]));
+    EXPECT_FALSE(std::isnan(d.lse.f32()[h * T + 1]));
+    EXPECT_NEAR(d.lse.f32()[h * T + 2], 1.f, 1e-6f);
+    EXPECT_EQ(d.lse.f32()[h * T + 3], -kInf);
+    for (int64_t e = 0; e < D; ++e) {
+      const int64_t o = (0 * H + h) * D + e;
+      EXPECT_TRUE(std::isnan(d.out.get_raw(o))) << e;                           // row 0
+      EXPECT_EQ(std::isnan(d.out.get_raw(o + 1 * H * D)), e == 5) << e;          // row 1
+      EXPECT_EQ(d.out.get_raw(o + 2 * H * D), d.outs.get_raw(out_at(1, 2, h, e)));  // row 2
+      EXPECT_EQ(d.out.get_raw(o + 3 * H * D), 0.f) << e;                        // row 3
+    }
+  }
+}
+
+TEST_F(Gpu, MergeOfForwardPartsEqualsTheUnsplitAttention) {
+  // Parts from the CPU forward over key ranges, merged on the GPU: the attention over all keys
+  // (SPEC §6 against the reference of the whole problem).
+  for (auto [dt, d, cuts] : {std::tuple<DType, int64_t, std::vector<int64_t>>{DType::bf16, 64, {0, 150, 300}},
+                             {DType::f16, 128, {0, 17, 64, 65, 300}}}) {
+    Dense t = make({dt, 2, 37, 300, 4, 2, d, false, -1, -1, 1}, 7);
+    const int64_t B = 2, S = 37, H = 4, N = int64_t(cuts.size()) - 1;
+    HostTensor outs(dt, {N, B * S, H, d}), lses(DType::f32, {N, B, H, S});
+    for (int64_t i = 0; i < N; ++i) {
+      TensorRef k = t.k.ref, v = t.v.ref, out = t.out.ref, lse = t.lse.ref;
+      for (TensorRef* r : {&k, &v}) {
+        r->data = static_cast<uint16_t*>(r->data) + cuts[size_t(i)] * r->strides[1];
+        r->sizes[1] = cuts[size_t(i) + 1] - cuts[size_t(i)];
+      }
+      out.data = static_cast<uint16_t*>(outs.ref.data) + i * outs.ref.strides[0];
+      lse.data = static_cast<float*>(lses.ref.data) + i * lses.ref.strides[0];
+      FwdOptions o = t.opts;
+      o.return_lse = true;
+      forward(t.q.ref, k, v, out, &lse, o);
+    }
+    HostTensor merged(dt, {B * S, H, d}), lse(DType::f32, {B, H, S});
+    merged.fill(kNaN);
+    lse.fill(kNaN);
+    {
+      DeviceTensor o(outs), l(lses), r(merged), rl(lse);
+      merge_attn_states(o.ref, l.ref, r.ref, &rl.ref);
+      sync();
+      r.download(merged);
+      rl.download(lse);
+    }
+    const TensorRef as_dense = make_tensor(merged.ref.data, dt, {B, S, H, d});
+    EXPECT_REF_OK(ref::check(t.problem(), as_dense, &lse.ref)) << N << " parts";
+  }
+}
+
+TEST_F(Gpu, MergeGridStrideLoopCoversEveryRow) {
+  // More pieces than the kernel's capped grid has threads (kMaxBlocks x 256 = 2^24): head dim 1
+  // takes the scalar path, one piece per (row, head).
+  const MergeCase c{DType::bf16, 2, 1, int64_t(1) << 20, 17, 1, false};
+  MergeData gpu(c, 5), cpu(c, 5);
+  run_gpu_merge(gpu);
+  merge_attn_states(cpu.outs.ref, cpu.lses.ref, cpu.out.ref, &cpu.lse.ref);
+  EXPECT_TRUE(same_up_to_rounding(gpu.out, cpu.out, merge_tolerance(c.dt))) << "out";
+  EXPECT_TRUE(same_up_to_rounding(gpu.lse, cpu.lse, 1e-5f)) << "lse";
+}
+
+TEST_F(Gpu, MergeBadCallsWriteNothing) {
+  MergeData d({DType::bf16, 2, 1, 8, 2, 64, false}, 1);
+  DeviceTensor outs(d.outs), lses(d.lses), out(d.out), lse(d.lse);
+  TensorRef short_lses = lses.ref;
+  short_lses.sizes[2] = 7;
+  EXPECT_THROW(merge_attn_states(outs.ref, short_lses, out.ref, &lse.ref), invalid_argument);
+  EXPECT_THROW(merge_attn_states(outs.ref, lses.ref, out.ref, &d.lse.ref), invalid_argument);  // host lse
+  TensorRef aliased = out.ref;
+  aliased.data = outs.ref.data;
+  EXPECT_THROW(merge_attn_states(outs.ref, lses.ref, aliased, &lse.ref), invalid_argument);
+  sync();
+  out.download(d.out);
+  lse.download(d.lse);
+  EXPECT_TRUE(d.out.all_nan());
+  EXPECT_TRUE(d.lse.all_nan());
+}
+
 }  // namespace
 }  // namespace hipflash::test

@@ -133,11 +133,34 @@ TEST(Merge, BadCallsAreRefusedBeforeAnythingIsWritten) {
     o.data = outs.ref.data;
     merge_attn_states(outs.ref, lses.ref, o, &lse.ref);
   });
-  expect("runs on CPU tensors only", [&] {
-    TensorRef a = outs.ref, b = lses.ref, c = out.ref, d = lse.ref;
-    for (TensorRef* r : {&a, &b, &c, &d}) r->loc = {Location::gpu, 0};
-    merge_attn_states(a, b, c, &d);
+  expect("must be on the same device", [&] {
+    TensorRef a = outs.ref;
+    a.loc = {Location::gpu, 0};
+    merge_attn_states(a, lses.ref, out.ref, &lse.ref);
   });
+  expect("lse must be on the device of out", [&] {
+    TensorRef d = lse.ref;
+    d.loc = {Location::gpu, 0};
+    merge_attn_states(outs.ref, lses.ref, out.ref, &d);
+  });
+}
+
+TEST(Merge, GpuTensorsInABuildWithoutGpuKernelsAreNotImplemented) {
+  if (build_info().rfind("cpu (", 0) != 0)
+    GTEST_SKIP() << "this build has GPU kernels (" << build_info()
+                 << "): tests/cpp/test_gpu.cu covers the GPU merge";
+  HostTensor outs(DType::bf16, {2, 3, 2, 8}), lses(DType::f32, {2, 2, 3});
+  HostTensor out(DType::bf16, {3, 2, 8}), lse(DType::f32, {2, 3});
+  out.fill(kNaN);
+  TensorRef a = outs.ref, b = lses.ref, c = out.ref, d = lse.ref;
+  for (TensorRef* r : {&a, &b, &c, &d}) r->loc = {Location::gpu, 0};
+  try {
+    merge_attn_states(a, b, c, &d);
+    ADD_FAILURE() << "no exception";
+  } catch (const not_implemented& e) {
+    EXPECT_NE(std::string(e.what()).find("without GPU kernels"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(out.all_nan());
 }
 
 }  // namespace

@@ -333,3 +333,85 @@ def test_varlen_errors_on_device():
         hipflash.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, 5, 6, out=out)
     sync()
     assert torch.isnan(out).all()
+
+
+# ---- merge_attn_states (SPEC §7) -------------------------------------------------------------
+
+
+def _merge_inputs(n, shape, dtype, dense, seed=0):
+    """n parts: outs [n, *shape] and lses [n, B, H, S] (dense, shape [B, S, H, D]) or [n, H, T]
+    (packed, shape [T, H, D]); LSEs in [-6, 6] with empty (-inf) parts and all-empty rows."""
+    g = torch.Generator().manual_seed(seed)
+    outs = (torch.rand((n,) + shape, generator=g) * 4 - 2).to(dtype)
+    lshape = (n, shape[0], shape[2], shape[1]) if dense else (n, shape[1], shape[0])
+    lses = torch.rand(lshape, generator=g) * 12 - 6
+    lses[torch.rand(lshape, generator=g) < 0.15] = float("-inf")
+    lses[..., 3] = float("-inf")  # one row/column empty in every part
+    return outs.to(DEVICE), lses.to(DEVICE)
+
+
+def _merge_close(out, lse, out_ref, lse_ref):
+    """GPU merge vs CPU merge: the same softmax-state math, so NaN/inf at the same places and
+    values within a rounding step of the dtype (the device's exp2/log2 and FMAs differ)."""
+    tol = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}[out.dtype]
+    out, out_ref = out.cpu().float(), out_ref.float()
+    lse = lse.cpu()
+    for a, b, t in ((out, out_ref, tol), (lse, lse_ref, 1e-5)):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.equal(a[torch.isinf(a)], b[torch.isinf(b)])
+        fin = torch.isfinite(b)
+        assert ((a[fin] - b[fin]).abs() <= t * b[fin].abs().clamp(min=1)).all(), \
+            (a[fin] - b[fin]).abs().max().item()
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "packed"])
+@pytest.mark.parametrize("n", [2, 3, 9])
+@pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 128), (torch.float16, 64),
+                                       (torch.float32, 96), (torch.bfloat16, 36)],
+                         ids=["bf16_d128", "f16_d64", "f32_d96", "bf16_d36"])
+def test_merge_matches_the_cpu_merge(dtype, dim, n, dense):
+    shape = (2, 37, 4, dim) if dense else (75, 4, dim)
+    outs, lses = _merge_inputs(n, shape, dtype, dense, seed=n)
+    if n == 2:
+        out, lse = hipflash.merge_attn_states(outs[0], lses[0], outs[1], lses[1])
+    else:
+        out, lse = hipflash.merge_attn_states(outs, lses)
+    assert out.device == outs.device and out.dtype == dtype and out.shape == shape
+    out_ref, lse_ref = hipflash.merge_attn_states(outs.cpu(), lses.cpu())
+    _merge_close(out, lse, out_ref, lse_ref)
+    empty = lse[..., 3] if dense else lse[:, 3]
+    assert (empty == float("-inf")).all()
+
+
+def test_merge_nan_and_empty_parts():
+    out_a = torch.full((3, 1, 8), float("nan"))
+    out_b = torch.arange(24, dtype=torch.float32).reshape(3, 1, 8)
+    lse_a = torch.tensor([[float("-inf"), float("-inf"), float("nan")]])
+    lse_b = torch.tensor([[0.5, float("-inf"), 0.0]])
+    out, lse = hipflash.merge_attn_states(*(t.to(DEVICE) for t in (out_a, lse_a, out_b, lse_b)))
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.equal(out[0], out_b[0]) and abs(lse[0, 0].item() - 0.5) <= 1e-6  # a empty
+    assert torch.equal(out[1], torch.zeros(1, 8)) and lse[0, 1].item() == float("-inf")
+    assert torch.isnan(out[2]).all() and torch.isnan(lse[0, 2])
+
+
+def test_merge_halves_of_a_forward():
+    q, k, v = qkv(2, 37, 300, 4, 2, 64, torch.bfloat16, seed=4)
+    oa, la = hipflash.flash_attn_func(q, k[:, :150], v[:, :150], return_lse=True)
+    ob, lb = hipflash.flash_attn_func(q, k[:, 150:], v[:, 150:], return_lse=True)
+    out, lse = hipflash.merge_attn_states(oa, la, ob, lb)
+    check_attention(out, lse, q, k, v)
+
+
+def test_merge_misaligned_view_and_bad_calls():
+    outs, lses = _merge_inputs(2, (33, 2, 64), torch.bfloat16, False, seed=9)
+    storage = torch.empty(outs.numel() + 1, dtype=outs.dtype, device=DEVICE)
+    view = storage[1:].view(outs.shape)  # 2-byte offset: the scalar path
+    view.copy_(outs)
+    out, lse = hipflash.merge_attn_states(view, lses)
+    out_ref, lse_ref = hipflash.merge_attn_states(outs.cpu(), lses.cpu())
+    _merge_close(out, lse, out_ref, lse_ref)
+    with pytest.raises(ValueError, match="does not match outs"):
+        hipflash.merge_attn_states(outs, lses[:, :, :32])
+    with pytest.raises(TypeError, match="lses must have dtype float32"):
+        hipflash.merge_attn_states(outs, lses.half())

@@ -138,6 +138,15 @@ def test_opcheck(device):
     torch.library.opcheck(ops.varlen_fwd_out.default,
                           (qv, kv, vv, cq, ck, 40, 40, vout, vlse, None, True, -1, -1, 0, True,
                            "padded"))
+    if device == "cpu":  # the KV-cache path is CPU-only so far
+        k_pages = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
+        v_pages = torch.randn_like(k_pages)
+        table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+        lens = torch.tensor([7, 20], dtype=torch.int32)
+        k_new = torch.randn(2, 3, 2, 64, dtype=torch.bfloat16)
+        torch.library.opcheck(ops.fwd_kvcache.default,
+                              (q, k_pages, v_pages, k_new, torch.randn_like(k_new), lens, table,
+                               None, True, -1, -1, 0, True))
 
 
 @needs_gpu

@@ -1,0 +1,51 @@
+// hipflash — attention against a KV cache (SPEC §7), contiguous or paged.
+//
+//   hipflash::kvcache_forward(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+//                             out, lse, opts, stream)
+//
+// q        [B, Sq, Hq, D]                      bf16 / f16, last dimension contiguous
+// k_cache  [B, S_cache, Hkv, D]                contiguous cache (block_table == nullptr), or
+//          [num_blocks, page_size, Hkv, D]     paged cache, page_size a power of two in [16, 256]
+// v_cache  the shape of k_cache
+// block_table   int32 [B, max_blocks], last dimension contiguous: row j of sequence b lives in
+//               page block_table[b][j / page_size], at row j % page_size of that page
+// cache_seqlens int32 [B], contiguous, or nullptr: sequence b holds cache_seqlens[b] keys
+//               (nullptr: every sequence fills its capacity, S_cache or max_blocks * page_size)
+// k_new, v_new  [B, S_new, Hkv, D] or nullptr: appended in place at rows cache_seqlens[b] ...
+//               cache_seqlens[b] + S_new - 1 of sequence b before attending (needs cache_seqlens)
+// out      [B, Sq, Hq, D]; lse fp32 [B, Hq, Sq] contiguous (only with opts.return_lse)
+//
+// Sequence b attends to its first cache_seqlens[b] + S_new keys; causal and windows are
+// bottom-right aligned against that length (SPEC §3 with Sk = that length). A paged and a
+// contiguous cache holding the same rows give bitwise the same out and LSE.
+//
+// Checked before anything is written (SPEC §4): shapes, dtypes, devices, page size, that
+// cache_seqlens[b] >= 0 and cache_seqlens[b] + S_new fit the sequence's capacity, and that the
+// block-table entries a sequence uses (the first ceil(length / page_size)) name existing pages.
+// Entries past a sequence's length are never read, so they may hold anything (e.g. -1). Two
+// sequences whose entries name the same page are not detected: appending to both writes one page.
+//
+// CPU tensors only in this build; GPU tensors raise hipflash::not_implemented.
+#pragma once
+
+#include "hipflash/forward.hpp"
+#include "hipflash/types.hpp"
+
+namespace hipflash {
+
+/// The smallest and largest page size of a paged cache (powers of two in between).
+inline constexpr int64_t kMinPageSize = 16;
+inline constexpr int64_t kMaxPageSize = 256;
+
+/// Options of kvcache_forward: those of the forward (causal and windows are aligned against
+/// each sequence's key count).
+struct KvCacheOptions : FwdOptions {};
+
+/// Attention of q against a KV cache, after appending k_new / v_new (see the header comment).
+void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,
+                     const TensorRef* k_new, const TensorRef* v_new,
+                     const TensorRef* cache_seqlens, const TensorRef* block_table,
+                     const TensorRef& out, const TensorRef* lse, const KvCacheOptions& opts = {},
+                     Stream stream = nullptr);
+
+}  // namespace hipflash

@@ -1,0 +1,229 @@
+// hipflash — kvcache_forward (SPEC §7): validation of the cache, its lengths and block table,
+// the append of new keys/values, then the forward's select -> dispatch on FwdParams that read
+// K/V through the cache (per-sequence lengths; pages through the block table).
+#include "hipflash/kvcache.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "common/kv_source.hpp"
+#include "tensor_checks.hpp"
+
+namespace hipflash {
+namespace {
+
+using detail::shape_str;
+
+void check_disjoint(const TensorRef& w, const char* w_name, const TensorRef& r, const char* r_name) {
+  const detail::Overlap o = detail::overlap(w, r);
+  HIPFLASH_CHECK(o == detail::Overlap::none, w_name, " must not alias ", r_name,
+                 o == detail::Overlap::some ? " (they share elements)"
+                                            : " (hipflash cannot prove them disjoint; pass "
+                                              "separate buffers)");
+}
+
+/// A cache-like operand: rank 4, sizes >= 0, indexable in 64 bits, q's dtype and device,
+/// contiguous last dimension.
+void check_operand(const TensorRef& t, const char* name, const TensorRef& q, const char* layout) {
+  HIPFLASH_CHECK(t.rank == 4, name, " must have rank 4 (", layout, "), got shape ", shape_str(t));
+  for (int i = 0; i < 4; ++i)
+    HIPFLASH_CHECK(t.sizes[i] >= 0, name, " has a negative size: ", shape_str(t));
+  const char* why = "";
+  HIPFLASH_CHECK(detail::indexable(t, &why), name, " with shape ", shape_str(t),
+                 " cannot be indexed in 64 bits: ", why);
+  HIPFLASH_CHECK_AS(dtype_error, t.dtype == q.dtype, name, " must have dtype ",
+                    dtype_name(q.dtype), " (the dtype of q), got ", dtype_name(t.dtype));
+  HIPFLASH_CHECK(t.loc == q.loc, name, " must be on the device of q");
+  HIPFLASH_CHECK(t.strides[3] == 1 || t.sizes[3] <= 1, name,
+                 " must have a contiguous last dimension (stride 1), got stride ", t.strides[3]);
+  HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
+}
+
+/// An int32 index tensor of the given rank on q's device, contiguous last dimension.
+void check_index(const TensorRef& t, const char* name, int rank, const char* layout,
+                 const TensorRef& q) {
+  HIPFLASH_CHECK(t.dtype == DType::i32, name, " must have dtype int32, got ", dtype_name(t.dtype));
+  HIPFLASH_CHECK(t.rank == rank, name, " must have rank ", rank, " (", layout, "), got shape ",
+                 shape_str(t));
+  const char* why = "";
+  HIPFLASH_CHECK(detail::indexable(t, &why), name, " cannot be indexed in 64 bits: ", why);
+  HIPFLASH_CHECK(t.strides[rank - 1] == 1 || t.sizes[rank - 1] <= 1, name,
+                 " must have a contiguous last dimension (stride 1)");
+  HIPFLASH_CHECK(t.loc == q.loc, name, " must be on the device of q");
+  HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
+}
+
+bool power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+int log2_of(int64_t x) {
+  int s = 0;
+  while ((int64_t(1) << s) < x) ++s;
+  return s;
+}
+
+/// Copies the rows of `src` ([B, S_new, Hkv, D]) to rows cache_seqlens[b] + j of the cache at
+/// `cache` (strides of FwdParams: batch or page, row, head) through its row source, contiguous
+/// or paged: the append, on host memory.
+void append_on_cpu(const FwdParams& p, const TensorRef& src, void* cache, int64_t batch_stride,
+                   int64_t row_stride, int64_t head_stride) {
+  const size_t bytes = size_t(p.head_dim) * size_t(dtype_size(p.dtype));
+  auto* rows = static_cast<uint16_t*>(cache);  // bf16 / f16 elements
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t start = p.seqlens_k[b];
+    for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
+      const common::PagedRows<uint16_t> paged{rows + hk * head_stride,
+                                              p.block_table + b * p.block_table_stride,
+                                              batch_stride, row_stride, p.page_shift};
+      uint16_t* contiguous = rows + b * batch_stride + hk * head_stride;
+      for (int64_t j = 0; j < src.sizes[1]; ++j) {
+        const auto* from = static_cast<const uint16_t*>(src.data) + b * src.strides[0] +
+                           j * src.strides[1] + hk * src.strides[2];
+        uint16_t* to = p.block_table ? paged.row(start + j) : contiguous + (start + j) * row_stride;
+        std::memcpy(to, from, bytes);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,
+                     const TensorRef* k_new, const TensorRef* v_new,
+                     const TensorRef* cache_seqlens, const TensorRef* block_table,
+                     const TensorRef& out, const TensorRef* lse, const KvCacheOptions& opts,
+                     Stream stream) {
+  // ---- Shapes, dtypes, devices (SPEC §4): nothing is read or written before these pass.
+  HIPFLASH_CHECK(q.rank == 4, "q must have rank 4 ([batch, seqlen_q, heads_q, head_dim]), got ",
+                 "shape ", shape_str(q));
+  const bool paged = block_table != nullptr;
+  const char* cache_layout = paged ? "[num_blocks, page_size, heads_kv, head_dim] with a block_table"
+                                   : "[batch, seqlen_cache, heads_kv, head_dim]";
+  check_operand(k_cache, "k_cache", q, cache_layout);
+  check_operand(v_cache, "v_cache", q, cache_layout);
+  for (int i = 0; i < 4; ++i)
+    HIPFLASH_CHECK(v_cache.sizes[i] == k_cache.sizes[i], "k_cache and v_cache must have the same "
+                   "shape: k_cache ", shape_str(k_cache), ", v_cache ", shape_str(v_cache));
+  const int64_t batch = q.sizes[0];
+  int64_t capacity = k_cache.sizes[1], page = 0, max_blocks = 0;
+  if (paged) {
+    check_index(*block_table, "block_table", 2, "[batch, max_blocks_per_seq]", q);
+    page = k_cache.sizes[1];
+    HIPFLASH_CHECK(power_of_two(page) && page >= kMinPageSize && page <= kMaxPageSize,
+                   "the page size (k_cache.shape[1] with a block_table) must be a power of two in [",
+                   kMinPageSize, ", ", kMaxPageSize, "], got ", page);
+    HIPFLASH_CHECK(block_table->sizes[0] == batch, "block_table must have one row per sequence ",
+                   "(batch = ", batch, "), got shape ", shape_str(*block_table));
+    max_blocks = block_table->sizes[1];
+    HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 62) / page, "block_table has too many columns");
+    capacity = max_blocks * page;
+  } else {
+    HIPFLASH_CHECK(k_cache.sizes[0] == batch, "k_cache must have the batch size of q (", batch,
+                   ") without a block_table, got shape ", shape_str(k_cache));
+  }
+  // The forward's checks of q, out, lse and the options, against a view of the cache with the
+  // right batch (a paged cache has none: its overlap with out is checked below).
+  TensorRef k_view = k_cache, v_view = v_cache;
+  if (paged)
+    for (TensorRef* t : {&k_view, &v_view}) {
+      t->sizes[0] = batch;
+      t->sizes[1] = 0;
+    }
+  FwdParams p = make_dense_params(q, k_view, v_view, out, lse, opts);
+  if (paged) {
+    for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
+      check_disjoint(out, "out", *t, name);
+      if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
+    }
+  }
+  HIPFLASH_CHECK((k_new == nullptr) == (v_new == nullptr), "k and v (the new keys and values) "
+                 "must be given together");
+  int64_t s_new = 0;
+  if (k_new) {
+    HIPFLASH_CHECK(cache_seqlens != nullptr, "appending k and v needs cache_seqlens (where each "
+                   "sequence's new rows go)");
+    check_operand(*k_new, "k", q, "[batch, seqlen_new, heads_kv, head_dim]");
+    check_operand(*v_new, "v", q, "[batch, seqlen_new, heads_kv, head_dim]");
+    for (int i = 0; i < 4; ++i)
+      HIPFLASH_CHECK(v_new->sizes[i] == k_new->sizes[i], "k and v must have the same shape: k ",
+                     shape_str(*k_new), ", v ", shape_str(*v_new));
+    HIPFLASH_CHECK(k_new->sizes[0] == batch && k_new->sizes[2] == k_cache.sizes[2] &&
+                       k_new->sizes[3] == k_cache.sizes[3],
+                   "k must have shape [batch, seqlen_new, heads_kv, head_dim] = [", batch,
+                   ", *, ", k_cache.sizes[2], ", ", k_cache.sizes[3], "], got ", shape_str(*k_new));
+    s_new = k_new->sizes[1];
+    // The caches are written first, then read with q: nothing they are read with may share
+    // their memory.
+    check_disjoint(k_cache, "k_cache", v_cache, "v_cache");
+    for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
+      for (auto [r, r_name] : {std::pair{k_new, "k"}, {v_new, "v"}, {&q, "q"}})
+        check_disjoint(*t, name, *r, r_name);
+      if (cache_seqlens) check_disjoint(*t, name, *cache_seqlens, "cache_seqlens");
+      if (block_table) check_disjoint(*t, name, *block_table, "block_table");
+    }
+    for (auto [r, r_name] : {std::pair{k_new, "k"}, {v_new, "v"}}) {
+      check_disjoint(out, "out", *r, r_name);
+      if (opts.return_lse) check_disjoint(*lse, "lse", *r, r_name);
+    }
+  }
+  if (cache_seqlens) {
+    check_index(*cache_seqlens, "cache_seqlens", 1, "[batch]", q);
+    HIPFLASH_CHECK(cache_seqlens->sizes[0] == batch, "cache_seqlens must have one entry per "
+                   "sequence (batch = ", batch, "), got shape ", shape_str(*cache_seqlens));
+  }
+  for (const TensorRef* t : {cache_seqlens, block_table}) {
+    if (!t) continue;
+    const char* name = t == cache_seqlens ? "cache_seqlens" : "block_table";
+    check_disjoint(out, "out", *t, name);
+    if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
+  }
+  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
+                    "flash_attn_with_kvcache runs on CPU tensors in this build (the GPU paged / "
+                    "KV-cache kernels are not built yet)");
+
+  // ---- The values: lengths and the block-table entries each sequence uses.
+  std::vector<int32_t> lens(size_t(batch), 0);
+  if (cache_seqlens && batch > 0)
+    std::memcpy(lens.data(), cache_seqlens->data, size_t(batch) * sizeof(int32_t));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = cache_seqlens ? int64_t(lens[size_t(b)]) : capacity;
+    HIPFLASH_CHECK(len >= 0, "cache_seqlens[", b, "] = ", len, " is negative");
+    HIPFLASH_CHECK(len + s_new <= capacity, "sequence ", b, " needs ", len, " cached + ", s_new,
+                   " new keys but its cache holds ", capacity,
+                   paged ? " (max_blocks_per_seq * page_size)" : " (k_cache.shape[1])");
+    if (paged) {
+      const auto* row = static_cast<const int32_t*>(block_table->data) + b * block_table->strides[0];
+      const int64_t used = (len + s_new + page - 1) / page, num_blocks = k_cache.sizes[0];
+      for (int64_t e = 0; e < used; ++e)
+        HIPFLASH_CHECK(row[e] >= 0 && row[e] < num_blocks, "block_table[", b, ", ", e, "] = ",
+                       row[e], " is not a page of the cache (num_blocks = ", num_blocks, ")");
+    }
+  }
+
+  // ---- FwdParams over the cache, the append, the forward.
+  p.k = k_cache.data;
+  p.v = v_cache.data;
+  p.k_batch_stride = k_cache.strides[0], p.k_row_stride = k_cache.strides[1];
+  p.k_head_stride = k_cache.strides[2];
+  p.v_batch_stride = v_cache.strides[0], p.v_row_stride = v_cache.strides[1];
+  p.v_head_stride = v_cache.strides[2];
+  p.seqlen_k = capacity;  // the longest a sequence can be: the split heuristic's key range
+  p.seqlens_k = cache_seqlens ? static_cast<const int32_t*>(cache_seqlens->data) : nullptr;
+  p.seqlen_k_new = s_new;
+  if (paged) {
+    p.block_table = static_cast<const int32_t*>(block_table->data);
+    p.block_table_stride = block_table->strides[0];
+    p.page_shift = log2_of(page);
+  }
+  // The window saturates against the capacity (the paged view above had no keys).
+  p.window_left = opts.window_left >= capacity ? -1 : opts.window_left;
+  if (k_new && s_new > 0) {
+    append_on_cpu(p, *k_new, k_cache.data, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+    append_on_cpu(p, *v_new, v_cache.data, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  }
+  dispatch_forward(p, opts, q.loc, stream, Workspace{});
+}
+
+}  // namespace hipflash
