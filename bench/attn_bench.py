@@ -220,8 +220,17 @@ def build_suite(name, dtype, flex):
                          [64, 128], [False, True], dtype, HF + VARLEN_PEERS)
     full_lse = (fa_grid([1024, 4096, 16384], [128], [False], dtype, LSE_OVERHEAD, "lse-overhead")
                 + decode([32768], [8], dtype, LSE_OVERHEAD, "lse-overhead"))
+    # Head dims outside the FA grid that the Hopper issue names (96 and 256, against FA2).
+    head_dims = fa_grid([1024, 4096, 16384], [96, 256], [False, True], dtype, HF + DENSE_PEERS,
+                        "head-dims")
     if name == "fa-grid":
         return with_flex(full_grid) if flex else full_grid
+    if name == "head-dims":
+        return head_dims
+    if name == "dev":  # kernel work on Hopper: part of the grid, hd96 and hd256, < 1 min
+        return fa_grid([1024, 4096, 16384], [64, 128], [False, True], dtype, HF + DENSE_PEERS) \
+            + fa_grid([4096], [96, 256], [False, True], dtype, HF + DENSE_PEERS, "head-dims") \
+            + fa_grid([4096], [128], [False], dtype, LSE_OVERHEAD, "lse-overhead")
     if name == "decode":
         return full_decode
     if name == "varlen":
@@ -232,8 +241,8 @@ def build_suite(name, dtype, flex):
     if name == HOST:
         return full_host
     if name == "full":
-        return (with_flex(full_grid) if flex else full_grid) + full_decode + full_varlen \
-            + full_lse + full_host
+        return (with_flex(full_grid) if flex else full_grid) + head_dims + full_decode \
+            + full_varlen + full_lse + full_host
     if name == "quick":
         grid = fa_grid([1024, 4096, 16384], [64, 128], [False, True], dtype, HF + DENSE_PEERS)
         return (with_flex(grid) if flex else grid) \
@@ -655,8 +664,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="quick",
-                    choices=["quick", "full", "fa-grid", "decode", "varlen", "lse-overhead",
-                             HOST, "tiny", "merge"])
+                    choices=["quick", "full", "fa-grid", "head-dims", "dev", "decode", "varlen",
+                             "lse-overhead", HOST, "tiny", "merge"])
     ap.add_argument("--out", default=None, help="results directory (default bench/results/SUITE)")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="default: cuda if available, else cpu (CPU runs only test the runner)")

@@ -22,6 +22,7 @@ HOST = "host-overhead"
 
 SUITE_TITLES = {
     "fa-grid": "FlashAttention grid (B*S = 16k, H*D = 2048)",
+    "head-dims": "Head dims 96 and 256 (B*S = 16k, H = 2048 // D)",
     "decode": "Decode (Sq = 1, GQA 32/8, D = 128)",
     "varlen": "Varlen (mixed sequence lengths)",
     "lse-overhead": "LSE overhead (same kernel family, LSE on vs off)",
@@ -43,7 +44,7 @@ SUITE_NOTES = {
           "fa2-native). fa2-native (`aten._flash_attention_forward`) has no LSE switch: it "
           "always computes and returns the LSE. Counts in *Host timing* above.",
 }
-SUITE_ORDER = ["fa-grid", "decode", "varlen", "lse-overhead", HOST, "tiny"]
+SUITE_ORDER = ["fa-grid", "head-dims", "decode", "varlen", "lse-overhead", HOST, "tiny"]
 SUITE_METRIC = {"decode": "gbps", HOST: "b2b_us"}  # everything else: tflops
 METRIC_UNIT = {"tflops": "TFLOP/s", "gbps": "GB/s", "b2b_us": "µs per call, back to back"}
 LOWER_IS_BETTER = {"b2b_us"}
@@ -54,7 +55,7 @@ HF, HF_LSE = "hipflash", "hipflash+lse"
 # The peer the host-overhead ratios divide by, the first of these in the cell: FlashAttention-2's
 # own entry point (the target), or torch-math in the CPU test of the runner.
 HOST_REF = ("fa2-native", "torch-math")
-XLABELS = {"fa-grid": "Sequence length", "decode": "KV length (Sk)", "tiny": ""}
+XLABELS = {"fa-grid": "Sequence length", "head-dims": "Sequence length", "decode": "KV length (Sk)", "tiny": ""}
 
 # Fixed colours, so a backend looks the same in every figure.
 COLORS = {

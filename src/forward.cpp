@@ -171,6 +171,22 @@ void fill_window(FwdParams& p, const FwdOptions& opts) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/// Whether a TMA tensor map can describe the dense operands (Problem::tma_compatible): the
+/// 4-d map (head dim, row, head, batch) needs every stride of a dimension longer than one
+/// positive, a multiple of 16 bytes and below 2^40 bytes (a size-1 dimension's is not used).
+bool tma_describable(const FwdParams& p) {
+  if (p.is_varlen()) return false;
+  const int64_t bytes = dtype_size(p.dtype);
+  auto ok = [&](int64_t stride, int64_t extent) {
+    return extent == 1 || (stride > 0 && (stride * bytes) % 16 == 0 && stride * bytes < (int64_t(1) << 40));
+  };
+  return ok(p.q_row_stride, p.seqlen_q) && ok(p.q_head_stride, p.heads_q) &&
+         ok(p.q_batch_stride, p.batch) && ok(p.k_row_stride, p.seqlen_k) &&
+         ok(p.k_head_stride, p.heads_kv) && ok(p.k_batch_stride, p.batch) &&
+         ok(p.v_row_stride, p.seqlen_k) && ok(p.v_head_stride, p.heads_kv) &&
+         ok(p.v_batch_stride, p.batch);
+}
+
 /// What the selector needs to know about a (validated) call.
 Problem make_problem(const FwdParams& p) {
   Problem prob;
@@ -181,6 +197,7 @@ Problem make_problem(const FwdParams& p) {
   prob.varlen = p.is_varlen();
   prob.num_splits = p.num_splits;
   prob.query_rows = p.gpu_query_rows();
+  prob.tma_compatible = tma_describable(p);
   return prob;
 }
 

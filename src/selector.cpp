@@ -23,6 +23,7 @@ const char* kernel_kind_name(KernelKind k) {
     case KernelKind::generic: return "generic";
     case KernelKind::decode: return "decode";
     case KernelKind::sm90: return "sm90";
+    case KernelKind::sm90_ws: return "sm90_ws";
     case KernelKind::gfx950_dualwave: return "gfx950_dualwave";
     case KernelKind::unsupported: return "unsupported";
   }
@@ -65,10 +66,14 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
       return sel;
     }
     // Few query rows per head (decode): the 16-row decode kernel. Otherwise Hopper (sm_90
-    // exactly: wgmma does not exist on later archs) runs the wgmma kernel for head dims up to
-    // 128 where it was built, and everything else the generic mma.sync kernel.
+    // exactly: wgmma does not exist on later archs) runs the TMA warp-specialised kernel for
+    // dense calls whose tensors TMA can describe, the cp.async wgmma kernel for the rest up to
+    // head dim 128 (varlen, odd strides), where they were built, and everything else the
+    // generic mma.sync kernel.
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = KernelKind::decode;
+    else if (arch.version == 90 && caps.sm90_ws && !p.varlen && p.tma_compatible)
+      sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && hd <= 128)
       sel.kind = KernelKind::sm90;
     else

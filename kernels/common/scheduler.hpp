@@ -13,14 +13,39 @@ namespace hipflash::common {
 
 /// One thread block per work tile: the grid is the tile count, a block runs tile blockIdx.x.
 struct StaticScheduler {
-  /// Blocks to launch for `tiles` work tiles.
-  HIPFLASH_HD static int64_t grid(int64_t tiles) { return tiles; }
+  static constexpr bool kPersistent = false;
+  /// Blocks to launch for `tiles` work tiles (`slots`: resident blocks the GPU holds; unused).
+  HIPFLASH_HD static int64_t grid(int64_t tiles, int64_t /*slots*/) { return tiles; }
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
   /// Calls body(tile) for every tile this block owns: exactly one.
   template <class Body>
   __device__ __forceinline__ static void run(Body&& body) {
     body(int64_t(blockIdx.x));
+  }
+  /// The same, for kernels written against a tile count (which one block per tile ignores).
+  template <class Body>
+  __device__ __forceinline__ static void run(int64_t /*tiles*/, Body&& body) {
+    body(int64_t(blockIdx.x));
+  }
+#endif  // device compiler
+};
+
+/// Persistent blocks: one per resident slot (multiprocessors x blocks per multiprocessor), each
+/// walking the tiles blockIdx.x, blockIdx.x + gridDim.x, ... — tile 0's query blocks first, so
+/// the heavy causal blocks (BlockInfo's reversed order) start in the first wave. A kernel keeps
+/// its pipeline (barrier phases, prefetched stages) running from one tile into the next.
+struct PersistentScheduler {
+  static constexpr bool kPersistent = true;
+  HIPFLASH_HD static int64_t grid(int64_t tiles, int64_t slots) {
+    return tiles < slots ? tiles : slots;
+  }
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+  /// Calls body(tile) for every tile this block owns, in order.
+  template <class Body>
+  __device__ __forceinline__ static void run(int64_t tiles, Body&& body) {
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) body(tile);
   }
 #endif  // device compiler
 };

@@ -9,6 +9,7 @@
 #include "decode/decode_tile.hpp"
 #include "gfx950/dualwave_schedule.hpp"
 #include "sm90/tile.hpp"
+#include "sm90_ws/tile.hpp"
 #include "generic/tile_config.hpp"
 #include "gpu/launch_api.hpp"
 #include "hipflash/detail/static_switch.hpp"
@@ -79,6 +80,9 @@ BuildCaps build_caps() {
     // HIPFLASH_DISABLE_SM90=1 hides them, so that Hopper runs (and tests) the generic kernel.
     const char* off = std::getenv("HIPFLASH_DISABLE_SM90");
     c.sm90 = !(off && off[0] == '1');
+    // HIPFLASH_DISABLE_SM90_WS=1 hides only the warp-specialised kernel (tests the cp.async one).
+    const char* ws_off = std::getenv("HIPFLASH_DISABLE_SM90_WS");
+    c.sm90_ws = c.sm90 && !(ws_off && ws_off[0] == '1');
 #endif  // HIPFLASH_HAS_SM90_KERNELS
 #if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
     // HIPFLASH_DISABLE_DUALWAVE=1 hides them, so that gfx950 runs the generic kernel.
@@ -153,6 +157,11 @@ TileShape tile_shape(KernelKind kind, int hd) {
     return hd == 64 ? shape_of<sm90::Tile<64>>(sm90::Tile<64>::kMinBlocks)
                     : shape_of<sm90::Tile<128>>(sm90::Tile<128>::kMinBlocks);
   }
+  if (kind == KernelKind::sm90_ws) {
+    return hd == 64    ? shape_of<sm90ws::Tile<64>>(sm90ws::Tile<64>::kMinBlocks)
+         : hd == 128 ? shape_of<sm90ws::Tile<128>>(sm90ws::Tile<128>::kMinBlocks)
+                     : shape_of<sm90ws::Tile<256>>(sm90ws::Tile<256>::kMinBlocks);
+  }
   if (kind == KernelKind::decode) {
     // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).
     return hd == 64 ? shape_of<decode::DecodeTile<64>>(2)
@@ -206,6 +215,12 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
     p.out_partial = static_cast<float*>(base);
     p.state_partial = reinterpret_cast<detail::SoftmaxState*>(p.out_partial + rows * size_t(hd));
   }
+  // A kernel kind the selector chose that this build or head dim does not have.
+  const auto not_built = [&] {
+    return not_implemented(std::string("kernel kind ") + kernel_kind_name(sel.kind) +
+                           " is not built for " + HIPFLASH_GPU_NAME + " at head dim " +
+                           std::to_string(hd));
+  };
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
     HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
       HIPFLASH_BOOL_SWITCH(p.num_splits > 1, kSplit, [&] {
@@ -232,11 +247,11 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
                     launch_sm90_fwd<Traits>(p, stream);
                     break;
                   }
-                  [[fallthrough]];
+                  throw not_built();
+                case KernelKind::sm90_ws: launch_sm90ws_fwd<Traits>(p, stream); break;
 #endif  // HIPFLASH_HAS_SM90_KERNELS
                 default:
-                  throw not_implemented(std::string("kernel kind ") + kernel_kind_name(sel.kind) +
-                                        " is not built for " + HIPFLASH_GPU_NAME);
+                  throw not_built();
               }
             } else {
               throw not_implemented("head dim kernel hd" + std::to_string(kHD) + " was not built");

@@ -22,6 +22,10 @@ void launch_decode_fwd(const FwdParams& p, port::stream_t stream);
 template <class Traits>
 void launch_sm90_fwd(const FwdParams& p, port::stream_t stream);
 
+/// Launches sm90ws::fwd_sm90_ws_kernel<Traits> (CUDA builds with sm_90a; see kernels/sm90_ws).
+template <class Traits>
+void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream);
+
 /// Launches gfx950::fwd_dualwave_kernel<Traits> (HIP builds with gfx950; see kernels/gfx950).
 template <class Traits>
 void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream);

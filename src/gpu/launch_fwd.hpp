@@ -7,7 +7,9 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <tuple>
 
+#include "backend.hpp"  // device_arch
 #include "gpu/launch_api.hpp"
 
 namespace hipflash::gpu {
@@ -33,28 +35,37 @@ void set_smem_once_per_device(int bytes, const char* name) {
 ///              type the kernel runs its tiles with
 ///   kKernel    the __global__ function, called as kKernel(p, num_m_blocks)
 ///   kName      its name in error messages
-///   prepare(p) host-side arguments beyond FwdParams (none today; a TMA kernel builds its tensor
-///              maps here)
+///   prepare(p) the kernel's arguments after (p, num_m_blocks), as a tuple: none for most
+///              kernels, the TMA tensor maps for the warp-specialised sm90 kernel
 template <class Launch>
-void launch_fwd(const FwdParams& params, port::stream_t stream) {
+void launch_fwd(const FwdParams& p, port::stream_t stream) {
   using Tile = typename Launch::Tile;
-  FwdParams p = params;
-  Launch::prepare(p);
   const int64_t num_m_blocks = (p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   const int64_t tiles = num_m_blocks * p.num_splits * p.heads_q * p.batch;
-  const int64_t blocks = Launch::Scheduler::grid(tiles);
+  int64_t slots = 0;  // blocks resident at once: only a persistent grid is sized by them
+  if constexpr (Launch::Scheduler::kPersistent) {
+    int device = 0;
+    port::check(port::get_device(&device), "querying the current device");
+    slots = int64_t(device_arch(device).num_sms) * Tile::kMinBlocks;
+  }
+  const int64_t blocks = Launch::Scheduler::grid(tiles, slots);
   HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one launch: ", blocks,
                  " thread blocks (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
+  auto extra = Launch::prepare(p);
   set_smem_once_per_device<Launch::kKernel>(Tile::kSmemBytes, Launch::kName);
-  Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes, stream>>>(
-      p, int(num_m_blocks));
+  std::apply(
+      [&](const auto&... args) {
+        Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes,
+                          stream>>>(p, int(num_m_blocks), args...);
+      },
+      extra);
   if (const port::error_t err = port::get_last_error(); err != port::kSuccess)
     port::check(err, (std::string("launching the ") + Launch::kName + " forward kernel").c_str());
 }
 
-/// Launch traits with nothing to prepare (every kernel today).
+/// Launch traits whose kernel takes nothing beyond (p, num_m_blocks).
 struct NoPrepare {
-  static void prepare(FwdParams&) {}
+  static std::tuple<> prepare(const FwdParams&) { return {}; }
 };
 
 }  // namespace hipflash::gpu

@@ -210,22 +210,30 @@ std::vector<Case> decode_kernel() {
 INSTANTIATE_TEST_SUITE_P(DecodeKernel, GpuForward, ::testing::ValuesIn(decode_kernel()), case_name);
 
 TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
-  // GQA decode (32/8 packs 4 rows) and Sq <= 16 take the decode kernel; longer queries the
-  // wgmma kernel on Hopper where it is built (unless HIPFLASH_DISABLE_SM90=1), else generic.
+  // GQA decode (32/8 packs 4 rows) and Sq <= 16 take the decode kernel; longer queries on
+  // Hopper where built (unless HIPFLASH_DISABLE_SM90=1): the TMA warp-specialised kernel for
+  // dense calls (unless HIPFLASH_DISABLE_SM90_WS=1), the cp.async wgmma kernel for varlen; else
+  // generic.
   int device = 0, major = 0, minor = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
-  const char* off = std::getenv("HIPFLASH_DISABLE_SM90");
-  const bool sm90 = major * 10 + minor == 90 && !(off && off[0] == '1') &&
+  const auto env_on = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v && v[0] == '1';
+  };
+  const bool sm90 = major * 10 + minor == 90 && !env_on("HIPFLASH_DISABLE_SM90") &&
                     build_info().find("sm90") != std::string::npos;
-  const char* dense = sm90 ? "fwd_sm90_" : "fwd_generic_";
+  const bool ws = sm90 && !env_on("HIPFLASH_DISABLE_SM90_WS");
+  const std::string wgmma = sm90 ? "fwd_sm90_bf16" : "fwd_generic_";
+  const std::string tma = ws ? "fwd_sm90_ws_" : wgmma;
+  const std::string generic = "fwd_generic_";
   for (auto [sq, hq, hkv, d, kind] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t, const char*>{1, 32, 8, 128, "fwd_decode_"},
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, std::string>{1, 32, 8, 128, "fwd_decode_"},
         {16, 6, 6, 64, "fwd_decode_"},
-        {17, 6, 6, 128, dense},
-        {1, 64, 2, 64, dense},  // 32 packed rows
-        {300, 4, 4, 256, "fwd_generic_"}}) {
+        {17, 6, 6, 128, tma},
+        {1, 64, 2, 64, tma},  // 32 packed rows
+        {300, 4, 4, 256, ws ? tma : generic}}) {
     Dense t = make({DType::bf16, 1, sq, 300, hq, hkv, d, false, -1, -1, 1});
     run_gpu(t);
     EXPECT_EQ(last_kernel_name().rfind(kind, 0), 0u) << last_kernel_name() << " for Sq=" << sq;

@@ -108,6 +108,34 @@ TEST(Selector, HopperTakesTheWgmmaKernelWhereBuilt) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::sm90), "sm90");
 }
 
+TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
+  BuildCaps caps = kCuda;
+  caps.sm90 = caps.sm90_ws = true;
+  auto dense = [](int d) {
+    Problem p = problem(DType::bf16, d);
+    p.tma_compatible = true;
+    return p;
+  };
+  for (int d : {32, 64, 96, 128, 256})
+    EXPECT_EQ(select_kernel(dense(d), kSm90, caps).kind, KernelKind::sm90_ws) << d;
+  Problem varlen = dense(128);  // TMA cannot stop at a sequence's end: cp.async zero-fills
+  varlen.varlen = true;
+  EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90);
+  varlen.head_dim = 256;
+  EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::generic);
+  Problem odd = dense(128);  // strides a tensor map cannot describe
+  odd.tma_compatible = false;
+  EXPECT_EQ(select_kernel(odd, kSm90, caps).kind, KernelKind::sm90);
+  BuildCaps no_ws = caps;  // HIPFLASH_DISABLE_SM90_WS=1
+  no_ws.sm90_ws = false;
+  EXPECT_EQ(select_kernel(dense(128), kSm90, no_ws).kind, KernelKind::sm90);
+  EXPECT_EQ(select_kernel(dense(128), kSm80, caps).kind, KernelKind::generic);
+  Problem decode = dense(128);
+  decode.query_rows = 4;
+  EXPECT_EQ(select_kernel(decode, kSm90, caps).kind, KernelKind::decode);
+  EXPECT_STREQ(kernel_kind_name(KernelKind::sm90_ws), "sm90_ws");
+}
+
 TEST(Selector, AmdArchs) {
   for (Arch a : {kGfx90a, kGfx942, kGfx950})
     EXPECT_EQ(select_kernel(problem(DType::bf16, 128), a, kHip).kind, KernelKind::generic)

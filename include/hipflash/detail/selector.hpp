@@ -23,7 +23,8 @@ enum class KernelKind : int {
   cpu_reference,    ///< the CPU backend
   generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
   decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
-  sm90,             ///< kernels/sm90: wgmma (sm_90a), head dims <= 128
+  sm90,             ///< kernels/sm90: wgmma with cp.async (sm_90a), head dims <= 128
+  sm90_ws,          ///< kernels/sm90_ws: TMA + warp-specialised wgmma (sm_90a), dense calls
   gfx950_dualwave,  ///< kernels/gfx950: 256-row blocks, two waves per SIMD (compile-checked only)
   unsupported,
 };
@@ -37,6 +38,10 @@ struct Problem {
   bool return_lse = false;
   bool masked = false;  ///< causal or a bounded window
   bool varlen = false;
+  /// q, k and v are dense tensors a TMA tensor map can describe (see tma_describable in
+  /// src/forward.cpp): every stride of a dimension longer than one positive, a multiple of 16
+  /// bytes and below 2^40 bytes.
+  bool tma_compatible = false;
   int num_splits = 1;   ///< resolved (>= 1)
   /// Query rows per (batch, head) as the kernel sees them: Sq (max_seqlen_q for varlen), or
   /// Hq / Hkv for GQA decode, whose query heads are packed into the rows of one block.
@@ -53,6 +58,7 @@ struct BuildCaps {
   Arch::Vendor gpu_vendor = Arch::host;
   unsigned head_dim_mask = ~0u;  ///< bit i set: padded head dim (64 << i) built (64, 128, 256)
   bool sm90 = false;             ///< the sm90 kernels were built (CUDA with sm_90a)
+  bool sm90_ws = false;          ///< the warp-specialised sm90 kernels were built (same)
   bool dualwave = false;         ///< the gfx950 dualwave kernels were built (HIP with gfx950)
 };
 

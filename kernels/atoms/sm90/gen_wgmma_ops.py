@@ -5,7 +5,7 @@ PTX asm needs every accumulator register spelled out, so the wrappers are genera
 written by hand. Run: python3 kernels/atoms/sm90/gen_wgmma_ops.py > kernels/atoms/sm90/wgmma_ops.hpp
 """
 
-NS = (64, 96, 128, 192, 256)
+NS = (64, 80, 96, 128, 176, 192, 256)
 DTYPES = (("bf16", "DType::bf16"), ("f16", "DType::f16"))
 
 

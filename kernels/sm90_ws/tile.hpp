@@ -1,0 +1,76 @@
+// hipflash — tile shapes and the shared-memory map of the warp-specialised Hopper forward
+// kernel (kernels/sm90_ws), per padded head dim.
+#pragma once
+
+#include <cstdint>
+
+namespace hipflash::sm90ws {
+
+/// kConsumers warpgroups of 64 query rows each, kBlockN keys per K/V stage, kStages stages of
+/// each. The Q tile, the K and V rings and the small tail (LSE staging, barriers) must fit the
+/// 227 KiB of one block: hd64 keeps a 192-row Q tile and two 128-key stages (88 KiB), hd128 two
+/// 128-key stages (160 KiB), hd256 two 80-key stages (224 KiB). Three consumers at hd64: its
+/// GEMMs are half as long, so a third warpgroup's softmax is needed to keep the tensor cores fed.
+/// Masked (causal, window) calls keep square 128 x 128 tiles at hd128: one diagonal block per
+/// query block.
+#ifndef HIPFLASH_SM90WS_HD128_BLOCK_N  // a tuning hook: -DHIPFLASH_SM90WS_HD128_BLOCK_N=176
+#define HIPFLASH_SM90WS_HD128_BLOCK_N 128
+#endif
+template <int kHeadDim, bool kMasked>
+struct TileConfig;
+#ifndef HIPFLASH_SM90WS_HD64_CONSUMERS  // a tuning hook: 2 or 3
+#define HIPFLASH_SM90WS_HD64_CONSUMERS 3
+#endif
+template <bool kMasked>
+struct TileConfig<64, kMasked> {
+  static constexpr int kConsumers = HIPFLASH_SM90WS_HD64_CONSUMERS, kBlockN = 128, kStages = 2;
+};
+template <bool kMasked>
+struct TileConfig<128, kMasked> {
+  static constexpr int kConsumers = 2, kStages = 2;
+  static constexpr int kBlockN = kMasked ? 128 : HIPFLASH_SM90WS_HD128_BLOCK_N;
+};
+template <bool kMasked>
+struct TileConfig<256, kMasked> {
+  static constexpr int kConsumers = 2, kBlockN = 80, kStages = 2;
+};
+
+/// A block is kConsumers + 1 warpgroups: the consumers (threads 0 .. 128 kConsumers - 1), each
+/// owning 64 query rows (one wgmma M) of the query tile, and one producer whose first thread
+/// issues every TMA load. Register reallocation gives the consumers what the producer does not
+/// need: 240 each with two consumers, 160 with three (ptxas budgets a block with a producer
+/// *warp* like one with a producer warpgroup, so the warpgroup costs nothing).
+template <int kHeadDim_, bool kMasked_ = false>
+struct Tile : TileConfig<kHeadDim_, kMasked_> {
+  using Base = TileConfig<kHeadDim_, kMasked_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumers = Base::kConsumers;
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = Base::kBlockN;
+  static constexpr int kStages = Base::kStages;
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kMinBlocks = 1;
+  // 128 x 24 + 256 x 240 = 64,512 and 128 x 32 + 384 x 160 = 65,536 of the 65,536 registers.
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kElemBytes = 2;                 ///< bf16 / f16 inputs and outputs
+  static constexpr int kPanels = kHeadDim / 64;        ///< 128-byte-wide panels of a tile
+  static constexpr int kChunks = kHeadDim / 8;         ///< 16-byte chunks per row
+  static constexpr uint32_t kSmemQ = kBlockM * kHeadDim * kElemBytes;
+  static constexpr uint32_t kSmemKV = kBlockN * kHeadDim * kElemBytes;  ///< one K or V stage
+  // Shared-memory map (from the 1024-byte-aligned base): Q | K stages | V stages | LSE | bars.
+  static constexpr uint32_t kOffK = kSmemQ;
+  static constexpr uint32_t kOffV = kOffK + kStages * kSmemKV;
+  static constexpr uint32_t kOffLse = kOffV + kStages * kSmemKV;
+  static constexpr uint32_t kOffBars = kOffLse + kBlockM * 4;
+  /// Barriers: Q full / empty, then full / empty per K stage and per V stage.
+  static constexpr int kNumBars = 2 + 4 * kStages;
+  static constexpr int kSmemBytes = int(kOffBars) + kNumBars * 8 + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
+  static_assert(kHeadDim % 64 == 0, "whole 128-byte panels");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a wgmma N and whole 16-key steps");
+  static_assert((kBlockN * 128) % 1024 == 0, "panels keep the 1024-byte swizzle alignment");
+};
+
+}  // namespace hipflash::sm90ws
