@@ -30,6 +30,14 @@ const char* kernel_kind_name(KernelKind k) {
   return "unknown";
 }
 
+namespace {
+/// Short causal hd64 calls stay on the cp.async sm90 kernel: its 64-row blocks, four per SM,
+/// beat the warp-specialised kernel's 192-row tiles (one per SM) up to 1k rows on the H200
+/// (S=512: 206 vs 141 TFLOP/s, S=1k: 246 vs 202; from 2k on the TMA kernel leads, 295 vs 276;
+/// bench/results/h200-2026-11-30b and the 2026-11-30 record, docs/perf-notes.md).
+constexpr int64_t kSm90CpAsyncMaskedHd64Rows = 1024;
+}  // namespace
+
 Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps) {
   Selection sel;
   const int hd = padded_head_dim(p.head_dim);
@@ -72,7 +80,8 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // generic mma.sync kernel.
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = KernelKind::decode;
-    else if (arch.version == 90 && caps.sm90_ws && !p.varlen && p.tma_compatible)
+    else if (arch.version == 90 && caps.sm90_ws && !p.varlen && p.tma_compatible &&
+             !(hd == 64 && p.masked && p.query_rows <= kSm90CpAsyncMaskedHd64Rows))
       sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && hd <= 128)
       sel.kind = KernelKind::sm90;

@@ -118,6 +118,15 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
   };
   for (int d : {32, 64, 96, 128, 256})
     EXPECT_EQ(select_kernel(dense(d), kSm90, caps).kind, KernelKind::sm90_ws) << d;
+  Problem short_causal = dense(64);  // short causal hd64: the cp.async kernel's small blocks
+  short_causal.masked = true;
+  short_causal.query_rows = 1024;
+  EXPECT_EQ(select_kernel(short_causal, kSm90, caps).kind, KernelKind::sm90);
+  short_causal.query_rows = 1025;
+  EXPECT_EQ(select_kernel(short_causal, kSm90, caps).kind, KernelKind::sm90_ws);
+  short_causal.head_dim = 128;
+  short_causal.query_rows = 512;
+  EXPECT_EQ(select_kernel(short_causal, kSm90, caps).kind, KernelKind::sm90_ws);
   Problem varlen = dense(128);  // TMA cannot stop at a sequence's end: cp.async zero-fills
   varlen.varlen = true;
   EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90);
