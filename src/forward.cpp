@@ -198,6 +198,7 @@ Problem make_problem(const FwdParams& p) {
   prob.num_splits = p.num_splits;
   prob.query_rows = p.gpu_query_rows();
   prob.tma_compatible = tma_describable(p);
+  prob.kv_cache = p.is_kvcache();
   return prob;
 }
 
@@ -242,16 +243,6 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
   plan.arch = gpu::device_arch(loc.index);
   plan.sel = select_kernel(make_problem(p), plan.arch, gpu::build_caps());
   HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);
-  // A KV cache (per-sequence key counts, pages) is read through the row sources of the NVIDIA
-  // decode and generic loaders only (common::KvRows); every other kernel (the sm90 ones address
-  // K/V themselves, with TMA or their own loaders) hands such calls to the generic kernel.
-  // TODO(selector owner): fold this into select_kernel (a Problem flag) — kept here while
-  // src/selector.cpp is being reworked.
-  HIPFLASH_CHECK_AS(not_implemented, !(p.is_kvcache() && plan.arch.vendor == Arch::amd),
-                    "flash_attn_with_kvcache: the AMD kernels do not read a KV cache yet");
-  if (p.is_kvcache() && plan.sel.kind != KernelKind::decode &&
-      plan.sel.kind != KernelKind::generic)
-    plan.sel.kind = KernelKind::generic;
   const gpu::TileShape tile = gpu::tile_shape(plan.sel.kind, padded_head_dim(int(p.head_dim)));
   plan.num_splits = resolve_splits(p, requested, tile, plan.arch.num_sms, true);
   plan.sel.key.split = plan.num_splits > 1;

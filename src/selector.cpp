@@ -77,16 +77,21 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // exactly: wgmma does not exist on later archs) runs the TMA warp-specialised kernel for
     // dense calls whose tensors TMA can describe, the cp.async wgmma kernel for the rest up to
     // head dim 128 (varlen, odd strides), where they were built, and everything else the
-    // generic mma.sync kernel.
+    // generic mma.sync kernel. A KV cache is read only by the decode and generic loaders
+    // (common::KvRows): such calls never take an sm90 kernel.
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = KernelKind::decode;
-    else if (arch.version == 90 && caps.sm90_ws && !p.varlen && p.tma_compatible &&
+    else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible &&
              !(hd == 64 && p.masked && p.query_rows <= kSm90CpAsyncMaskedHd64Rows))
       sel.kind = KernelKind::sm90_ws;
-    else if (arch.version == 90 && caps.sm90 && hd <= 128)
+    else if (arch.version == 90 && caps.sm90 && !p.kv_cache && hd <= 128)
       sel.kind = KernelKind::sm90;
     else
       sel.kind = KernelKind::generic;
+    return sel;
+  }
+  if (p.kv_cache) {
+    sel.reason = "flash_attn_with_kvcache: the AMD kernels do not read a KV cache yet";
     return sel;
   }
   // AMD: CDNA2/CDNA3/CDNA4 have MFMA. gfx950 runs the dualwave kernel for head dims up to 128

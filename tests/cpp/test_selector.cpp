@@ -145,6 +145,47 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::sm90_ws), "sm90_ws");
 }
 
+TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
+  // Only the decode and generic loaders read a KV cache (common::KvRows): calls the sm90 kernels
+  // would take run on the generic kernel instead, decode calls stay on the decode kernel, and the
+  // AMD kernels refuse one.
+  BuildCaps caps = kCuda;
+  caps.sm90 = caps.sm90_ws = true;
+  for (int d : {32, 64, 96, 128, 256})
+    for (bool masked : {false, true})
+      for (int64_t rows : {int64_t(17), int64_t(512), int64_t(4096)}) {
+        Problem p = problem(DType::bf16, d, true, masked);
+        p.tma_compatible = true;
+        p.query_rows = rows;
+        const KernelKind dense = select_kernel(p, kSm90, caps).kind;
+        EXPECT_TRUE(dense == KernelKind::sm90 || dense == KernelKind::sm90_ws) << d << " " << rows;
+        p.kv_cache = true;
+        const Selection s = select_kernel(p, kSm90, caps);
+        EXPECT_EQ(s.kind, KernelKind::generic) << d << " " << masked << " " << rows;
+        EXPECT_TRUE(s.reason.empty()) << s.reason;
+        EXPECT_EQ(select_kernel(p, kSm80, caps).kind, KernelKind::generic) << d;
+        p.tma_compatible = false;  // the cp.async kernel's domain
+        EXPECT_EQ(select_kernel(p, kSm90, caps).kind, KernelKind::generic) << d;
+      }
+  for (int64_t rows : {int64_t(1), int64_t(8), kDecodeMaxRows}) {
+    Problem decode = problem(DType::f16, 128);
+    decode.query_rows = rows;
+    decode.tma_compatible = decode.kv_cache = true;
+    EXPECT_EQ(select_kernel(decode, kSm90, caps).kind, KernelKind::decode) << rows;
+    EXPECT_EQ(select_kernel(decode, kSm80, caps).kind, KernelKind::decode) << rows;
+  }
+  Problem on_host = problem(DType::bf16, 128);  // the CPU backend reads a KV cache itself
+  on_host.kv_cache = true;
+  EXPECT_EQ(select_kernel(on_host, kHost, kNone).kind, KernelKind::cpu_reference);
+  BuildCaps dw = kHip;
+  dw.dualwave = true;
+  for (Arch a : {kGfx90a, kGfx942, kGfx950}) {
+    const Selection amd = select_kernel(on_host, a, dw);
+    EXPECT_EQ(amd.kind, KernelKind::unsupported) << a.name();
+    EXPECT_NE(amd.reason.find("KV cache"), std::string::npos) << amd.reason;
+  }
+}
+
 TEST(Selector, AmdArchs) {
   for (Arch a : {kGfx90a, kGfx942, kGfx950})
     EXPECT_EQ(select_kernel(problem(DType::bf16, 128), a, kHip).kind, KernelKind::generic)
