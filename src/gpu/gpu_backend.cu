@@ -11,6 +11,7 @@
 #include "sm90/tile.hpp"
 #include "sm90_ws/tile.hpp"
 #include "generic/tile_config.hpp"
+#include "gpu/device_guard.hpp"
 #include "gpu/launch_api.hpp"
 #include "hipflash/detail/static_switch.hpp"
 
@@ -22,19 +23,6 @@ constexpr Arch::Vendor kVendor = Arch::amd;
 #else
 constexpr Arch::Vendor kVendor = Arch::nvidia;
 #endif
-
-/// Restores the current device on scope exit.
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    port::check(port::get_device(&prev), "querying the current device");
-    if (prev != device) port::check(port::set_device(device), "selecting the device");
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (port::get_device(&cur) == port::kSuccess && cur != prev) (void)port::set_device(prev);
-  }
-};
 
 /// Stream-ordered scratch, freed on scope exit (after the kernels using it are enqueued).
 struct ScratchBuffer {
@@ -194,7 +182,7 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
 
   if (p.packs_gqa_decode()) pack_gqa_decode(p);
 
-  DeviceGuard guard(device);
+  ScopedDevice guard(device);
   const int hd = sel.key.head_dim;
   std::unique_ptr<ScratchBuffer> scratch;
   if (p.num_splits > 1) {
