@@ -215,6 +215,54 @@ class Hipflash(Backend):
             return ""
 
 
+def _pages(x, page, perm):
+    """x [B, Sk, H, D] as a paged cache [B * Sk / page, page, H, D]: page j of sequence b (its
+    rows j * page ...) is stored at page perm[b * Sk / page + j]."""
+    B, Sk = x.shape[0], x.shape[1]
+    pages = torch.empty((B * (Sk // page), page) + tuple(x.shape[2:]), dtype=x.dtype,
+                        device=x.device)
+    pages[perm] = x.reshape((B * (Sk // page), page) + tuple(x.shape[2:]))
+    return pages
+
+
+class HipflashPaged(Hipflash):
+    """hipflash.flash_attn_with_kvcache on a paged copy of the cell's K/V (pages of ``page``
+    rows, scattered by a random permutation; the block table names them), with the LSE.
+    cache_seqlens=None: every sequence fills its Sk keys, so no lengths tensor is copied to the
+    host per call (with a lengths tensor the GPU path copies it back for its capacity checks,
+    a host synchronisation the device timing would absorb). The paged copies are made here,
+    outside the timed region. flash_attn_with_kvcache has no out= argument: the NaN-poisoned
+    buffer of the check does not apply (the reference check and the bitwise repeat do)."""
+    kinds = ("dense",)
+
+    def __init__(self, page, hipflash_path=None):
+        super().__init__(True, hipflash_path)
+        self.page = page
+        self.name = f"hipflash-paged{page}"
+
+    def prepare(self, cell, inp):
+        from attn_ref import normalize_lse
+
+        hf = import_hipflash(self.path)
+        if cell.Sk % self.page:
+            raise Unavailable(f"Sk = {cell.Sk} is not a multiple of the page size {self.page}")
+        blocks = cell.Sk // self.page
+        gen = torch.Generator().manual_seed(7919 * self.page + 31 * cell.B + blocks)
+        perm = torch.randperm(cell.B * blocks, generator=gen).to(inp.q[0].device)
+        table = perm.view(cell.B, blocks).to(torch.int32)
+        k_pages = [_pages(x, self.page, perm) for x in inp.k]
+        v_pages = [_pages(x, self.page, perm) for x in inp.v]
+
+        def run(i, out=None):  # `out` (the check's poisoned buffer) has nowhere to go
+            return hf.flash_attn_with_kvcache(inp.q[i], k_pages[i], v_pages[i], block_table=table,
+                                              softmax_scale=cell.scale, causal=cell.causal,
+                                              return_lse=True)
+
+        def extract(res):
+            return res[0], normalize_lse(res[1], cell.B, cell.Hq, cell.Sq)
+        return run, extract
+
+
 # ---- PyTorch SDPA kernels (aten ops, [B, H, S, D]) -------------------------------------------
 
 
@@ -464,7 +512,8 @@ class TorchMath(Backend):
 
 def make_backends(hipflash_path=None):
     """Every backend by name."""
-    bs = [Hipflash(False, hipflash_path), Hipflash(True, hipflash_path), TorchFlash(),
+    bs = [Hipflash(False, hipflash_path), Hipflash(True, hipflash_path),
+          HipflashPaged(16, hipflash_path), HipflashPaged(256, hipflash_path), TorchFlash(),
           TorchCudnn(True), TorchCudnn(False), TorchEfficient(True), TorchEfficient(False),
           Flex(), FA2Native(), CudnnSdpaGqa(), EfficientVarlen(), TorchSdpa(), TorchMath()]
     return {b.name: b for b in bs}

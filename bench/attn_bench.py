@@ -9,9 +9,10 @@ side by side in one process.
 Suites: fa-grid (FlashAttention's grid: B*S = 16k, H*D = 2048, D 64/128, S 512..16k, causal and
 not), decode (Sq 1, GQA 32/8, Sk 4k..128k, B 1/8/32), varlen (mixed lengths), lse-overhead,
 host-overhead (the cost of a call as a user makes it, on a tiny problem and B 1/8 decode);
-quick (a subset of each, to run after every kernel change) and full (all five). merge (run on
-its own): hipflash.merge_attn_states in GB/s against a torch copy of the same bytes (see
-run_merge_suite).
+quick (a subset of each, to run after every kernel change) and full (all five). Run on their
+own: merge (hipflash.merge_attn_states in GB/s against a torch copy of the same bytes, see
+run_merge_suite) and serving (decode Sq 1, GQA 32/8, D 128, B 1/8/32, Sk 4k/16k/64k, LSE on: the
+contiguous cache against paged caches of 16- and 256-row pages, fa2-native for reference).
 
 Per cell: fresh random inputs (never zeros), several input sets rotated so the inputs of one call
 are not in L2 from the call before; every backend's result is checked against an fp32 reference
@@ -60,6 +61,8 @@ LSE_OVERHEAD = ["hipflash", "hipflash+lse", "torch-cudnn-nolse", "torch-cudnn",
                 "torch-efficient-nolse", "torch-efficient"]
 # fa2-native has no LSE switch (aten._flash_attention_forward always returns the LSE).
 HOST_OVERHEAD = HF + ["fa2-native", "torch-cudnn-nolse", "torch-cudnn"]
+# The serving suite: contiguous (the plain forward) vs paged caches, all with the LSE.
+SERVING = ["hipflash+lse", "hipflash-paged16", "hipflash-paged256", "fa2-native"]
 HOST = rep.HOST  # the suite whose cells also get the host timing (Timer.host)
 
 
@@ -160,6 +163,13 @@ def decode(seqlens_k, batches, dtype, backends, suite="decode"):
     return cells
 
 
+def serving(seqlens_k, batches, dtype, backends, suite="serving"):
+    """Decode against a KV cache (Sq 1, GQA 32/8, D 128, LSE on): the contiguous cache (the
+    plain forward, whose decode kernel reads the same row source) against paged caches of 16-
+    and 256-row pages (hipflash.flash_attn_with_kvcache with a block table)."""
+    return decode(seqlens_k, batches, dtype, backends, suite)
+
+
 def host_overhead(dtype, backends, decode_batches, decode_shape=(4096, 32, 8, 128)):
     """Host overhead per call: a tiny dense problem (B 1, S 128, 8 heads, D 64: a few µs of GPU
     work, so issuing the call is what costs) and decode at the decode suite's shape (Sk, Hq, Hkv,
@@ -233,6 +243,8 @@ def build_suite(name, dtype, flex):
             + fa_grid([4096], [128], [False], dtype, LSE_OVERHEAD, "lse-overhead")
     if name == "decode":
         return full_decode
+    if name == "serving":  # run on its own (not part of full): paged KV-cache decode
+        return serving([4096, 16384, 65536], [1, 8, 32], dtype, SERVING)
     if name == "varlen":
         return full_varlen
     full_host = host_overhead(dtype, HOST_OVERHEAD, [1, 8])
@@ -266,6 +278,9 @@ def build_suite(name, dtype, flex):
                               label=f"B=2 Sk={Sk}", group="batch 2", xlabel=str(Sk)).finish())
         cells += varlen([("mixed 16..200", 600, 16, 200)], [64], [False, True], dtype,
                         HF + ["torch-math"])
+        cells.append(Cell("serving", "dense", 2, 1, 512, 8, 2, 64, False, dtype,
+                          SERVING[:3] + ["torch-math"], label="B=2 Sk=512", group="batch 2",
+                          xlabel="512").finish())
         lse = Cell("lse-overhead", "dense", 2, 256, 256, 4, 4, 64, False, dtype,
                    ["hipflash", "hipflash+lse", "torch-sdpa", "torch-math"], label="hd64 S=256",
                    xlabel="256").finish()
@@ -665,7 +680,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="quick",
                     choices=["quick", "full", "fa-grid", "head-dims", "dev", "decode", "varlen",
-                             "lse-overhead", HOST, "tiny", "merge"])
+                             "lse-overhead", HOST, "serving", "tiny", "merge"])
     ap.add_argument("--out", default=None, help="results directory (default bench/results/SUITE)")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="default: cuda if available, else cpu (CPU runs only test the runner)")

@@ -24,6 +24,7 @@ SUITE_TITLES = {
     "fa-grid": "FlashAttention grid (B*S = 16k, H*D = 2048)",
     "head-dims": "Head dims 96 and 256 (B*S = 16k, H = 2048 // D)",
     "decode": "Decode (Sq = 1, GQA 32/8, D = 128)",
+    "serving": "Decode from a KV cache: contiguous vs paged (Sq = 1, GQA 32/8, D = 128, LSE)",
     "varlen": "Varlen (mixed sequence lengths)",
     "lse-overhead": "LSE overhead (same kernel family, LSE on vs off)",
     HOST: "Host overhead per call",
@@ -43,9 +44,16 @@ SUITE_NOTES = {
           "as fast; the target for hipflash and hipflash+lse, back to back, is <= 1.00x against "
           "fa2-native). fa2-native (`aten._flash_attention_forward`) has no LSE switch: it "
           "always computes and returns the LSE. Counts in *Host timing* above.",
+    "serving": "hipflash+lse reads a contiguous cache (the plain forward: the same decode kernel "
+               "and row source, no block table); hipflash-paged16 / -paged256 call "
+               "`flash_attn_with_kvcache` on a copy of the same K/V in pages of 16 / 256 rows, "
+               "scattered by a random permutation, with `cache_seqlens=None` (every sequence "
+               "fills its cache, so no lengths tensor is copied back to the host per call). Each "
+               "is checked against the reference; paged / contiguous GB/s is the cost of the "
+               "block table. fa2-native: contiguous, for reference.",
 }
-SUITE_ORDER = ["fa-grid", "head-dims", "decode", "varlen", "lse-overhead", HOST, "tiny"]
-SUITE_METRIC = {"decode": "gbps", HOST: "b2b_us"}  # everything else: tflops
+SUITE_ORDER = ["fa-grid", "head-dims", "decode", "serving", "varlen", "lse-overhead", HOST, "tiny"]
+SUITE_METRIC = {"decode": "gbps", "serving": "gbps", HOST: "b2b_us"}  # everything else: tflops
 METRIC_UNIT = {"tflops": "TFLOP/s", "gbps": "GB/s", "b2b_us": "µs per call, back to back"}
 LOWER_IS_BETTER = {"b2b_us"}
 # (no-LSE backend, LSE backend) pairs of the lse-overhead suite
@@ -55,7 +63,8 @@ HF, HF_LSE = "hipflash", "hipflash+lse"
 # The peer the host-overhead ratios divide by, the first of these in the cell: FlashAttention-2's
 # own entry point (the target), or torch-math in the CPU test of the runner.
 HOST_REF = ("fa2-native", "torch-math")
-XLABELS = {"fa-grid": "Sequence length", "head-dims": "Sequence length", "decode": "KV length (Sk)", "tiny": ""}
+XLABELS = {"fa-grid": "Sequence length", "head-dims": "Sequence length", "decode": "KV length (Sk)",
+           "serving": "KV length (Sk)", "tiny": ""}
 
 # Fixed colours, so a backend looks the same in every figure.
 COLORS = {
@@ -63,7 +72,7 @@ COLORS = {
     "torch-cudnn": "#2ca02c", "torch-cudnn-nolse": "#98df8a", "torch-efficient": "#9467bd",
     "torch-efficient-nolse": "#c5b0d5", "flex": "#8c564b", "fa2-native": "#17becf",
     "cudnn-sdpa-gqa": "#bcbd22", "efficient-varlen": "#e377c2", "torch-sdpa": "#7f7f7f",
-    "torch-math": "#aec7e8",
+    "torch-math": "#aec7e8", "hipflash-paged16": "#ff7f0e", "hipflash-paged256": "#ffbb78",
 }
 
 
@@ -278,10 +287,13 @@ def suite_table(rows, suite):
 
     names = backends_of(rows, suite)
     has_hf = HF in names or HF_LSE in names
+    # serving: each paged cache against the contiguous one (hipflash+lse), cell by cell
+    paged = [b for b in names if b.startswith("hipflash-paged")] if HF_LSE in names else []
     header = ["cell"] + [f"{b}" for b in names] + ["best peer"]
     if has_hf:
         header += ["hipflash/best", "hf+lse/best lse peer"]
-    body, r_hf, r_lse = [], [], []
+    header += [f"{b[len('hipflash-'):]}/contiguous" for b in paged]
+    body, r_hf, r_lse, r_paged = [], [], [], {b: [] for b in paged}
     for cid, bb in cells:
         line = [_cell_label(bb)] + [_cell_text(bb.get(b), metric) for b in names]
         bp, bname = best_peer(bb, metric)
@@ -291,6 +303,10 @@ def suite_table(rows, suite):
             line += [_fmt_ratio(rat[HF][0]), _fmt_ratio(rat[HF_LSE][0])]
             r_hf.append(rat[HF][0])
             r_lse.append(rat[HF_LSE][0])
+        for b in paged:
+            a, c = value(bb.get(b), metric), value(bb.get(HF_LSE), metric)
+            r_paged[b].append(a / c if a and c else None)
+            line.append(_fmt_ratio(r_paged[b][-1]))
         body.append(line)
     foot = []
     if has_hf:
@@ -298,7 +314,8 @@ def suite_table(rows, suite):
         n1 = sum(1 for x in r_hf if x)
         n2 = sum(1 for x in r_lse if x)
         foot.append(["geomean"] + [""] * (len(names) + 1) +
-                    [f"{_fmt_ratio(g1)} ({n1})", f"{_fmt_ratio(g2)} ({n2})"])
+                    [f"{_fmt_ratio(g1)} ({n1})", f"{_fmt_ratio(g2)} ({n2})"] +
+                    [_fmt_ratio(geomean(r_paged[b])) for b in paged])
     header[0] = f"cell  [{unit}]"
     return header, body, foot
 

@@ -465,3 +465,26 @@ def test_kvcache_splits_match(num_splits):
                                                 block_table=table, num_splits=num_splits,
                                                 return_lse=True)
     check_kv_per_sequence(out, lse, q, k, v, [5000, 17])
+
+
+@pytest.mark.parametrize("page", [16, 256])
+def test_kvcache_full_caches_without_cache_seqlens(page):
+    # cache_seqlens=None: every sequence fills its cache, and no lengths are copied back to the
+    # host (the serving benchmark's paged calls). Decode shape (GQA 32/8 packed), bitwise the
+    # contiguous cache with lengths and the plain forward.
+    k, v, k_pages, v_pages, table = make_kv_cache([512, 512], 512, 8, 128, torch.bfloat16, page,
+                                                  seed=page, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 32, 128, generator=g).bfloat16().to(DEVICE)
+    paged = hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table,
+                                             return_lse=True)
+    name = hipflash.last_kernel_name()
+    with_lengths = hipflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=512, return_lse=True)
+    dense = hipflash.flash_attn_func(q, k, v, return_lse=True)
+    sync()
+    for what, a, b in (("out", paged[0], dense[0]), ("lse", paged[1], dense[1]),
+                       ("out", with_lengths[0], dense[0]), ("lse", with_lengths[1], dense[1])):
+        assert_bitwise_equal(a, b, what)
+    check_kv_per_sequence(*dense, q, k, v, [512, 512])
+    if not ON_CPU:
+        assert name.startswith(("fwd_decode_", "fwd_generic_")), name
