@@ -20,5 +20,6 @@ bool stream_capturing(Stream) { return false; }
 void run_forward(const FwdParams&, const Selection&, int, Stream, Workspace) { no_gpu(); }
 TileShape tile_shape(KernelKind, int) { return TileShape{}; }
 void run_merge(const MergeParams&, int, Stream) { no_gpu(); }
+void run_backward(const BwdParams&, int, Stream, Workspace, int64_t, int64_t) { no_gpu(); }
 
 }  // namespace hipflash::gpu
