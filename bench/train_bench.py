@@ -66,8 +66,17 @@ def _attention(name, hf):
     return _sdpa(name)
 
 
-def _reference(q, k, v, dout, causal, dtype):
-    """Gradients of softmax(q k^T / sqrt(D)) v in `dtype` with PyTorch ops ([B, S, H, D])."""
+def _reference(q, k, v, dout, causal, dtype, heads_per_chunk=4):
+    """Gradients of softmax(q k^T / sqrt(D)) v in `dtype` with PyTorch ops ([B, S, H, D]), a
+    few heads at a time (the heads are independent; the score matrices of all of them at once
+    would not fit at S = 16k)."""
+    chunks = [_reference_chunk(q[:, :, h:h + heads_per_chunk], k[:, :, h:h + heads_per_chunk],
+                               v[:, :, h:h + heads_per_chunk], dout[:, :, h:h + heads_per_chunk],
+                               causal, dtype) for h in range(0, q.shape[2], heads_per_chunk)]
+    return tuple(torch.cat([c[i] for c in chunks], dim=2) for i in range(3))
+
+
+def _reference_chunk(q, k, v, dout, causal, dtype):
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
     if causal:

@@ -32,7 +32,7 @@ def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None):
     native = not (dtype == torch.float16 and q.device.type == "cpu")
     mm = (lambda a, b: a @ b) if native else (lambda a, b: (a.float() @ b.float()).to(dtype))
     s = mm(qq, kk.transpose(-1, -2)) * scale
-    mask = valid_mask(sq, k.shape[1], causal, window)
+    mask = valid_mask(sq, k.shape[1], causal, window, device=q.device)
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(dtype)  # empty rows: zero
     return mm(p, vv).transpose(1, 2)
