@@ -11,8 +11,9 @@ not), decode (Sq 1, GQA 32/8, Sk 4k..128k, B 1/8/32), varlen (mixed lengths), ls
 host-overhead (the cost of a call as a user makes it, on a tiny problem and B 1/8 decode);
 quick (a subset of each, to run after every kernel change) and full (all five). Run on their
 own: merge (hipflash.merge_attn_states in GB/s against a torch copy of the same bytes, see
-run_merge_suite) and serving (decode Sq 1, GQA 32/8, D 128, B 1/8/32, Sk 4k/16k/64k, LSE on: the
-contiguous cache against paged caches of 16- and 256-row pages, fa2-native for reference).
+run_merge_suite), serving (decode Sq 1, GQA 32/8, D 128, B 1/8/32, Sk 4k/16k/64k, LSE on: the
+contiguous cache against paged caches of 16- and 256-row pages, fa2-native for reference) and
+train (forward + backward against FA2 and cuDNN, bench/train_bench.py).
 
 Per cell: fresh random inputs (never zeros), several input sets rotated so the inputs of one call
 are not in L2 from the call before; every backend's result is checked against an fp32 reference
@@ -680,7 +681,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="quick",
                     choices=["quick", "full", "fa-grid", "head-dims", "dev", "decode", "varlen",
-                             "lse-overhead", HOST, "serving", "tiny", "merge"])
+                             "lse-overhead", HOST, "serving", "tiny", "merge", "train"])
     ap.add_argument("--out", default=None, help="results directory (default bench/results/SUITE)")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="default: cuda if available, else cpu (CPU runs only test the runner)")
@@ -711,6 +712,13 @@ def main(argv=None):
         raise SystemExit("--device cuda but torch.cuda.is_available() is False")
     if args.suite == "merge":
         return run_merge_suite(args, device)
+    if args.suite == "train":  # forward + backward: bench/train_bench.py
+        import train_bench
+        out_dir = args.out or os.path.join(HERE, "results", "train")
+        os.makedirs(out_dir, exist_ok=True)
+        budget = BUDGETS[args.budget or "full"] if device == "cuda" else (5.0, 20.0, 3, 50)
+        return train_bench.run_train_suite(args, device, Timer(device, *budget),
+                                           collect_meta(args, device, args.hipflash_path), out_dir)
     if device == "cpu" and args.suite != "tiny":
         print(f"note: --device cpu runs only the tiny suite (asked for {args.suite})")
         args.suite = "tiny"

@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 
+#include "hipflash/bwd_params.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/detail/selector.hpp"
 #include "hipflash/forward.hpp"
@@ -73,6 +74,12 @@ bool stream_capturing(Stream stream);
 /// `params` are validated; the split workspace is allocated here when `ws` is too small.
 void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream,
                  Workspace ws);
+
+/// Launches the backward passes for `params` (validated; the grads' checks done) on `stream`:
+/// alignment checked first, the fp32 workspace taken from `ws` or allocated on the stream.
+/// total_q / total_k: rows of the varlen tensors (0 for dense calls).
+void run_backward(const BwdParams& params, int device, Stream stream, Workspace ws,
+                  int64_t total_q, int64_t total_k);
 
 /// Launches the merge_attn_states kernel for `p` (validated, on GPU `device`) on `stream`.
 void run_merge(const MergeParams& p, int device, Stream stream);

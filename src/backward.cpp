@@ -141,8 +141,35 @@ void check_grads(const TensorRef& dout, const TensorRef& q, const TensorRef& k, 
       HIPFLASH_CHECK(g == h || detail::overlap(*g, *h) == detail::Overlap::none, gname,
                      " must not alias ", hname);
   }
-  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
-                    "hipflash has no GPU backward yet: the backward runs on CPU tensors only");
+  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu || gpu::build_caps().gpu,
+                    "q is on a GPU but this hipflash was built without GPU kernels "
+                    "(HIPFLASH_GPU=none); rebuild with HIPFLASH_GPU=cuda or hip, or pass CPU "
+                    "tensors");
+}
+
+/// The GPU kernels' params: the forward's, the gradients' pointers and strides (dense
+/// [B, S, H, D] or varlen [total, H, D]: batch stride 0).
+BwdParams gpu_params(const FwdParams& fp, const TensorRef& dout, const TensorRef& dq,
+                     const TensorRef& dk, const TensorRef& dv, bool deterministic) {
+  BwdParams p;
+  static_cast<FwdParams&>(p) = fp;
+  auto strides = [](const TensorRef& t, int64_t& batch, int64_t& row, int64_t& head) {
+    const bool dense = t.rank == 4;
+    batch = dense ? t.strides[0] : 0;
+    row = t.strides[dense ? 1 : 0];
+    head = t.strides[dense ? 2 : 1];
+  };
+  p.dout = dout.data;
+  p.dq = dq.data;
+  p.dk = dk.data;
+  p.dv = dv.data;
+  strides(dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+  strides(dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  strides(dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+  p.deterministic = deterministic;
+  p.num_splits = 1;
+  return p;
 }
 
 FwdOptions forward_options(const BwdOptions& opts) {
@@ -160,10 +187,16 @@ FwdOptions forward_options(const BwdOptions& opts) {
 
 void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, const TensorRef& v,
               const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
-              const TensorRef& dk, const TensorRef& dv, const BwdOptions& opts, Stream) {
+              const TensorRef& dk, const TensorRef& dv, const BwdOptions& opts, Stream stream,
+              Workspace workspace) {
   // The forward's own checks of q, k, v, out and lse (shapes, dtypes, devices, aliasing).
   const FwdParams p = make_dense_params(q, k, v, out, &lse, forward_options(opts));
   check_grads(dout, q, k, v, out, lse, dq, dk, dv, {});
+  if (q.loc.kind == Location::gpu) {
+    gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
+                      workspace, 0, 0);
+    return;
+  }
   run_backward(p, dout, q, k, v, out, dq, dk, dv);
 }
 
@@ -171,7 +204,7 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
                      const TensorRef& v, const TensorRef& out, const TensorRef& lse,
                      const TensorRef& cu_seqlens_q, const TensorRef& cu_seqlens_k,
                      const TensorRef& dq, const TensorRef& dk, const TensorRef& dv,
-                     const VarlenBwdOptions& opts, Stream stream) {
+                     const VarlenBwdOptions& opts, Stream stream, Workspace workspace) {
   VarlenOptions vo;
   static_cast<FwdOptions&>(vo) = forward_options(opts);
   vo.max_seqlen_q = opts.max_seqlen_q;
@@ -179,6 +212,11 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
   vo.lse_layout = opts.lse_layout;
   const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo, stream);
   check_grads(dout, q, k, v, out, lse, dq, dk, dv, {&cu_seqlens_q, &cu_seqlens_k});
+  if (q.loc.kind == Location::gpu) {  // the launcher zeroes the rows outside every sequence
+    gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
+                      workspace, q.sizes[0], k.sizes[0]);
+    return;
+  }
   // Rows outside every sequence (before cu_seqlens[0], from cu_seqlens[B] on) take part in
   // nothing: their gradients are 0, written here (the sequences' rows are the tasks').
   auto zero_outside = [&](const TensorRef& g, const int32_t* cu) {

@@ -8,7 +8,10 @@
 // dq = scale dS k, dk = scale dS^T q (summed over the query heads of a kv head), dv = P^T dO.
 // Rows with no valid key (lse -inf) get zero gradients; NaN propagates.
 // Dense (q/dq [B, Sq, Hq, D], k/v/dk/dv [B, Sk, Hkv, D], lse [B, Hq, Sq]) and varlen layouts;
-// CPU tensors. The GPU kernels are not built yet: a GPU call throws hipflash::not_implemented.
+// CPU tensors run the CPU backward; GPU tensors the backward kernels (kernels/bwd: mma.sync on
+// NVIDIA, the portable kernels on AMD), which take an fp32 workspace of
+// B * Hq * round_up(Sq, 128) * (2 + (deterministic ? 0 : padded head dim)) floats from
+// `workspace` (or allocate it on the stream).
 #pragma once
 
 #include <optional>
@@ -22,8 +25,11 @@ struct BwdOptions {
   bool causal = false;
   int64_t window_left = -1, window_right = -1;
   /// Bitwise-repeatable gradients. The CPU backward always is (each kv head's dk/dv are
-  /// accumulated by one thread, in a fixed order); the flag is for the GPU kernels to come.
-  bool deterministic = true;
+  /// accumulated by one thread, in a fixed order). On the GPU dk/dv always are (one thread block
+  /// owns a key block of a kv head and walks its query heads); dq is summed by a separate pass
+  /// in a fixed order when set, else added by fp32 atomics from the dk/dv pass (faster, the
+  /// order of the additions varies from run to run). False by default, as in FlashAttention.
+  bool deterministic = false;
 };
 
 /// Gradients of forward(q, k, v) -> (out, lse) for upstream gradient dout (like out). dq like
@@ -32,7 +38,7 @@ struct BwdOptions {
 void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, const TensorRef& v,
               const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
               const TensorRef& dk, const TensorRef& dv, const BwdOptions& opts = {},
-              Stream stream = nullptr);
+              Stream stream = nullptr, Workspace workspace = {});
 
 /// The varlen backward: q/dq [total_q, Hq, D], k/v/dk/dv [total_k, Hkv, D], the forward's LSE
 /// in the layout it was written with (opts.lse_layout), cu_seqlens as for varlen_forward.
@@ -44,6 +50,7 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
                      const TensorRef& v, const TensorRef& out, const TensorRef& lse,
                      const TensorRef& cu_seqlens_q, const TensorRef& cu_seqlens_k,
                      const TensorRef& dq, const TensorRef& dk, const TensorRef& dv,
-                     const VarlenBwdOptions& opts, Stream stream = nullptr);
+                     const VarlenBwdOptions& opts, Stream stream = nullptr,
+                     Workspace workspace = {});
 
 }  // namespace hipflash

@@ -6,9 +6,10 @@
     out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                max_seqlen_q, max_seqlen_k, return_lse=True)
 
-Gradients: on CPU tensors the attention functions are differentiable (the backward recomputes
-P from the saved LSE); on the GPU and with out=, inputs that require grad under grad mode raise
-RuntimeError (never a silently detached result): use torch.no_grad() or detached tensors. Inputs are bf16 or f16 CPU
+Gradients: the attention functions are differentiable on the CPU and on the GPU (the backward
+recomputes P from the saved LSE: torch.ops.hipflash.bwd / varlen_bwd); with out=, inputs that
+require grad under grad mode raise RuntimeError (never a silently detached result): use
+torch.no_grad() or detached tensors. Inputs are bf16 or f16 CPU
 tensors (the CPU backend) or CUDA/HIP tensors (the GPU kernels, when this build has them; see
 :func:`build_info`). Argument errors raise ValueError / TypeError before anything is written;
 a combination this build does not implement raises NotImplementedError; Ctrl-C interrupts a
@@ -162,7 +163,7 @@ class _FlashAttnFunc(torch.autograd.Function):
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
-    """flash_attn_varlen_func with gradients (CPU): as _FlashAttnFunc, per sequence."""
+    """flash_attn_varlen_func with gradients: as _FlashAttnFunc, per sequence."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, num_splits,
@@ -192,7 +193,7 @@ def _wants_grad(*tensors):
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    num_splits=0, return_lse=False, out=None, deterministic=True):
+                    num_splits=0, return_lse=False, out=None, deterministic=False):
     """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
 
     Arguments:
@@ -219,12 +220,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         return_lse: bool. Also return the log-sum-exp of each row's scaled scores.
         out: optional (batch_size, seqlen_q, nheads, headdim) tensor of q's dtype and device to
             write the output into; must not overlap q, k or v. Returned as is.
-        deterministic: bool. Bitwise-repeatable gradients (the CPU backward always is).
+        deterministic: bool. Bitwise-repeatable gradients. The GPU backward's dk / dv always
+            are; dq then comes from a separate pass summing in a fixed order instead of fp32
+            atomics from the dk / dv pass (False, the default as in FlashAttention: faster,
+            run-to-run differences in the last bits of dq). The CPU backward always is.
 
-    Gradients: on CPU tensors that require grad (under grad mode) the result is
-    differentiable with respect to q, k and v (the backward recomputes P from the saved LSE;
-    the LSE output itself has no gradient); flash_attn_varlen_func likewise. On the GPU and
-    with out=, inputs that require grad raise RuntimeError: no backward there yet.
+    Gradients: when q, k or v require grad (under grad mode) the result is differentiable
+    with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
+    LSE; the LSE output itself has no gradient); flash_attn_varlen_func likewise. With out=,
+    inputs that require grad raise RuntimeError: no backward there.
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
@@ -248,9 +252,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     causal, return_lse = bool(causal), bool(return_lse)
 
-    if out is None and _wants_grad(q, k, v) and q.device.type == "cpu":
-        # The backward exists on the CPU (GPU and varlen: the operators refuse inputs that
-        # require grad, saying so).
+    if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
                          bool(deterministic))
         return (out, lse) if return_lse else out
@@ -268,7 +270,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
-                           return_lse=False, lse_layout="padded", out=None, deterministic=True):
+                           return_lse=False, lse_layout="padded", out=None, deterministic=False):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -319,7 +321,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k = _bounded(_int(max_seqlen_k, "max_seqlen_k"), "max_seqlen_k", -_INT64_MAX, _INT64_MAX)
     causal, return_lse = bool(causal), bool(return_lse)
 
-    if out is None and _wants_grad(q, k, v) and q.device.type == "cpu":
+    if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
                          lse_layout, bool(deterministic))

@@ -7,13 +7,15 @@
 //   hipflash::merge_attn_states (outs, lses)                -> (out, lse)   stacked parts
 //   hipflash::fwd_kvcache     (q, k_cache!, v_cache!, k?, v?, cache_seqlens?, block_table?, ...)
 //                                                            -> (out, lse)   appends k/v in place
-//   hipflash::bwd             (dout, q, k, v, out, lse, ...) -> (dq, dk, dv) CPU backward
+//   hipflash::bwd             (dout, q, k, v, out, lse, ...) -> (dq, dk, dv) the backward
+//   hipflash::varlen_bwd      (dout, q, k, v, out, lse, cu_q, cu_k, ...) -> (dq, dk, dv)
 //
 // Registered with TORCH_LIBRARY, so torch.compile, torch.jit.trace, CUDA graphs and
 // torch.library.opcheck see real operators. One kernel serves the CPU and CUDA dispatch keys
 // (the C++ launcher picks the backend from the tensors' location); the Autograd key gets the
-// autograd boundary (no backward yet: inputs that require grad under grad mode are an error,
-// never a silently detached result) and bumps the version counter of what *_out writes, as any
+// autograd boundary (the forward ops carry no autograd history of their own — hipflash's
+// autograd.Function wraps fwd / varlen_fwd with bwd / varlen_bwd; a direct call whose inputs
+// require grad under grad mode is an error, never a silently detached result) and bumps the version counter of what *_out writes, as any
 // in-place op does. The fake (meta) kernels for torch.compile are in python/hipflash/_ops.py.
 //
 // Every check of SPEC §4 lives in the C++ launcher; its typed errors become c10 errors of the
@@ -303,13 +305,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   return {out, lse};
 }
 
-/// The backward (CPU): gradients of fwd from its saved (q, k, v, out, lse).
+/// The backward (CPU or GPU, by the tensors' device): gradients of fwd from its saved
+/// (q, k, v, out, lse); the GPU workspace comes from PyTorch's caching allocator.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::optional<double> softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, bool deterministic) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
+  std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
   run_launcher([&] {
     hipflash::BwdOptions o;
     const hipflash::FwdOptions f =
@@ -323,12 +327,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
                        to_ref(k, "k", Role::operand), to_ref(v, "v", Role::operand),
                        to_ref(out, "out", Role::operand), to_ref(lse, "lse", Role::lse),
                        to_ref(dq, "dq", Role::operand), to_ref(dk, "dk", Role::operand),
-                       to_ref(dv, "dv", Role::operand), o, stream_of(q));
+                       to_ref(dv, "dv", Role::operand), o, stream_of(q),
+                       torch_workspace(q, keep));
   });
   return {dq, dk, dv};
 }
 
-/// The varlen backward (CPU).
+/// The varlen backward (CPU or GPU).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
@@ -337,6 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     bool deterministic, const std::string& lse_layout) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
+  std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
   run_launcher([&] {
     hipflash::VarlenBwdOptions o;
     o.softmax_scale = fwd_options(softmax_scale, causal, window_left, window_right, 1, true).softmax_scale;
@@ -353,7 +359,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
         to_ref(out, "out", Role::operand), to_ref(lse, "lse", Role::lse),
         to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index),
         to_ref(cu_seqlens_k, "cu_seqlens_k", Role::index), to_ref(dq, "dq", Role::operand),
-        to_ref(dk, "dk", Role::operand), to_ref(dv, "dv", Role::operand), o, stream_of(q));
+        to_ref(dk, "dk", Role::operand), to_ref(dv, "dv", Role::operand), o, stream_of(q),
+        torch_workspace(q, keep));
   });
   return {dq, dk, dv};
 }
@@ -364,9 +371,9 @@ void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* o
   if (!at::GradMode::is_enabled()) return;
   for (const at::Tensor* t : tensors)
     TORCH_CHECK(!(t->defined() && t->requires_grad()), "hipflash.", op,
-                ": an input requires grad, but hipflash has no backward yet for this call (the "
-                "backward runs on CPU tensors, without out=); call it under torch.no_grad() or "
-                "pass detached tensors");
+                ": an input requires grad, but hipflash has no backward yet for this call "
+                "(flash_attn_func / flash_attn_varlen_func without out= are differentiable); "
+                "call it under torch.no_grad() or pass detached tensors");
 }
 
 /// Runs the op below autograd (the backend kernel), then bumps what it wrote.

@@ -166,19 +166,28 @@ TileShape tile_shape(KernelKind kind, int hd) {
        : shape_of<generic::Tile<256>>(1);
 }
 
+/// The kernels move 16-byte vectors: every operand's base pointer and strides must keep that
+/// alignment (checked before any launch).
+void check_vector_alignment(const void* ptr, int64_t batch_stride, int64_t row_stride,
+                            int64_t head_stride, const char* name) {
+  HIPFLASH_CHECK(aligned16(ptr), name, " must be 16-byte aligned for the GPU kernels");
+  for (int64_t s : {batch_stride, row_stride, head_stride})
+    HIPFLASH_CHECK(s % 8 == 0, name,
+                   " strides must be multiples of 8 elements (16 bytes) for the GPU kernels, got ", s);
+}
+
+void check_operand_alignment(const FwdParams& p) {
+  check_vector_alignment(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, "q");
+  check_vector_alignment(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, "k");
+  check_vector_alignment(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, "v");
+  check_vector_alignment(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride, "out");
+}
+
 void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream_arg,
                  Workspace ws) {
   auto stream = static_cast<port::stream_t>(stream_arg);
   FwdParams p = params;
-  // The kernels move 16-byte vectors: every base pointer and stride must keep that alignment.
-  for (auto [ptr, name] : {std::pair{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {(const void*)p.out, "out"}})
-    HIPFLASH_CHECK(aligned16(ptr), name, " must be 16-byte aligned for the GPU kernels");
-  for (auto [s, name] : {std::pair{p.q_batch_stride, "q"}, {p.q_row_stride, "q"}, {p.q_head_stride, "q"},
-                         {p.k_batch_stride, "k"}, {p.k_row_stride, "k"}, {p.k_head_stride, "k"},
-                         {p.v_batch_stride, "v"}, {p.v_row_stride, "v"}, {p.v_head_stride, "v"},
-                         {p.o_batch_stride, "out"}, {p.o_row_stride, "out"}, {p.o_head_stride, "out"}})
-    HIPFLASH_CHECK(s % 8 == 0, name,
-                   " strides must be multiples of 8 elements (16 bytes) for the GPU kernels, got ", s);
+  check_operand_alignment(p);
 
   if (p.packs_gqa_decode()) pack_gqa_decode(p);
 
@@ -250,6 +259,65 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
     });
   });
   if (p.num_splits > 1) launch_combine(p, hd, stream);
+}
+
+void run_backward(const BwdParams& params, int device, Stream stream_arg, Workspace ws,
+                  int64_t total_q, int64_t total_k) {
+  auto stream = static_cast<port::stream_t>(stream_arg);
+  BwdParams p = params;
+  check_operand_alignment(p);
+  check_vector_alignment(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, "dout");
+  check_vector_alignment(p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, "dq");
+  check_vector_alignment(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, "dk");
+  check_vector_alignment(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, "dv");
+  const int hd = padded_head_dim(int(p.head_dim));
+  HIPFLASH_CHECK_AS(not_implemented, (HIPFLASH_HEAD_DIM_MASK >> (hd == 64 ? 0 : hd == 128 ? 1 : 2)) & 1,
+                    "head dim kernel hd", hd, " was not built");
+  // The portable kernels on AMD (the matrix-core backward is NVIDIA's mma.sync today) and,
+  // with HIPFLASH_BWD_PORTABLE=1, on NVIDIA too (for the tests). They are deterministic.
+  static const bool portable = [] {
+    if (kVendor == Arch::amd) return true;
+    const char* e = std::getenv("HIPFLASH_BWD_PORTABLE");
+    return e != nullptr && e[0] == '1';
+  }();
+  if (portable) p.deterministic = true;
+
+  // Workspace: lse_log2 and delta [B, Hq, rows], dq_accum [B, Hq, rows, hd] (atomic path), rows
+  // padded to 128 (every tile's row block stays inside).
+  p.seqlen_rounded = (p.seqlen_q + 127) / 128 * 128;
+  p.padded_head_dim = hd;
+  const size_t rows = size_t(p.batch) * size_t(p.heads_q) * size_t(p.seqlen_rounded);
+  const size_t need = rows * sizeof(float) * (2 + (p.deterministic ? 0 : size_t(hd)));
+  ScopedDevice guard(device);
+  std::unique_ptr<ScratchBuffer> scratch;
+  void* base = ws.data;
+  if (need > 0 && (base == nullptr || ws.bytes < need)) {
+    if (ws.allocate) {
+      base = ws.allocate(need);
+      HIPFLASH_CHECK_AS(runtime_error, base != nullptr,
+                        "the workspace allocator returned no memory for ", need, " bytes");
+    } else {
+      scratch = std::make_unique<ScratchBuffer>(need, stream);
+      base = scratch->ptr;
+    }
+  }
+  HIPFLASH_CHECK(aligned16(base), "the backward's workspace must be 16-byte aligned");
+  p.lse_log2 = static_cast<float*>(base);
+  p.delta = p.lse_log2 + rows;
+  p.dq_accum = p.deterministic ? nullptr : p.delta + rows;
+
+  BwdLaunch how;
+  how.portable = portable;
+  how.total_q = total_q;
+  how.total_k = total_k;
+  HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
+    HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
+      HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {
+        if constexpr ((HIPFLASH_HEAD_DIM_MASK >> (kHD == 64 ? 0 : kHD == 128 ? 1 : 2)) & 1)
+          launch_bwd<BwdTraits<kDT, kHD, kMasked>>(p, how, stream);
+      });
+    });
+  });
 }
 
 }  // namespace hipflash::gpu

@@ -4,6 +4,7 @@
 // head dim).
 #pragma once
 
+#include "hipflash/bwd_params.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
 #include "hipflash/port/port.hpp"
@@ -29,6 +30,18 @@ void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream);
 /// Launches gfx950::fwd_dualwave_kernel<Traits> (HIP builds with gfx950; see kernels/gfx950).
 template <class Traits>
 void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream);
+
+/// How a backward runs beyond its params: the portable kernels instead of the matrix-core ones
+/// (always deterministic; HIPFLASH_BWD_PORTABLE=1, and always on AMD today), and the rows of the
+/// varlen tensors.
+struct BwdLaunch {
+  bool portable = false;
+  int64_t total_q = 0, total_k = 0;
+};
+
+/// Launches the backward passes for `p` (validated, workspace set; see gpu/bwd_launch.hpp).
+template <class Traits>
+void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream);
 
 /// Launches the split-K combine for `p` (p.out_partial / p.state_partial filled).
 void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream);

@@ -12,49 +12,12 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "gpu_test_util.hpp"
 #include "hostile_cases.hpp"
 #include "kvcache_cases.hpp"
-#include "test_util.hpp"
 
 namespace hipflash::test {
 namespace {
-
-void cuda_check(cudaError_t e, const char* expr, const char* file, int line) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + expr +
-                             " failed: " + cudaGetErrorString(e));
-}
-#define CUDA_CHECK(expr) cuda_check((expr), #expr, __FILE__, __LINE__)
-
-/// A device copy of a HostTensor's whole storage; `ref` is the same view, on the GPU.
-struct DeviceTensor {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  TensorRef ref;
-
-  explicit DeviceTensor(const HostTensor& h) : bytes(h.words.size() * 4), ref(h.ref) {
-    CUDA_CHECK(cudaMalloc(&ptr, bytes));
-    CUDA_CHECK(cudaMemcpy(ptr, h.words.data(), bytes, cudaMemcpyHostToDevice));
-    const ptrdiff_t offset = static_cast<const char*>(h.ref.data) -
-                             reinterpret_cast<const char*>(h.words.data());
-    ref.data = static_cast<char*>(ptr) + offset;
-    ref.loc = {Location::gpu, 0};
-  }
-  void download(HostTensor& h) const {
-    CUDA_CHECK(cudaMemcpy(h.words.data(), ptr, bytes, cudaMemcpyDeviceToHost));
-  }
-  ~DeviceTensor() {
-    const cudaError_t e = cudaFree(ptr);
-    if (e != cudaSuccess) ADD_FAILURE() << "cudaFree: " << cudaGetErrorString(e);
-  }
-  DeviceTensor(const DeviceTensor&) = delete;
-  DeviceTensor& operator=(const DeviceTensor&) = delete;
-};
-
-void sync(cudaStream_t stream = nullptr) {
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  CUDA_CHECK(cudaGetLastError());
-}
 
 /// Runs a dense problem on the GPU; out and lse come back into t's host buffers.
 void run_gpu(Dense& t, cudaStream_t stream = nullptr) {
@@ -96,13 +59,6 @@ float max_abs_diff(const HostTensor& a, const HostTensor& b) {
   return worst;
 }
 
-class Gpu : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!gpu_available())
-      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
-  }
-};
 
 // ---- The dense grid ----------------------------------------------------------------------------
 

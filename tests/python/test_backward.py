@@ -1,11 +1,22 @@
-"""The CPU backward (SPEC §7): gradients of hipflash.flash_attn_func against fp64 autograd with
-FlashAttention's rule (error <= 2 x the same-precision PyTorch error + 1e-5, per tensor), the
-LSE contract it relies on, determinism, a small training loop, and the GPU boundary."""
+"""The backward (SPEC §7) on the CPU and, where torch sees a GPU and hipflash has GPU kernels,
+on the GPU: gradients of hipflash.flash_attn_func against fp64 autograd with FlashAttention's
+rule (error <= 2 x the same-precision PyTorch error + 1e-5, per tensor; the same-precision
+reference runs on the device under test), both dq paths (deterministic and atomic), the LSE
+contract it relies on, determinism, a small training loop, varlen, and where no backward exists
+(out=, double backward)."""
 import pytest
 import torch
 
 import hipflash
 from reference import make_qkv, make_varlen, valid_mask
+
+GPU = torch.cuda.is_available() and hipflash.gpu_available()
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU kernels "
+        f"(this build: {hipflash.build_info()!r})")),
+]
 
 
 def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None):
@@ -21,16 +32,18 @@ def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None):
     native = not (dtype == torch.float16 and q.device.type == "cpu")
     mm = (lambda a, b: a @ b) if native else (lambda a, b: (a.float() @ b.float()).to(dtype))
     s = mm(qq, kk.transpose(-1, -2)) * scale
-    mask = valid_mask(sq, k.shape[1], causal, window)
+    mask = valid_mask(sq, k.shape[1], causal, window, device=q.device)
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(dtype)  # empty rows: zero
     return mm(p, vv).transpose(1, 2)
 
 
-def grads(fn, q, k, v, dout):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+def grads(fn, q, k, v, dout, device=None):
+    """(out, [dq, dk, dv]) of fn on copies of q, k, v (moved to `device` when given)."""
+    device = device or q.device
+    q, k, v = (t.detach().to(device).clone().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
-    out.backward(dout.to(out.dtype))
+    out.backward(dout.to(device, out.dtype))
     return out.detach(), [t.grad.detach() for t in (q, k, v)]
 
 
@@ -44,42 +57,78 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_sq{c[1]}_sk{c[2]}_h{c[3]}x{c[4]}_d{c[5]}_c{int(c[6])}_w{c[7][0]}x{c[7][1]}")
-def test_gradients_match_fp64_autograd(dtype, case):
+# Longer sequences and every head dim, on the GPU only (the fp64 reference stays on the CPU).
+GPU_CASES = [
+    (2, 257, 300, 4, 4, 32, False, (-1, -1)),
+    (1, 640, 640, 4, 1, 64, True, (-1, -1)),    # MQA, several key blocks of every tile
+    (2, 333, 517, 4, 2, 128, True, (-1, -1)),
+    (1, 600, 500, 2, 2, 128, False, (64, 32)),  # window, Sq > Sk
+    (1, 300, 300, 4, 2, 256, True, (-1, -1)),
+    (2, 129, 1000, 8, 8, 96, False, (-1, -1)),
+]
+
+
+def case_id(c):
+    return f"b{c[0]}_sq{c[1]}_sk{c[2]}_h{c[3]}x{c[4]}_d{c[5]}_c{int(c[6])}_w{c[7][0]}x{c[7][1]}"
+
+
+def check_gradients(device, dtype, case, deterministic):
     b, sq, sk, hq, hkv, d, causal, window = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, dtype, seed=7)
     dout = torch.randn(b, sq, hq, d, generator=torch.Generator().manual_seed(8)).to(dtype)
     _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, causal, window), q, k, v, dout)
-    _, glp = grads(lambda *a: torch_attention(*a, dtype, causal, window), q, k, v, dout)
-    _, ghf = grads(lambda *a: hipflash.flash_attn_func(*a, causal=causal, window_size=window), q, k, v, dout)
+    _, glp = grads(lambda *a: torch_attention(*a, dtype, causal, window), q, k, v, dout, device)
+    _, ghf = grads(lambda *a: hipflash.flash_attn_func(*a, causal=causal, window_size=window,
+                                                       deterministic=deterministic),
+                   q, k, v, dout, device)
     for name, ours, low, ref in zip("qkv", ghf, glp, g64):
-        assert ours.dtype == dtype and ours.shape == ref.shape
+        assert ours.dtype == dtype and ours.shape == ref.shape and ours.device.type == device
         assert not torch.isnan(ours).any(), f"d{name}: NaN"
-        err = (ours.double() - ref).abs().max().item()
-        tol = 2 * (low.double() - ref).abs().max().item() + 1e-5
+        err = (ours.double().cpu() - ref).abs().max().item()
+        tol = 2 * (low.double().cpu() - ref).abs().max().item() + 1e-5
         assert err <= tol, f"d{name}: max|err| {err:.3e} > {tol:.3e}"
 
 
-def test_rows_without_keys_get_zero_gradients():
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gradients_match_fp64_autograd(device, dtype, case, deterministic):
+    check_gradients(device, dtype, case, deterministic)
+
+
+@pytest.mark.skipif(not GPU, reason="GPU cases: needs a GPU visible to torch and GPU kernels")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
+def test_gpu_gradients_match_fp64_autograd(dtype, case, deterministic):
+    check_gradients("cuda", dtype, case, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_without_keys_get_zero_gradients(device, deterministic):
     q, k, v = make_qkv(1, 10, 4, 1, 1, 64, torch.bfloat16, seed=1)  # causal: rows 0-5 see nothing
-    _, (dq, dk, dv) = grads(lambda *a: hipflash.flash_attn_func(*a, causal=True), q, k, v,
-                            torch.ones(1, 10, 1, 64))
+    _, (dq, dk, dv) = grads(lambda *a: hipflash.flash_attn_func(
+        *a, causal=True, deterministic=deterministic), q, k, v, torch.ones(1, 10, 1, 64), device)
     assert torch.equal(dq[:, :6], torch.zeros_like(dq[:, :6]))
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
-def test_deterministic_bitwise_over_repeats():
-    q, k, v = make_qkv(2, 45, 70, 4, 2, 64, torch.bfloat16, seed=3)
-    dout = torch.randn(2, 45, 4, 64).to(torch.bfloat16)
-    first = grads(lambda *a: hipflash.flash_attn_func(*a, causal=True), q, k, v, dout)[1]
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic_bitwise_over_repeats(device):
+    q, k, v = make_qkv(2, 245, 270, 4, 2, 64, torch.bfloat16, seed=3)
+    dout = torch.randn(2, 245, 4, 64).to(torch.bfloat16)
+    fn = lambda *a: hipflash.flash_attn_func(*a, causal=True, deterministic=True)  # noqa: E731
+    first = grads(fn, q, k, v, dout, device)[1]
     for _ in range(100):
-        again = grads(lambda *a: hipflash.flash_attn_func(*a, causal=True), q, k, v, dout)[1]
+        again = grads(fn, q, k, v, dout, device)[1]
         for a, b in zip(first, again):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def test_training_loop_matches_sdpa():
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_loop_matches_sdpa(device):
     # A tiny attention model trained a few hundred steps with hipflash and with the same model
     # on PyTorch attention (fp32 SDPA math): the loss curves agree within noise.
     torch.manual_seed(0)
@@ -87,10 +136,10 @@ def test_training_loop_matches_sdpa():
 
     def run(attn):
         g = torch.Generator().manual_seed(1)
-        wq, wk, wv = (torch.randn(H * D, H * D, generator=g) * 0.1 for _ in range(3))
+        wq, wk, wv = ((torch.randn(H * D, H * D, generator=g) * 0.1).to(device) for _ in range(3))
         params = [w.requires_grad_() for w in (wq, wk, wv)]
         opt = torch.optim.Adam(params, lr=1e-2)
-        x = torch.randn(64, B, S, H * D, generator=g)
+        x = torch.randn(64, B, S, H * D, generator=g).to(device)
         losses = []
         for step in range(300):
             xb = x[step % 64]
@@ -109,53 +158,58 @@ def test_training_loop_matches_sdpa():
     assert (ours[-50:].mean() - ref[-50:].mean()).abs() <= 0.05 * ref[-50:].mean() + 1e-3
 
 
-def test_no_backward_where_there_is_none():
-    q, k, v = make_qkv(1, 8, 8, 1, 1, 64, torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_backward_where_there_is_none(device):
+    q, k, v = make_qkv(1, 8, 8, 1, 1, 64, torch.bfloat16, device=device)
     with pytest.raises(RuntimeError, match="no backward yet"):  # out= keeps the boundary
         hipflash.flash_attn_func(q.requires_grad_(), k, v, out=torch.empty_like(q))
-    if torch.cuda.is_available() and hipflash.gpu_available():
-        with pytest.raises(RuntimeError, match="no backward yet"):
-            hipflash.flash_attn_func(q.detach().cuda().requires_grad_(), k.cuda(), v.cuda())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lse_layout", ["padded", "packed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_gradients_equal_per_sequence_dense(lse_layout, causal):
-    # Each sequence's gradients of the packed call equal the dense call's on that sequence.
+def test_varlen_gradients_equal_per_sequence_dense(lse_layout, causal, device):
+    # Each sequence's gradients of the packed call equal the dense call's on that sequence
+    # (deterministic dq: bitwise).
     lens_q, lens_k = [3, 0, 40, 17], [5, 7, 30, 17]
-    q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, 2, 64, torch.bfloat16, seed=9)
+    q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, 2, 64, torch.bfloat16, device=device, seed=9)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     _, (dq, dk, dv) = grads(lambda *a: hipflash.flash_attn_varlen_func(
-        *a, cq, ck, 40, 30, causal=causal, lse_layout=lse_layout), q, k, v, dout)
+        *a, cq, ck, 40, 30, causal=causal, lse_layout=lse_layout, deterministic=True), q, k, v,
+        dout)
     for b in range(len(lens_q)):
         qs, ks = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         if lens_q[b] == 0:
             assert torch.equal(dk[ks], torch.zeros_like(dk[ks]))  # no query sees these keys
             continue
-        _, (eq, ek, ev) = grads(lambda *a: hipflash.flash_attn_func(*a, causal=causal),
+        _, (eq, ek, ev) = grads(lambda *a: hipflash.flash_attn_func(*a, causal=causal,
+                                                                   deterministic=True),
                                 q[qs][None], k[ks][None], v[ks][None], dout[qs][None])
         for got, want in ((dq[qs], eq[0]), (dk[ks], ek[0]), (dv[ks], ev[0])):
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"sequence {b}"
 
 
-def test_varlen_rows_outside_every_sequence_get_zero_gradients():
-    cq = torch.tensor([0, 4], dtype=torch.int32)
-    ck = torch.tensor([2, 6], dtype=torch.int32)  # keys 0-1 belong to no sequence
-    q = torch.randn(6, 1, 64).to(torch.bfloat16)  # query rows 4-5 belong to no sequence
-    k = torch.randn(6, 1, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_rows_outside_every_sequence_get_zero_gradients(device, deterministic):
+    cq = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    ck = torch.tensor([2, 6], dtype=torch.int32, device=device)  # keys 0-1: no sequence's
+    q = torch.randn(6, 1, 64).to(device, torch.bfloat16)  # query rows 4-5: no sequence's
+    k = torch.randn(6, 1, 64).to(device, torch.bfloat16)
     o, l = hipflash.flash_attn_varlen_func(q, k, k, cq, ck, 4, 4, return_lse=True)
     for _ in range(5):  # fresh (NaN-poisoned in the allocator's reuse) buffers each time
-        torch.full((6, 1, 64), float("nan")).to(torch.bfloat16)
-        dq, dk, dv = torch.ops.hipflash.varlen_bwd(torch.randn(6, 1, 64).to(torch.bfloat16), q, k, k,
-                                                   o, l, cq, ck, 4, 4, None, False, -1, -1, True,
-                                                   "padded")
-        assert torch.equal(dq[4:].float(), torch.zeros(2, 1, 64))
-        assert torch.equal(dk[:2].float(), torch.zeros(2, 1, 64))
-        assert torch.equal(dv[:2].float(), torch.zeros(2, 1, 64))
+        torch.full((6, 1, 64), float("nan"), device=device).to(torch.bfloat16)
+        dq, dk, dv = torch.ops.hipflash.varlen_bwd(torch.randn(6, 1, 64).to(device, torch.bfloat16),
+                                                   q, k, k, o, l, cq, ck, 4, 4, None, False, -1,
+                                                   -1, deterministic, "padded")
+        assert torch.equal(dq[4:].float().cpu(), torch.zeros(2, 1, 64))
+        assert torch.equal(dk[:2].float().cpu(), torch.zeros(2, 1, 64))
+        assert torch.equal(dv[:2].float().cpu(), torch.zeros(2, 1, 64))
 
 
-def test_double_backward_is_refused_not_silently_wrong():
-    x = torch.randn(1, 4, 2, 64).to(torch.bfloat16).requires_grad_()
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward_is_refused_not_silently_wrong(device):
+    x = torch.randn(1, 4, 2, 64).to(device, torch.bfloat16).requires_grad_()
     out = hipflash.flash_attn_func(x, x, x)
     gx, = torch.autograd.grad(out.float().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):

@@ -22,6 +22,16 @@ struct FwdTraits {
   static constexpr bool kSplit = kSplit_;
 };
 
+/// Flags of one backward instantiation (SPEC §7): the dtype of q, k, v, out and the gradients,
+/// the padded head dim, and kMasked (causal or a sliding window), as FwdTraits folds it. The
+/// deterministic choice and varlen are runtime (a separate dq pass; per-sequence bounds).
+template <DType kDType_, int kHeadDim_, bool kMasked_>
+struct BwdTraits {
+  static constexpr DType kDType = kDType_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kMasked = kMasked_;
+};
+
 /// The runtime twin of FwdTraits: which instantiation a call needs.
 struct KernelKey {
   DType dtype = DType::f16;

@@ -1,0 +1,116 @@
+// hipflash — the backward's first and last passes (portable: NVIDIA and AMD).
+//
+// bwd_preprocess_kernel, before the dk/dv pass: per (b, h, row) of the padded workspace,
+//   delta    = rowsum(dO * O) in fp32, from the saved (rounded) output;
+//   lse_log2 = the forward's LSE in base 2, with -inf (a row that sees no key) made +inf so
+//              that P = exp2(s * scale * log2e - lse_log2) is exactly 0 there; NaN stays NaN;
+//   rows past the sequence: delta 0, lse_log2 +inf (they take part in nothing);
+//   and, on the atomic path, the row's dq_accum zeroed.
+// Eight threads own a row; each sums 16-byte pieces and the eight reduce by shuffles.
+//
+// bwd_dq_convert_kernel, after it on the atomic path: dq = softmax_scale * dq_accum, rounded to
+// the dtype, for the rows of every sequence.
+//
+// bwd_zero_outside_kernel (varlen): the rows of a [total, H, D] gradient before cu_seqlens[0]
+// and from cu_seqlens[B] on belong to no sequence; their gradient is 0 (the CPU backward's rule).
+#pragma once
+
+#include "bwd/bwd_block_info.hpp"
+#include "common/words.hpp"
+#include "hipflash/detail/softmax_state.hpp"
+#include "hipflash/port/port.hpp"
+
+namespace hipflash::bwd {
+
+inline constexpr int kPrepThreads = 256;
+inline constexpr int kPrepLanesPerRow = 8;
+inline constexpr int kPrepRows = kPrepThreads / kPrepLanesPerRow;  ///< rows per thread block
+
+/// Grid: ceil(seqlen_rounded / kPrepRows) * Hq * B blocks (row block fastest).
+template <DType kDType>
+__global__ void __launch_bounds__(kPrepThreads)
+    bwd_preprocess_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int row_blocks) {
+  using B = common::Bits<kDType>;
+  using W = typename B::word;
+  const int64_t linear = blockIdx.x;
+  const int64_t rb = linear % row_blocks, rest = linear / row_blocks;
+  const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
+  const int lane = int(threadIdx.x) % kPrepLanesPerRow;
+  const int64_t row = rb * kPrepRows + int(threadIdx.x) / kPrepLanesPerRow;
+  if (row >= p.seqlen_rounded) return;
+  const SeqBounds seq(p, b);
+  const int64_t ws = p.ws_row(b, h, row);
+
+  float delta = 0.f, lse2 = __int_as_float(0x7f800000);  // +inf
+  if (row < seq.len_q) {
+    const W* o = rows_of(static_cast<const W*>(p.out), p.o_batch_stride, p.o_row_stride,
+                         p.o_head_stride, b, seq.q_start, h) + row * p.o_row_stride;
+    const W* dout = rows_of(static_cast<const W*>(p.dout), p.do_batch_stride, p.do_row_stride,
+                            p.do_head_stride, b, seq.q_start, h) + row * p.do_row_stride;
+    for (int c = lane * 8; c < p.head_dim; c += kPrepLanesPerRow * 8) {
+      W ov[8], dv[8];
+      common::load_words<W, 8>(o + c, ov);
+      common::load_words<W, 8>(dout + c, dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) delta += B::to_float(ov[e]) * B::to_float(dv[e]);
+    }
+    const float lse = p.lse[p.lse_offset(b, h, seq.q_start, row)];
+    if (lse != detail::kNegInf) lse2 = lse * detail::kLog2e;
+  }
+#pragma unroll
+  for (int m = 1; m < kPrepLanesPerRow; m *= 2) delta += port::shfl_xor(delta, m);
+  if (lane == 0) {
+    p.delta[ws] = delta;
+    p.lse_log2[ws] = lse2;
+  }
+  if (!p.deterministic) {
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + ws * p.padded_head_dim);
+    for (int c = lane; c < p.padded_head_dim / 4; c += kPrepLanesPerRow)
+      acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+inline constexpr int kConvertThreads = 256;
+
+/// Grid: ceil(seqlen_rounded * padded_head_dim / 8 / kConvertThreads) * Hq * B blocks; a
+/// thread converts 8 elements of one row.
+template <DType kDType>
+__global__ void __launch_bounds__(kConvertThreads)
+    bwd_dq_convert_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int piece_blocks) {
+  using B = common::Bits<kDType>;
+  using W = typename B::word;
+  const int64_t linear = blockIdx.x;
+  const int64_t pb = linear % piece_blocks, rest = linear / piece_blocks;
+  const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
+  const int pieces = p.padded_head_dim / 8;
+  const int64_t piece = pb * kConvertThreads + threadIdx.x;
+  const int64_t row = piece / pieces;
+  const int c = int(piece % pieces) * 8;
+  const SeqBounds seq(p, b);
+  if (row >= seq.len_q || c >= p.head_dim) return;
+  const float* acc = p.dq_accum + p.ws_row(b, h, row) * p.padded_head_dim + c;
+  W w[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) w[e] = B::from_float(acc[e] * p.softmax_scale);
+  W* dq = rows_of(static_cast<W*>(p.dq), p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
+                  b, seq.q_start, h) + row * p.dq_row_stride + c;
+  common::store_words<W, 8>(dq, w);
+}
+
+/// Grid: ceil(total * H * D / 8 / kConvertThreads) blocks; a thread owns 8 elements of one
+/// (row, head) and zeroes them when the row lies outside [cu[0], cu[batch]).
+template <DType kDType>
+__global__ void __launch_bounds__(kConvertThreads)
+    bwd_zero_outside_kernel(typename common::Bits<kDType>::word* base, int64_t row_stride,
+                            int64_t head_stride, int64_t total, int64_t heads, int head_dim,
+                            const int32_t* __restrict__ cu, int64_t batch) {
+  using W = typename common::Bits<kDType>::word;
+  const int pieces = head_dim / 8;
+  const int64_t i = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
+  const int64_t row = i / (heads * pieces), h = (i / pieces) % heads;
+  if (row >= total || (row >= cu[0] && row < cu[batch])) return;
+  const W zero[8] = {};
+  common::store_words<W, 8>(base + row * row_stride + h * head_stride + (i % pieces) * 8, zero);
+}
+
+}  // namespace hipflash::bwd

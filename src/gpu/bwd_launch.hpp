@@ -1,0 +1,113 @@
+// hipflash — the one place that launches the backward kernels (SPEC §7). Included only by the
+// generated instantiation TUs (bwd_<dtype>_hd<hd>.cu, see cmake/HipflashGpu.cmake).
+//
+// Order on the stream: preprocess (delta, lse_log2, dq_accum zeroed) -> dk/dv pass (with the
+// atomic dq terms unless deterministic) -> dq pass (deterministic) or dq conversion (atomic) ->
+// zero the rows outside every sequence (varlen).
+#pragma once
+
+#include <string>
+
+#include "bwd/bwd_portable_kernel.hpp"
+#include "bwd/bwd_preprocess_kernel.hpp"
+#include "bwd/bwd_sm80_kernel.hpp"
+#include "gpu/launch_api.hpp"
+#include "gpu/launch_fwd.hpp"  // set_smem_once_per_device
+
+namespace hipflash::gpu {
+namespace bwd_detail {
+
+/// The grid of a pass (a pass with no blocks is skipped by its caller: a zero grid is an error).
+inline unsigned grid_of(int64_t blocks, const char* what) {
+  HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one launch: the backward's ", what,
+                 " pass needs ", blocks, " thread blocks (more than 2^31 - 1)");
+  return unsigned(blocks);
+}
+
+inline void check_launch(const char* what) {
+  if (const port::error_t err = port::get_last_error(); err != port::kSuccess)
+    port::check(err, (std::string("launching the backward's ") + what + " kernel").c_str());
+}
+
+template <DType kDType>
+void zero_outside(void* base, int64_t row_stride, int64_t head_stride, int64_t total,
+                  int64_t heads, int head_dim, const int32_t* cu, int64_t batch,
+                  port::stream_t stream) {
+  using W = typename common::Bits<kDType>::word;
+  const int64_t threads = total * heads * (head_dim / 8);
+  if (threads == 0) return;
+  const int64_t blocks = (threads + bwd::kConvertThreads - 1) / bwd::kConvertThreads;
+  bwd::bwd_zero_outside_kernel<kDType><<<grid_of(blocks, "varlen zero-fill"), bwd::kConvertThreads,
+                                         0, stream>>>(static_cast<W*>(base), row_stride,
+                                                      head_stride, total, heads, head_dim, cu,
+                                                      batch);
+  check_launch("varlen zero-fill");
+}
+
+}  // namespace bwd_detail
+
+template <class Traits>
+void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream) {
+  using namespace bwd_detail;
+  constexpr DType kDT = Traits::kDType;
+  constexpr int kHD = Traits::kHeadDim;
+  // Launches kernel<<<blocks (per (head, batch)) * heads * B, threads, smem>>>(p, blocks).
+  auto pass = [&](auto kernel, int64_t blocks, int64_t heads, int threads, int smem,
+                  const char* what) {
+    const int64_t grid = blocks * heads * p.batch;
+    if (grid == 0) return;  // nothing to do (and a zero grid is a launch error)
+    kernel<<<grid_of(grid, what), threads, smem, stream>>>(p, int(blocks));
+    check_launch(what);
+  };
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+
+  pass(bwd::bwd_preprocess_kernel<kDT>, p.seqlen_rounded / bwd::kPrepRows, p.heads_q,
+       bwd::kPrepThreads, 0, "preprocess");
+
+  if (how.portable) {  // always deterministic: a dq pass after the dk/dv pass
+    using Tile = bwd::PortableTile<kHD>;
+    pass(bwd::bwd_dkdv_portable_kernel<Traits>, ceil_div(p.seqlen_k, Tile::kBlockN), p.heads_kv,
+         Tile::kThreads, 0, "portable dk/dv");
+    pass(bwd::bwd_dq_portable_kernel<Traits>, ceil_div(p.seqlen_q, Tile::kBlockM), p.heads_q,
+         Tile::kThreads, 0, "portable dq");
+  } else {
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+    using Dkdv = bwd::DkdvTile<kHD>;
+    constexpr auto dkdv = bwd::bwd_dkdv_sm80_kernel<Traits>;
+    set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv");
+    pass(dkdv, ceil_div(p.seqlen_k, Dkdv::kBlockN), p.heads_kv, Dkdv::kThreads, Dkdv::kSmemBytes,
+         "dk/dv");
+    if (p.deterministic) {
+      using Dq = bwd::DqTile<kHD>;
+      constexpr auto dq = bwd::bwd_dq_sm80_kernel<Traits>;
+      set_smem_once_per_device<dq>(Dq::kSmemBytes, "backward dq");
+      pass(dq, ceil_div(p.seqlen_q, Dq::kBlockM), p.heads_q, Dq::kThreads, Dq::kSmemBytes, "dq");
+    }
+#endif  // HIPFLASH_PLATFORM_NVIDIA
+  }
+
+  if (!p.deterministic && !how.portable)
+    pass(bwd::bwd_dq_convert_kernel<kDT>,
+         ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads), p.heads_q,
+         bwd::kConvertThreads, 0, "dq conversion");
+
+  if (p.is_varlen()) {
+    zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, how.total_q, p.heads_q,
+                      int(p.head_dim), p.cu_seqlens_q, p.batch, stream);
+    zero_outside<kDT>(p.dk, p.dk_row_stride, p.dk_head_stride, how.total_k, p.heads_kv,
+                      int(p.head_dim), p.cu_seqlens_k, p.batch, stream);
+    zero_outside<kDT>(p.dv, p.dv_row_stride, p.dv_head_stride, how.total_k, p.heads_kv,
+                      int(p.head_dim), p.cu_seqlens_k, p.batch, stream);
+  }
+}
+
+}  // namespace hipflash::gpu
+
+/// Explicit instantiations of the backward for one (dtype, padded head dim): unmasked and masked.
+#define HIPFLASH_INSTANTIATE_BWD(DT, HD)                                                        \
+  namespace hipflash::gpu {                                                                    \
+  template void launch_bwd<BwdTraits<DT, HD, false>>(const BwdParams&, const BwdLaunch&,       \
+                                                     port::stream_t);                          \
+  template void launch_bwd<BwdTraits<DT, HD, true>>(const BwdParams&, const BwdLaunch&,        \
+                                                    port::stream_t);                           \
+  }

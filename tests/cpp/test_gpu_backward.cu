@@ -1,0 +1,298 @@
+// The GPU backward (SPEC §7, kernels/bwd): gradients from the device kernels against the CPU
+// backward on the same inputs (the CPU backward is checked against fp64 autograd in
+// tests/python/test_backward.py, and the GPU one there too), the deterministic path bitwise
+// repeatable, varlen rows outside every sequence zero, fully masked rows zero, NaN reaching what
+// it touches, and bad calls writing nothing. The gtest binary runs twice in scripts/gpu-check:
+// as is (mma.sync kernels on NVIDIA) and with HIPFLASH_BWD_PORTABLE=1 (the portable kernels).
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <random>
+
+#include "gpu_test_util.hpp"
+#include "hipflash/backward.hpp"
+
+namespace hipflash::test {
+namespace {
+
+struct BwdCase {
+  Case c;
+  bool deterministic = true;
+  std::string name() const { return c.name() + (deterministic ? "_det" : "_atomic"); }
+};
+
+/// A dense problem with its forward run on the CPU (out, lse), an upstream gradient and the
+/// CPU backward's gradients (the expectation).
+struct BwdProblem {
+  Dense t;
+  HostTensor dout, dq, dk, dv;        // the GPU's results land here (NaN-poisoned first)
+  HostTensor dq_cpu, dk_cpu, dv_cpu;  // the CPU backward's
+  BwdOptions bo;
+
+  BwdProblem(const Case& c, bool deterministic, uint32_t seed = 7)
+      : t(c.dtype, c.b, c.sq, c.sk, c.hq, c.hkv, c.d, seed) {
+    t.opts.causal = c.causal;
+    t.opts.window_left = c.wl;
+    t.opts.window_right = c.wr;
+    t.opts.num_splits = 1;
+    t.run();
+    std::mt19937 rng(seed + 1);
+    dout = t.out;
+    dout.randomize(rng);
+    bo.causal = c.causal;
+    bo.window_left = c.wl;
+    bo.window_right = c.wr;
+    bo.deterministic = deterministic;
+    dq = dq_cpu = t.q;
+    dk = dk_cpu = t.k;
+    dv = dv_cpu = t.v;
+    for (HostTensor* g : {&dq, &dk, &dv, &dq_cpu, &dk_cpu, &dv_cpu}) g->fill(kNaN);
+    backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, dq_cpu.ref, dk_cpu.ref,
+             dv_cpu.ref, bo);
+  }
+
+  void run_gpu() {
+    DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), d_out(dout);
+    DeviceTensor g_q(dq), g_k(dk), g_v(dv);
+    backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, g_q.ref, g_k.ref, g_v.ref, bo);
+    sync();
+    g_q.download(dq);
+    g_k.download(dk);
+    g_v.download(dv);
+  }
+};
+
+/// max |a - b| over the storage, against tol * max |b| (+ a floor for all-zero gradients). NaN
+/// must sit exactly where the expectation has it — or, with `nan_superset`, at least there:
+/// a NaN operand row also reaches, through the tile's matrix product (0 * NaN), gradients of
+/// pairs the mask excludes, as the dense fp64 autograd formulation does.
+::testing::AssertionResult close(const HostTensor& a, const HostTensor& b, DType dt,
+                                 const char* what, bool nan_superset = false) {
+  const float rtol = dt == DType::bf16 ? 2e-2f : 5e-3f;
+  float worst = 0, scale = 0;
+  const int64_t n = a.storage_elems();
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = a.get_raw(i), y = b.get_raw(i);
+    if (std::isnan(x) && (std::isnan(y) || nan_superset)) continue;
+    if (std::isnan(x) != std::isnan(y))
+      return ::testing::AssertionFailure() << what << ": NaN mismatch at storage element " << i
+                                           << " (gpu " << x << ", cpu " << y << ")";
+    worst = std::max(worst, std::abs(x - y));
+    scale = std::max(scale, std::abs(y));
+  }
+  if (worst <= rtol * scale + 1e-4f) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": max |gpu - cpu| = " << worst
+                                       << " > " << rtol << " * max |cpu| (" << scale << ")";
+}
+
+class GpuBackward : public ::testing::TestWithParam<BwdCase> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available())
+      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
+  }
+};
+
+TEST_P(GpuBackward, MatchesTheCpuBackward) {
+  const BwdCase& bc = GetParam();
+  BwdProblem pb(bc.c, bc.deterministic);
+  pb.run_gpu();
+  EXPECT_TRUE(close(pb.dq, pb.dq_cpu, bc.c.dtype, "dq"));
+  EXPECT_TRUE(close(pb.dk, pb.dk_cpu, bc.c.dtype, "dk"));
+  EXPECT_TRUE(close(pb.dv, pb.dv_cpu, bc.c.dtype, "dv"));
+}
+
+std::vector<BwdCase> bwd_grid() {
+  // (Sq, Sk): odd lengths, Sq != Sk both ways (causal then leaves rows with no key), one block,
+  // several blocks of every tile.
+  const std::pair<int64_t, int64_t> lens[] = {{1, 1}, {37, 50}, {130, 129}, {257, 100}, {512, 512}};
+  const std::pair<int64_t, int64_t> heads[] = {{4, 4}, {4, 2}, {6, 1}};
+  std::vector<BwdCase> v;
+  int i = 0;
+  for (int64_t d : {32, 64, 96, 128, 256})
+    for (auto [sq, sk] : lens)
+      for (bool causal : {false, true}) {
+        auto [hq, hkv] = heads[i % 3];
+        const DType dt = i % 2 ? DType::f16 : DType::bf16;
+        v.push_back({Case{dt, 2, sq, sk, hq, hkv, d, causal}, i % 4 != 1});
+        ++i;
+      }
+  // Sliding windows (left only, right only, both), GQA, both dq paths.
+  for (bool det : {true, false}) {
+    v.push_back({Case{DType::bf16, 1, 300, 333, 4, 2, 128, false, 40, 7}, det});
+    v.push_back({Case{DType::bf16, 1, 200, 180, 2, 1, 64, false, -1, 0}, det});
+    v.push_back({Case{DType::f16, 1, 150, 150, 2, 2, 256, false, 0, 16}, det});
+    v.push_back({Case{DType::bf16, 2, 1024, 1024, 2, 1, 128, true}, det});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, GpuBackward, ::testing::ValuesIn(bwd_grid()),
+                         [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name(); });
+
+TEST_F(Gpu, BackwardDeterministicIsBitwiseRepeatable) {
+  BwdProblem pb(Case{DType::bf16, 2, 700, 900, 8, 2, 128, true}, true);
+  pb.run_gpu();
+  const HostTensor dq1 = pb.dq, dk1 = pb.dk, dv1 = pb.dv;
+  DeviceTensor q(pb.t.q), k(pb.t.k), v(pb.t.v), out(pb.t.out), lse(pb.t.lse), d_out(pb.dout);
+  DeviceTensor g_q(pb.dq), g_k(pb.dk), g_v(pb.dv);
+  for (int run = 0; run < 100; ++run) {
+    backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, g_q.ref, g_k.ref, g_v.ref, pb.bo);
+    sync();
+    g_q.download(pb.dq);
+    g_k.download(pb.dk);
+    g_v.download(pb.dv);
+    ASSERT_TRUE(pb.dq.bitwise_equal(dq1)) << "run " << run;
+    ASSERT_TRUE(pb.dk.bitwise_equal(dk1)) << "run " << run;
+    ASSERT_TRUE(pb.dv.bitwise_equal(dv1)) << "run " << run;
+  }
+}
+
+TEST_F(Gpu, BackwardRowsWithNoKeyHaveZeroGradients) {
+  // Causal with Sq > Sk: the first Sq - Sk rows see no key (LSE -inf).
+  for (bool det : {true, false}) {
+    BwdProblem pb(Case{DType::bf16, 1, 300, 100, 2, 2, 64, true}, det);
+    pb.run_gpu();
+    EXPECT_TRUE(close(pb.dq, pb.dq_cpu, DType::bf16, "dq"));
+    for (int64_t i = 0; i < 200; ++i)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t d = 0; d < 64; ++d)
+          ASSERT_EQ(pb.dq.get_raw(pb.dq.base() + i * pb.dq.ref.strides[1] + h * pb.dq.ref.strides[2] + d), 0.f)
+              << "row " << i;
+  }
+}
+
+TEST_F(Gpu, BackwardNanReachesWhatItTouches) {
+  // A NaN in one query row: its dq row, every dk / dv row it sees are NaN (as on the CPU); the
+  // other query rows' dq stay finite.
+  for (bool det : {true, false}) {
+    Case c{DType::bf16, 1, 64, 80, 2, 1, 64, true};
+    BwdProblem base(c, det);
+    Dense t = base.t;
+    t.q.set_raw(t.q.base() + 20 * t.q.ref.strides[1] + 3, kNaN);  // row 20, head 0
+    t.poison();
+    t.run();
+    BwdProblem pb = base;
+    pb.t = t;
+    for (HostTensor* g : {&pb.dq_cpu, &pb.dk_cpu, &pb.dv_cpu}) g->fill(kNaN);
+    backward(pb.dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, pb.dq_cpu.ref,
+             pb.dk_cpu.ref, pb.dv_cpu.ref, pb.bo);
+    pb.run_gpu();
+    EXPECT_TRUE(close(pb.dq, pb.dq_cpu, DType::bf16, "dq", true));
+    EXPECT_TRUE(close(pb.dk, pb.dk_cpu, DType::bf16, "dk", true));
+    EXPECT_TRUE(close(pb.dv, pb.dv_cpu, DType::bf16, "dv", true));
+    EXPECT_TRUE(std::isnan(pb.dq.get_raw(pb.dq.base() + 20 * pb.dq.ref.strides[1])));
+    EXPECT_FALSE(std::isnan(pb.dq.get_raw(pb.dq.base() + 19 * pb.dq.ref.strides[1])));
+  }
+}
+
+TEST_F(Gpu, VarlenBackwardMatchesTheCpuAndZeroesRowsOutsideSequences) {
+  for (LseLayout layout : {LseLayout::padded, LseLayout::packed})
+    for (bool det : {true, false}) {
+      Varlen t(DType::bf16, {0, 37, 130, 5}, {10, 60, 129, 0}, 4, 2, 96, layout, 11);
+      t.opts.causal = true;
+      t.run();
+      std::mt19937 rng(3);
+      HostTensor dout = t.out;
+      dout.randomize(rng);
+      HostTensor dq = t.q, dk = t.k, dv = t.v, dq_c = t.q, dk_c = t.k, dv_c = t.v;
+      for (HostTensor* g : {&dq, &dk, &dv, &dq_c, &dk_c, &dv_c}) g->fill(kNaN);
+      VarlenBwdOptions bo;
+      bo.causal = true;
+      bo.deterministic = det;
+      bo.max_seqlen_q = t.opts.max_seqlen_q;
+      bo.max_seqlen_k = t.opts.max_seqlen_k;
+      bo.lse_layout = layout;
+      varlen_backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, t.cu_q.ref,
+                      t.cu_k.ref, dq_c.ref, dk_c.ref, dv_c.ref, bo);
+      {
+        DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), d_out(dout), cq(t.cu_q),
+            ck(t.cu_k), g_q(dq), g_k(dk), g_v(dv);
+        varlen_backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, cq.ref, ck.ref, g_q.ref,
+                        g_k.ref, g_v.ref, bo);
+        sync();
+        g_q.download(dq);
+        g_k.download(dk);
+        g_v.download(dv);
+      }
+      EXPECT_TRUE(close(dq, dq_c, DType::bf16, "dq")) << int(layout) << det;
+      EXPECT_TRUE(close(dk, dk_c, DType::bf16, "dk")) << int(layout) << det;
+      EXPECT_TRUE(close(dv, dv_c, DType::bf16, "dv")) << int(layout) << det;
+    }
+}
+
+TEST_F(Gpu, VarlenBackwardRowsOutsideSequencesAreZero) {
+  // cu_seqlens starting past row 0 and ending before the last row.
+  Varlen t(DType::f16, {20, 33}, {20, 40}, 2, 2, 64, LseLayout::packed, 5);
+  const int32_t total_q = int32_t(t.q.ref.sizes[0]), total_k = int32_t(t.k.ref.sizes[0]);
+  HostTensor cu_q(DType::i32, {3}), cu_k(DType::i32, {3});
+  cu_q.i32()[0] = 3, cu_q.i32()[1] = 23, cu_q.i32()[2] = total_q - 4;
+  cu_k.i32()[0] = 2, cu_k.i32()[1] = 22, cu_k.i32()[2] = total_k - 1;
+  t.cu_q = cu_q;
+  t.cu_k = cu_k;
+  t.opts.max_seqlen_q = 30;
+  t.opts.max_seqlen_k = 37;
+  t.run();
+  std::mt19937 rng(9);
+  HostTensor dout = t.out;
+  dout.randomize(rng);
+  HostTensor dq = t.q, dk = t.k, dv = t.v;
+  for (HostTensor* g : {&dq, &dk, &dv}) g->fill(kNaN);
+  VarlenBwdOptions bo;
+  bo.max_seqlen_q = 30;
+  bo.max_seqlen_k = 37;
+  bo.lse_layout = LseLayout::packed;
+  bo.deterministic = false;
+  {
+    DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), d_out(dout), cq(t.cu_q),
+        ck(t.cu_k), g_q(dq), g_k(dk), g_v(dv);
+    varlen_backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, cq.ref, ck.ref, g_q.ref,
+                    g_k.ref, g_v.ref, bo);
+    sync();
+    g_q.download(dq);
+    g_k.download(dk);
+    g_v.download(dv);
+  }
+  auto row_is = [](const HostTensor& g, int64_t r, bool zero) {
+    for (int64_t i = 0; i < g.ref.sizes[1] * g.ref.sizes[2]; ++i) {
+      const float x = g.get_raw(g.base() + r * g.ref.strides[0] + i);
+      if (zero ? x != 0.f : std::isnan(x)) return false;
+    }
+    return true;
+  };
+  for (int64_t r : {0, 1, 2}) EXPECT_TRUE(row_is(dq, r, true)) << "dq row " << r;
+  for (int64_t r = total_q - 4; r < total_q; ++r) EXPECT_TRUE(row_is(dq, r, true)) << "dq row " << r;
+  for (int64_t r : {0, 1}) EXPECT_TRUE(row_is(dk, r, true) && row_is(dv, r, true)) << "row " << r;
+  EXPECT_TRUE(row_is(dk, total_k - 1, true) && row_is(dv, total_k - 1, true));
+  for (int64_t r = 3; r < total_q - 4; ++r) EXPECT_TRUE(row_is(dq, r, false)) << "dq row " << r;
+}
+
+TEST_F(Gpu, BackwardBadCallsWriteNothing) {
+  BwdProblem pb(Case{DType::bf16, 1, 40, 40, 2, 2, 64}, true);
+  DeviceTensor q(pb.t.q), k(pb.t.k), v(pb.t.v), out(pb.t.out), lse(pb.t.lse), d_out(pb.dout);
+  DeviceTensor g_q(pb.dq), g_k(pb.dk), g_v(pb.dv);
+  auto expect_refused = [&](TensorRef dq, const std::string& what) {
+    try {
+      backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, dq, g_k.ref, g_v.ref, pb.bo);
+      ADD_FAILURE() << "no exception; expected '" << what << "'";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    sync();
+    HostTensor dk = pb.dk, dv = pb.dv;
+    g_k.download(dk);
+    g_v.download(dv);
+    EXPECT_TRUE(dk.all_nan() && dv.all_nan()) << what;
+  };
+  TensorRef misaligned = g_q.ref;  // 2 bytes in: the storage is over-allocated, never touched
+  misaligned.data = static_cast<char*>(misaligned.data) + 2;
+  expect_refused(misaligned, "dq must be 16-byte aligned");
+  TensorRef shape = g_q.ref;
+  shape.sizes[1] = 39;
+  expect_refused(shape, "dq must have the shape of q");
+  TensorRef q_alias = q.ref;
+  expect_refused(q_alias, "dq must not alias q");
+}
+
+}  // namespace
+}  // namespace hipflash::test
