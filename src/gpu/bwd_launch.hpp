@@ -11,6 +11,7 @@
 #include "bwd/bwd_portable_kernel.hpp"
 #include "bwd/bwd_preprocess_kernel.hpp"
 #include "bwd/bwd_sm80_kernel.hpp"
+#include "bwd/bwd_sm90_kernel.hpp"
 #include "gpu/launch_api.hpp"
 #include "gpu/launch_fwd.hpp"  // set_smem_once_per_device
 
@@ -72,11 +73,26 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
          Tile::kThreads, 0, "portable dq");
   } else {
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
-    using Dkdv = bwd::DkdvTile<kHD>;
-    constexpr auto dkdv = bwd::bwd_dkdv_sm80_kernel<Traits>;
-    set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv");
-    pass(dkdv, ceil_div(p.seqlen_k, Dkdv::kBlockN), p.heads_kv, Dkdv::kThreads, Dkdv::kSmemBytes,
-         "dk/dv");
+    bool done = false;
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+    if constexpr (kHD <= 128) {
+      if (how.sm90) {
+        using Dkdv = bwd::DkdvSm90Tile<kHD>;
+        constexpr auto dkdv = bwd::bwd_dkdv_sm90_kernel<Traits>;
+        set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90)");
+        pass(dkdv, ceil_div(p.seqlen_k, Dkdv::kBlockN), p.heads_kv, Dkdv::kThreads,
+             Dkdv::kSmemBytes, "dk/dv (sm90)");
+        done = true;
+      }
+    }
+#endif  // HIPFLASH_HAS_SM90_KERNELS
+    if (!done) {
+      using Dkdv = bwd::DkdvTile<kHD>;
+      constexpr auto dkdv = bwd::bwd_dkdv_sm80_kernel<Traits>;
+      set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv");
+      pass(dkdv, ceil_div(p.seqlen_k, Dkdv::kBlockN), p.heads_kv, Dkdv::kThreads,
+           Dkdv::kSmemBytes, "dk/dv");
+    }
     if (p.deterministic) {
       using Dq = bwd::DqTile<kHD>;
       constexpr auto dq = bwd::bwd_dq_sm80_kernel<Traits>;

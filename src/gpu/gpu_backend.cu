@@ -308,6 +308,9 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
 
   BwdLaunch how;
   how.portable = portable;
+  // The wgmma dk/dv pass where it was built (sm_90a) and the device is Hopper; the switch that
+  // hides the sm90 forward kernels (HIPFLASH_DISABLE_SM90=1) hides it too.
+  how.sm90 = !portable && build_caps().sm90 && hd <= 128 && device_arch(device).version == 90;
   how.total_q = total_q;
   how.total_k = total_k;
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {

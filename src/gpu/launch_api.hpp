@@ -36,6 +36,7 @@ void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream);
 /// varlen tensors.
 struct BwdLaunch {
   bool portable = false;
+  bool sm90 = false;  ///< the wgmma dk/dv pass (sm_90a builds, Hopper, head dims <= 128)
   int64_t total_q = 0, total_k = 0;
 };
 

@@ -1,0 +1,269 @@
+// hipflash — the dk/dv pass of the backward on Hopper (sm_90a): warpgroup MMAs on
+// 128-byte-swizzled shared-memory tiles (atoms/sm90), cp.async loads (head dims 64 and 128).
+//
+// A block owns kBlockN = 128 keys of one (batch, kv head), 64 per warpgroup, and walks every
+// query block of 64 rows that sees them, for each query head of the group; Q, dO and the rows'
+// (lse_log2, delta) are double-buffered. Per query block, each warpgroup computes
+//   S^T  = K_wg Q^T,  dP^T = V_wg dO^T                       (wgmma SS, 64 keys x 64 queries)
+//   P^T  = exp2(S^T scale log2e - lse_log2),  dS^T = P^T (dP^T - delta)  (from the saved LSE)
+//   dV  += P^T dO,  dK += dS^T Q      (wgmma RS: the probabilities stay in registers as the A
+//                                      operand; dO and Q are read MN-major)
+// and, on the atomic path, dS^T goes to shared memory and dQ = dS K is a third product (wgmma
+// SS with both operands MN-major) whose fp32 result is added to dq_accum with vector
+// reductions (red.global.add.v2.f32): at head dim 128 each warpgroup takes 64 of dQ's columns
+// over all 128 keys, at head dim 64 all columns over its own 64 keys. The deterministic path
+// leaves dQ to the dq pass (bwd_sm80_kernel.hpp's bwd_dq_sm80_kernel).
+#pragma once
+
+#include "atoms/sm80.hpp"
+#include "atoms/sm90/tile_loader.hpp"
+#include "atoms/sm90/wgmma.hpp"
+#include "atoms/sm90/wgmma_ops.hpp"
+#include "bwd/bwd_block_info.hpp"
+#include "common/block_info.hpp"
+#include "common/element.hpp"
+#include "hipflash/detail/softmax_state.hpp"
+
+namespace hipflash::bwd {
+
+template <int kHeadDim_>
+struct DkdvSm90Tile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64, kBlockN = 128, kWarpgroups = 2, kThreads = 256;
+  /// dQ's split between the warpgroups: by columns (one 64-column panel each, all keys) when
+  /// the head dim has two panels, else by keys (each its own 64).
+  static constexpr bool kDqByColumns = kHeadDim == 128;
+  static constexpr int kSmemKV = kBlockN * kHeadDim * 2, kSmemQ = kBlockM * kHeadDim * 2;
+  static constexpr int kSmemDs = kBlockN * kBlockM * 2;
+  // K, V, Q[2], dO[2], dS^T, then lse_log2[2] and delta[2]; 1024 bytes of alignment slack.
+  static constexpr int kSmemBytes = 2 * kSmemKV + 4 * kSmemQ + kSmemDs + 4 * kBlockM * 4 + 1024;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (one or two panels)");
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(256, 1)
+    bwd_dkdv_sm90_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks) {
+#if defined(HIPFLASH_HAS_WGMMA)
+  using namespace ::hipflash::atom::sm90;
+  using namespace ::hipflash::atom::sm80;  // cp.async group helpers, pack2
+  using Cfg = DkdvSm90Tile<Traits::kHeadDim>;
+  using T = common::element_t<Traits::kDType>;
+  constexpr DType kDT = Traits::kDType;
+  constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
+  using Scores = wgmma::Op<kDT, kBM>;  // 64 keys x 64 queries
+  using Grads = wgmma::Op<kDT, kHD>;   // 64 keys x head dim
+  using DqOp = wgmma::Op<kDT, 64>;     // 64 queries x 64 columns
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sK = smem0, sV = sK + Cfg::kSmemKV;
+  auto sQ = [&](int st) { return sV + Cfg::kSmemKV + uint32_t(st) * Cfg::kSmemQ; };
+  auto sdO = [&](int st) { return sV + Cfg::kSmemKV + uint32_t(2 + st) * Cfg::kSmemQ; };
+  const uint32_t sdS = sV + Cfg::kSmemKV + 4 * Cfg::kSmemQ;  // [kBN keys][kBM queries]
+  float* const stats = reinterpret_cast<float*>(smem_raw + (sdS + Cfg::kSmemDs - smem_addr(smem_raw)));
+  auto sLse = [&](int st) { return stats + st * kBM; };
+  auto sDelta = [&](int st) { return stats + (2 + st) * kBM; };
+
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int wg = warp / 4, wi = warp % 4, g = lane / 4, t = lane % 4;
+
+  const int64_t linear = blockIdx.x;
+  const int n_block = int(linear % num_n_blocks);
+  const int64_t rest = linear / num_n_blocks;
+  const int64_t hk = rest % p.heads_kv, b = rest / p.heads_kv;
+  const SeqBounds seq(p, b);
+  const int64_t n0 = int64_t(n_block) * kBN;
+  if (n0 >= seq.len_k) return;  // past this varlen sequence's keys
+  const int hd = int(p.head_dim);
+  const int64_t groups = p.heads_q / p.heads_kv;
+  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+
+  int64_t row_lo, row_hi;
+  seq.rows_seeing(p, n0, n0 + kBN, row_lo, row_hi);
+  row_lo = row_lo / kBM * kBM;
+  const int64_t m_steps = (row_hi - row_lo + kBM - 1) / kBM;  // per query head
+  const int64_t steps = m_steps * groups;
+
+  auto load_step = [&](int64_t s) {  // Q, dO and the row statistics of step s into stage s % 2
+    const int64_t h = hk * groups + s / m_steps, m0 = row_lo + (s % m_steps) * kBM;
+    const int st = int(s % 2);
+    const T* q = rows_of(static_cast<const T*>(p.q), p.q_batch_stride, p.q_row_stride,
+                         p.q_head_stride, b, seq.q_start, h);
+    const T* dout = rows_of(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_row_stride,
+                            p.do_head_stride, b, seq.q_start, h);
+    TileLoader<kBM, kHD, Cfg::kThreads, T>(q, p.q_row_stride, hd).load(sQ(st), m0, seq.len_q);
+    TileLoader<kBM, kHD, Cfg::kThreads, T>(dout, p.do_row_stride, hd).load(sdO(st), m0, seq.len_q);
+    const int i = int(threadIdx.x);
+    if (i < kBM / 4)
+      cp_async_16(sLse(st) + 4 * i, p.lse_log2 + p.ws_row(b, h, m0) + 4 * i, true);
+    else if (i >= 32 && i < 32 + kBM / 4)
+      cp_async_16(sDelta(st) + 4 * (i - 32), p.delta + p.ws_row(b, h, m0) + 4 * (i - 32), true);
+  };
+  {
+    const T* k = rows_of(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
+                         p.k_head_stride, b, seq.k_start, hk);
+    const T* v = rows_of(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride,
+                         p.v_head_stride, b, seq.k_start, hk);
+    TileLoader<kBN, kHD, Cfg::kThreads, T>(k, p.k_row_stride, hd).load(sK, n0, seq.len_k);
+    TileLoader<kBN, kHD, Cfg::kThreads, T>(v, p.v_row_stride, hd).load(sV, n0, seq.len_k);
+    if (steps > 0) load_step(0);
+    cp_async_commit();
+  }
+
+  // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h of this warp's 16 (keys
+  // here, queries for dQ), column 8i + 2t + e.
+  float dK[kHD / 2], dV[kHD / 2];
+#pragma unroll
+  for (int i = 0; i < kHD / 2; ++i) dK[i] = dV[i] = 0.f;
+  const uint32_t sK_wg = sK + wg * 64 * 128, sV_wg = sV + wg * 64 * 128;
+  const int64_t key0 = n0 + wg * 64 + wi * 16 + g;  // this thread's keys: key0, key0 + 8
+
+  for (int64_t s = 0; s < steps; ++s) {
+    const int st = int(s % 2);
+    const int64_t h = hk * groups + s / m_steps, m0 = row_lo + (s % m_steps) * kBM;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // step s landed for every thread; step s - 1's wgmmas are all done
+    if (s + 1 < steps) load_step(s + 1);
+    cp_async_commit();
+
+    // S^T = K Q^T and dP^T = V dO^T over head-dim steps of 16 (panel ks / 4, 32 B a step).
+    float S[kBM / 2], dP[kBM / 2];
+#pragma unroll
+    for (int i = 0; i < kBM / 2; ++i) S[i] = dP[i] = 0.f;
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < kHD / 16; ++ks) {
+      const uint32_t step = (ks % 4) * 32;
+      Scores::ss(S, wgmma::desc_k_major(sK_wg + (ks / 4) * kBN * 128 + step),
+                 wgmma::desc_k_major(sQ(st) + (ks / 4) * kBM * 128 + step), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kHD / 16; ++ks) {
+      const uint32_t step = (ks % 4) * 32;
+      Scores::ss(dP, wgmma::desc_k_major(sV_wg + (ks / 4) * kBN * 128 + step),
+                 wgmma::desc_k_major(sdO(st) + (ks / 4) * kBM * 128 + step), ks > 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_operands(S);
+    wgmma::fence_operands(dP);
+
+    // P^T and dS^T from the saved LSE (a select for masked pairs: a masked NaN leaks nothing).
+    const float* lse2 = sLse(st);
+    const float* delta = sDelta(st);
+    const bool mask = seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked);
+#pragma unroll
+    for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * i + 2 * t + e;
+        const float l2 = lse2[col], dl = delta[col];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = 4 * i + 2 * hh + e;
+          const bool valid = !mask || common::BlockInfo<kBM, kBN>::key_valid(
+                                          p, m0 + col, key0 + 8 * hh, seq.len_k, seq.diag,
+                                          Traits::kMasked);
+          const float pr = exp2f(S[r] * scale_log2 - l2);
+          S[r] = valid ? pr : 0.f;
+          dP[r] = valid ? pr * (dP[r] - dl) : 0.f;
+        }
+      }
+    // The C fragments of two 8-query tiles are the A fragment of one 16-query step.
+    uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        Pf[kk][j] = pack2<kDT>(S[8 * kk + 2 * j], S[8 * kk + 2 * j + 1]);
+        dSf[kk][j] = pack2<kDT>(dP[8 * kk + 2 * j], dP[8 * kk + 2 * j + 1]);
+      }
+    if (!p.deterministic) {  // dS^T (rounded, as the A operand of dQ) into its SW128 tile
+      unsigned char* ds = smem_raw + (sdS - smem_addr(smem_raw));
+#pragma unroll
+      for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = wg * 64 + wi * 16 + g + 8 * hh;
+          *reinterpret_cast<uint32_t*>(ds + sw128_offset<kBN>(row, i) + 4 * t) =
+              pack2<kDT>(dP[4 * i + 2 * hh], dP[4 * i + 2 * hh + 1]);
+        }
+    }
+
+    // dV += P^T dO, dK += dS^T Q over query steps of 16 (2048 bytes of rows a step).
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Grads::rs(dV, Pf[kk], wgmma::desc_mn_major(sdO(st) + kk * 16 * 128, kBM * 128), 1);
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Grads::rs(dK, dSf[kk], wgmma::desc_mn_major(sQ(st) + kk * 16 * 128, kBM * 128), 1);
+    wgmma::commit();
+
+    if (!p.deterministic) {
+      wgmma::wait<0>();     // dV, dK done: P and dS leave the registers before dQ's arrive
+      wgmma::fence_operands(dV);
+      wgmma::fence_operands(dK);
+      fence_proxy_async();  // dS^T's generic-proxy stores, visible to the wgmma reads below
+      __syncthreads();      // ... of both warpgroups
+      constexpr int kKeys = Cfg::kDqByColumns ? kBN : 64;
+      const uint32_t a0 = sdS + (Cfg::kDqByColumns ? 0 : wg * 64 * 128);
+      const uint32_t b0 = sK + (Cfg::kDqByColumns ? wg * kBN * 128 : wg * 64 * 128);
+      float dQ[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dQ[i] = 0.f;
+      wgmma::fence();
+#pragma unroll
+      for (int ks = 0; ks < kKeys / 16; ++ks)
+        DqOp::ss_tt(dQ, wgmma::desc_mn_major(a0 + ks * 16 * 128, kBN * 128),
+                    wgmma::desc_mn_major(b0 + ks * 16 * 128, kBN * 128), ks > 0);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(dQ);
+      const int col0 = Cfg::kDqByColumns ? wg * 64 : 0;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int64_t row = m0 + wi * 16 + g + 8 * hh;
+        if (row >= seq.len_q) continue;
+        float* acc = p.dq_accum + p.ws_row(b, h, row) * p.padded_head_dim + col0 + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(acc + 8 * i),
+                       "f"(dQ[4 * i + 2 * hh]), "f"(dQ[4 * i + 2 * hh + 1])
+                       : "memory");
+      }
+    } else {
+      wgmma::wait<0>();
+    }
+    wgmma::fence_operands(dV);
+    wgmma::fence_operands(dK);
+  }
+
+  cp_async_wait<0>();  // no copy outlives the block (no step: K and V were never read)
+
+  // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
+  T* dk = rows_of(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
+                  seq.k_start, hk);
+  T* dv = rows_of(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
+                  seq.k_start, hk);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t j = key0 + 8 * hh;
+    if (j >= seq.len_k) continue;
+#pragma unroll
+    for (int i = 0; i < kHD / 8; ++i) {
+      const int col = 8 * i + 2 * t;
+      if (col >= hd) continue;
+      *reinterpret_cast<uint32_t*>(dk + j * p.dk_row_stride + col) =
+          pack2<kDT>(dK[4 * i + 2 * hh] * p.softmax_scale, dK[4 * i + 2 * hh + 1] * p.softmax_scale);
+      *reinterpret_cast<uint32_t*>(dv + j * p.dv_row_stride + col) =
+          pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]);
+    }
+  }
+#else
+  port::trap();  // wgmma needs sm_90a; the launcher picks this kernel only where it was built
+#endif  // HIPFLASH_HAS_WGMMA
+}
+
+}  // namespace hipflash::bwd
