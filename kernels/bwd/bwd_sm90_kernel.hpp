@@ -10,9 +10,10 @@
 //                                      operand; dO and Q are read MN-major)
 // and, on the atomic path, dS^T goes to shared memory and dQ = dS K is a third product (wgmma
 // SS with both operands MN-major) whose fp32 result is added to dq_accum with vector
-// reductions (red.global.add.v2.f32): at head dim 128 each warpgroup takes 64 of dQ's columns
-// over all 128 keys, at head dim 64 all columns over its own 64 keys. The deterministic path
-// leaves dQ to the dq pass (bwd_sm80_kernel.hpp's bwd_dq_sm80_kernel).
+// reductions (red.global.add.v2.f32), each warpgroup taking a 64 x 64 piece over all 128 keys:
+// at head dim 128 one 64-column panel of the 64 query rows, at head dim 64 (128 query rows a
+// step, which halves the per-step overheads of the smaller products) all columns of 64 rows.
+// The deterministic path leaves dQ to the dq pass (bwd_sm80_kernel.hpp's bwd_dq_sm80_kernel).
 #pragma once
 
 #include "atoms/sm80.hpp"
@@ -29,10 +30,14 @@ namespace hipflash::bwd {
 template <int kHeadDim_>
 struct DkdvSm90Tile {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64, kBlockN = 128, kWarpgroups = 2, kThreads = 256;
-  /// dQ's split between the warpgroups: by columns (one 64-column panel each, all keys) when
-  /// the head dim has two panels, else by keys (each its own 64).
+  static constexpr int kBlockN = 128, kWarpgroups = 2, kThreads = 256;
+  /// Query rows per step: 128 at head dim 64 (S^T and dP^T are 64 registers each, dK / dV 32),
+  /// 64 at head dim 128 (where dK / dV take 64 each).
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+  /// dQ's 64 x 64 pieces: by columns (one panel each) when the head dim has two panels, else
+  /// by query rows (64 each).
   static constexpr bool kDqByColumns = kHeadDim == 128;
+  static_assert(kDqByColumns ? kBlockM == 64 : kBlockM == 128, "two 64 x 64 dQ pieces");
   static constexpr int kSmemKV = kBlockN * kHeadDim * 2, kSmemQ = kBlockM * kHeadDim * 2;
   static constexpr int kSmemDs = kBlockN * kBlockM * 2;
   // K, V, Q[2], dO[2], dS^T, then lse_log2[2] and delta[2]; 1024 bytes of alignment slack.
@@ -52,7 +57,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
   using Scores = wgmma::Op<kDT, kBM>;  // 64 keys x 64 queries
   using Grads = wgmma::Op<kDT, kHD>;   // 64 keys x head dim
-  using DqOp = wgmma::Op<kDT, 64>;     // 64 queries x 64 columns
+  using DqOp = wgmma::Op<kDT, 64>;     // 64 queries x 64 columns, over all keys
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -96,8 +101,8 @@ __global__ void __launch_bounds__(256, 1)
     const int i = int(threadIdx.x);
     if (i < kBM / 4)
       cp_async_16(sLse(st) + 4 * i, p.lse_log2 + p.ws_row(b, h, m0) + 4 * i, true);
-    else if (i >= 32 && i < 32 + kBM / 4)
-      cp_async_16(sDelta(st) + 4 * (i - 32), p.delta + p.ws_row(b, h, m0) + 4 * (i - 32), true);
+    else if (i >= 128 && i < 128 + kBM / 4)  // the other warpgroup's threads
+      cp_async_16(sDelta(st) + 4 * (i - 128), p.delta + p.ws_row(b, h, m0) + 4 * (i - 128), true);
   };
   {
     const T* k = rows_of(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
@@ -186,8 +191,9 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int row = wg * 64 + wi * 16 + g + 8 * hh;
+          // dS^T[4i + 2hh .. + 1] is the pair packed as dSf[i / 2][2 (i % 2) + hh].
           *reinterpret_cast<uint32_t*>(ds + sw128_offset<kBN>(row, i) + 4 * t) =
-              pack2<kDT>(dP[4 * i + 2 * hh], dP[4 * i + 2 * hh + 1]);
+              dSf[i / 2][2 * (i % 2) + hh];
         }
     }
 
@@ -207,24 +213,25 @@ __global__ void __launch_bounds__(256, 1)
       wgmma::fence_operands(dK);
       fence_proxy_async();  // dS^T's generic-proxy stores, visible to the wgmma reads below
       __syncthreads();      // ... of both warpgroups
-      constexpr int kKeys = Cfg::kDqByColumns ? kBN : 64;
-      const uint32_t a0 = sdS + (Cfg::kDqByColumns ? 0 : wg * 64 * 128);
-      const uint32_t b0 = sK + (Cfg::kDqByColumns ? wg * kBN * 128 : wg * 64 * 128);
+      // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
+      const uint32_t a0 = sdS + (Cfg::kDqByColumns ? 0 : wg * kBN * 128);
+      const uint32_t b0 = sK + (Cfg::kDqByColumns ? wg * kBN * 128 : 0);
       float dQ[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) dQ[i] = 0.f;
       wgmma::fence();
 #pragma unroll
-      for (int ks = 0; ks < kKeys / 16; ++ks)
+      for (int ks = 0; ks < kBN / 16; ++ks)
         DqOp::ss_tt(dQ, wgmma::desc_mn_major(a0 + ks * 16 * 128, kBN * 128),
                     wgmma::desc_mn_major(b0 + ks * 16 * 128, kBN * 128), ks > 0);
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::fence_operands(dQ);
       const int col0 = Cfg::kDqByColumns ? wg * 64 : 0;
+      const int64_t row0 = m0 + (Cfg::kDqByColumns ? 0 : wg * 64) + wi * 16 + g;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int64_t row = m0 + wi * 16 + g + 8 * hh;
+        const int64_t row = row0 + 8 * hh;
         if (row >= seq.len_q) continue;
         float* acc = p.dq_accum + p.ws_row(b, h, row) * p.padded_head_dim + col0 + 2 * t;
 #pragma unroll
