@@ -78,7 +78,7 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // dense calls whose tensors TMA can describe, the cp.async wgmma kernel for the rest up to
     // head dim 128 (varlen, odd strides), where they were built, and everything else the
     // generic mma.sync kernel. A KV cache is read only by the decode and generic loaders
-    // (common::KvRows): such calls never take an sm90 kernel.
+    // (common::PagedRows, a compile-time choice of theirs): such calls never take an sm90 kernel.
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = KernelKind::decode;
     else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible &&

@@ -122,24 +122,29 @@ struct BlockInfo {
     return {v_rows<T>(p), p.v_row_stride};
   }
 
-  /// K and V of a KV cache (SPEC §7) as row sources: through the pages of p.block_table when it
-  /// is set, else as k_source / v_source (k_rows / v_rows are wrong for a paged cache). The
-  /// NVIDIA decode and generic loaders read through these; the AMD bodies keep the contiguous
-  /// sources (the two extra 64-bit fields spill SGPRs there) and the launcher refuses a KV
-  /// cache on AMD.
-  template <class T>
-  HIPFLASH_HD KvRows<T> k_cache_source(const FwdParams& p) const {
-    if (p.block_table != nullptr)
-      return {static_cast<const T*>(p.k) + h_kv * p.k_head_stride, p.k_row_stride,
-              p.block_table + b * p.block_table_stride, p.k_batch_stride, p.page_shift};
-    return {k_rows<T>(p), p.k_row_stride, nullptr, 0, 0};
+  /// K and V as the loaders of a kernel instantiated for a paged KV cache (SPEC §7) or not
+  /// read them: kPaged, through the pages of p.block_table (common::PagedRows; k_rows / v_rows
+  /// are wrong for a paged cache), else k_source / v_source. A compile-time choice: the
+  /// launcher runs the paged instantiation only for calls with a block table, so the kernels
+  /// of every other call are the contiguous code alone (the NVIDIA decode and generic kernels
+  /// have both; a KV cache is refused on AMD).
+  template <class T, bool kPaged>
+  HIPFLASH_HD auto k_source_of(const FwdParams& p) const {
+    if constexpr (kPaged)
+      return PagedRows<const T>{static_cast<const T*>(p.k) + h_kv * p.k_head_stride,
+                                p.block_table + b * p.block_table_stride, p.k_batch_stride,
+                                p.k_row_stride, p.page_shift};
+    else
+      return k_source<T>(p);
   }
-  template <class T>
-  HIPFLASH_HD KvRows<T> v_cache_source(const FwdParams& p) const {
-    if (p.block_table != nullptr)
-      return {static_cast<const T*>(p.v) + h_kv * p.v_head_stride, p.v_row_stride,
-              p.block_table + b * p.block_table_stride, p.v_batch_stride, p.page_shift};
-    return {v_rows<T>(p), p.v_row_stride, nullptr, 0, 0};
+  template <class T, bool kPaged>
+  HIPFLASH_HD auto v_source_of(const FwdParams& p) const {
+    if constexpr (kPaged)
+      return PagedRows<const T>{static_cast<const T*>(p.v) + h_kv * p.v_head_stride,
+                                p.block_table + b * p.block_table_stride, p.v_batch_stride,
+                                p.v_row_stride, p.page_shift};
+    else
+      return v_source<T>(p);
   }
 
   /// Whether key j is valid for query row i (both relative to this sequence).

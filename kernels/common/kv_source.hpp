@@ -37,22 +37,4 @@ struct PagedRows {
   }
 };
 
-/// K/V rows of one (sequence, kv head) as the decode and generic loaders read them: contiguous
-/// (table == nullptr) or paged through a block table, decided at run time — uniform across a
-/// thread block — so that one instantiation serves both caches and a paged and a contiguous
-/// cache run the same arithmetic.
-template <class T>
-struct KvRows {
-  const T* base;         ///< contiguous: row 0; paged: row 0 of page 0 (head offset applied)
-  int64_t ld;            ///< elements from one row to the next (within a page)
-  const int32_t* table;  ///< this sequence's block-table row, or nullptr (contiguous)
-  int64_t page_stride;   ///< paged: elements from one page to the next
-  int page_shift;        ///< paged: log2(page size)
-
-  HIPFLASH_HD const T* row(int64_t j) const {
-    if (table == nullptr) return base + j * ld;
-    return PagedRows<const T>{base, table, page_stride, ld, page_shift}.row(j);
-  }
-};
-
 }  // namespace hipflash::common

@@ -24,7 +24,7 @@ namespace hipflash::decode {
 
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
-template <class Traits>
+template <class Traits, bool kPaged>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using namespace atom::sm80;
   using Cfg = DecodeTile<Traits::kHeadDim>;
@@ -47,8 +47,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int hd = int(p.head_dim);
   // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
   const auto q_src = bi.template q_source<T>(p);
-  const auto k_src = bi.template k_cache_source<T>(p);  // contiguous or paged (KV cache)
-  const auto v_src = bi.template v_cache_source<T>(p);
+  const auto k_src = bi.template k_source_of<T, kPaged>(p);  // contiguous or paged (KV cache)
+  const auto v_src = bi.template v_source_of<T, kPaged>(p);
 
   const int n_begin = bi.n_block_min, num_n = bi.n_block_max - bi.n_block_min;
   // Key block n_begin + i goes to stage i % kStages; one commit group per block, empty ones
@@ -209,12 +209,13 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 /// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
 using Scheduler = common::StaticScheduler;
 
-/// The decode forward kernel: one thread block per (16-row query block, split, head, batch).
-template <class Traits>
+/// The decode forward kernel: one thread block per (16-row query block, split, head, batch);
+/// kPaged: K and V from the pages of a KV cache's block table.
+template <class Traits, bool kPaged = false>
 __global__ void __launch_bounds__(DecodeTile<Traits::kHeadDim>::kThreads)
     fwd_decode_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
-  Scheduler::run([&](int64_t tile) { fwd_block<Traits>(p, tile, num_m_blocks); });
+  Scheduler::run([&](int64_t tile) { fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
 #else
   port::trap();  // the decode kernel exists for mma.sync targets only; the selector knows
 #endif  // HIPFLASH_HAS_MMA_SYNC

@@ -22,12 +22,15 @@ namespace hipflash::generic {
 /// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
 using Scheduler = common::StaticScheduler;
 
-template <class Traits>
+/// kPaged: K and V from the pages of a KV cache's block table (the NVIDIA body only; the
+/// launcher never runs it on AMD, where a KV cache is refused).
+template <class Traits, bool kPaged = false>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads)
     fwd_generic_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
-  Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits>(p, tile, num_m_blocks); });
+  Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
 #elif defined(HIPFLASH_HAS_MFMA)
+  static_assert(!kPaged, "the CDNA body reads contiguous K/V only");
   Scheduler::run([&](int64_t tile) { cdna::fwd_block<Traits>(p, tile, num_m_blocks); });
 #else
   port::trap();  // no matrix-core atom for this target

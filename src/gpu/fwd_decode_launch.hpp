@@ -8,19 +8,22 @@
 
 namespace hipflash::gpu {
 
-/// The decode kernel's launch traits.
-template <class Traits>
+/// The decode kernel's launch traits (kPaged: the instantiation reading a paged KV cache).
+template <class Traits, bool kPaged>
 struct DecodeLaunch : NoPrepare {
   using Tile = decode::DecodeTile<Traits::kHeadDim>;
   using Scheduler = decode::Scheduler;
-  static constexpr auto kKernel = decode::fwd_decode_kernel<Traits>;
-  static constexpr const char* kName = "decode";
+  static constexpr auto kKernel = decode::fwd_decode_kernel<Traits, kPaged>;
+  static constexpr const char* kName = kPaged ? "decode (paged KV cache)" : "decode";
   static_assert(Tile::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
 };
 
 template <class Traits>
 void launch_decode_fwd(const FwdParams& p, port::stream_t stream) {
-  launch_fwd<DecodeLaunch<Traits>>(p, stream);
+  if (p.block_table != nullptr)
+    launch_fwd<DecodeLaunch<Traits, true>>(p, stream);
+  else
+    launch_fwd<DecodeLaunch<Traits, false>>(p, stream);
 }
 
 }  // namespace hipflash::gpu

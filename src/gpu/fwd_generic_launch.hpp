@@ -7,18 +7,27 @@
 
 namespace hipflash::gpu {
 
-/// The generic kernel's launch traits.
-template <class Traits>
+/// The generic kernel's launch traits (kPaged: the instantiation reading a paged KV cache).
+template <class Traits, bool kPaged>
 struct GenericLaunch : NoPrepare {
   using Tile = generic::Tile<Traits::kHeadDim>;
   using Scheduler = generic::Scheduler;
-  static constexpr auto kKernel = generic::fwd_generic_kernel<Traits>;
-  static constexpr const char* kName = "generic";
+  static constexpr auto kKernel = generic::fwd_generic_kernel<Traits, kPaged>;
+  static constexpr const char* kName = kPaged ? "generic (paged KV cache)" : "generic";
 };
 
 template <class Traits>
 void launch_generic_fwd(const FwdParams& p, port::stream_t stream) {
-  launch_fwd<GenericLaunch<Traits>>(p, stream);
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+  if (p.block_table != nullptr) {
+    launch_fwd<GenericLaunch<Traits, true>>(p, stream);
+    return;
+  }
+#else
+  HIPFLASH_CHECK_AS(not_implemented, p.block_table == nullptr,
+                    "the AMD generic kernel does not read a paged KV cache");
+#endif  // HIPFLASH_PLATFORM_NVIDIA
+  launch_fwd<GenericLaunch<Traits, false>>(p, stream);
 }
 
 }  // namespace hipflash::gpu

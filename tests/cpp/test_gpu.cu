@@ -745,7 +745,7 @@ TEST_F(Gpu, MergeBadCallsWriteNothing) {
 
 // ---- KV cache on the GPU (SPEC §7) -------------------------------------------------------------
 //
-// The append kernel, then the decode / generic kernel reading K/V through common::KvRows: a paged
+// The append kernel, then the decode / generic kernel reading K/V through common::PagedRows (paged) or ContiguousRows: a paged
 // and a contiguous cache give bitwise the same out and LSE, the appended caches equal the CPU
 // append bitwise, and the result matches the fp64 reference of the appended keys.
 
@@ -772,7 +772,7 @@ TEST_P(GpuKvCache, PagedEqualsContiguousAndMatchesTheReference) {
     kvcache_forward(q.ref, dkp.ref, dvp.ref, append ? &kn.ref : nullptr,
                     append ? &vn.ref : nullptr, &lens.ref, &table.ref, op.ref, &lp.ref, o);
     sync();
-    // Only the decode and generic kernels read K/V through a row source (common::KvRows).
+    // Only the decode and generic kernels read K/V through a row source (common::PagedRows).
     EXPECT_TRUE(last_kernel_name().rfind("fwd_decode_", 0) == 0 ||
                 last_kernel_name().rfind("fwd_generic_", 0) == 0)
         << last_kernel_name();

@@ -146,7 +146,7 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
 }
 
 TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
-  // Only the decode and generic loaders read a KV cache (common::KvRows): calls the sm90 kernels
+  // Only the decode and generic loaders read a KV cache (common::PagedRows): calls the sm90 kernels
   // would take run on the generic kernel instead, decode calls stay on the decode kernel, and the
   // AMD kernels refuse one.
   BuildCaps caps = kCuda;
