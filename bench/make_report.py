@@ -134,6 +134,10 @@ def main(argv=None):
     ap.add_argument("--allow-partial", action="store_true",
                     help="accept a suite other than 'full' (the page says which)")
     ap.add_argument("--note", default="", help="a paragraph placed under the preamble")
+    ap.add_argument("--append", action="append", default=[], metavar="DIR",
+                    help="a run of a suite with a report of its own (train): its results.md, "
+                         "as the runner wrote it (GPU, commit, command in its header), becomes "
+                         "a section of the page; GPU runs only")
     args = ap.parse_args(argv)
 
     doc_dir = os.path.dirname(os.path.abspath(args.doc))
@@ -174,6 +178,17 @@ def main(argv=None):
         sections.append(body)
         nrows += len(rows)
         nimg += len(images)
+    for path in args.append:
+        meta, _ = rep.read_json(os.path.join(path, "results.json"))
+        if meta.get("device") != "cuda":
+            raise SystemExit(f"refusing: {path} is a {meta.get('device')} run, not a GPU benchmark")
+        with open(os.path.join(path, "results.md")) as f:
+            text = f.read().strip()
+        # Its own title becomes a section heading of this page (every heading one level down).
+        lines = [("#" + ln) if ln.startswith("#") else ln for ln in text.splitlines()]
+        lines[0] = lines[0].replace("## ", f"## Run: {meta.get('suite')} — ", 1) + \
+            f" (`{os.path.relpath(path, REPO)}`)"
+        sections.append("\n".join(lines) + "\n")
     note = (args.note.strip() + "\n\n") if args.note.strip() else ""
     with open(args.doc, "w") as f:
         f.write("# Benchmarks\n\n" + PREAMBLE + "\n" + note + "\n".join(sections))
