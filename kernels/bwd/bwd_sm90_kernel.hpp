@@ -72,9 +72,12 @@ __global__ void __launch_bounds__(256, 1)
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int wg = warp / 4, wi = warp % 4, g = lane / 4, t = lane % 4;
 
-  const int64_t linear = blockIdx.x;
-  const int n_block = int(linear % num_n_blocks);
-  const int64_t rest = linear / num_n_blocks;
+  // Grid order: key block fastest (the blocks of one kv head run together and share its Q / dO
+  // in L2); masked calls key block slowest instead, so that every head's heaviest key blocks
+  // (causal: the first ones, seen by the most rows) start first and none is left for the tail.
+  const int64_t linear = blockIdx.x, heads = p.batch * p.heads_kv;
+  const int n_block = int(Traits::kMasked ? linear / heads : linear % num_n_blocks);
+  const int64_t rest = Traits::kMasked ? linear % heads : linear / num_n_blocks;
   const int64_t hk = rest % p.heads_kv, b = rest / p.heads_kv;
   const SeqBounds seq(p, b);
   const int64_t n0 = int64_t(n_block) * kBN;
