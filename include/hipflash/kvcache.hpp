@@ -25,11 +25,12 @@
 // Entries past a sequence's length are never read, so they may hold anything (e.g. -1). Two
 // sequences whose entries name the same page are not detected: appending to both writes one page.
 //
-// CPU tensors run on the CPU backend. GPU tensors: the append kernel (kernels/kvcache), then the
-// decode or generic kernel reading K/V through common::KvRows (never the sm90 kernel), split-K
-// and LSE as for forward(); cache_seqlens is copied to the host for the checks above (skipped
-// while the stream captures a graph), the block table is not: on the GPU an entry out of range
-// is not detected (a device fault). The GPU path is compile-checked only so far.
+// CPU tensors run on the CPU backend. GPU tensors (NVIDIA; run on the H200): the append kernel
+// (kernels/kvcache), then the decode or generic kernel — its paged instantiation (reading K/V
+// through common::PagedRows) for a paged cache, never an sm90 kernel — split-K and LSE as for
+// forward(); cache_seqlens is copied to the host for the checks above (skipped while the stream
+// captures a graph), the block table is not: on the GPU an entry out of range is not detected
+// (a device fault). AMD GPUs: not_implemented.
 #pragma once
 
 #include "hipflash/forward.hpp"

@@ -43,8 +43,9 @@ struct Problem {
   /// bytes and below 2^40 bytes.
   bool tma_compatible = false;
   /// K/V come from a KV cache (flash_attn_with_kvcache: per-sequence key counts, maybe a block
-  /// table of pages). Only the loaders of the NVIDIA decode and generic kernels read one (through
-  /// common::KvRows); the sm90 kernels address K/V themselves and the AMD kernels not at all yet.
+  /// table of pages). Only the loaders of the NVIDIA decode and generic kernels read one (a
+  /// paged instantiation through common::PagedRows); the sm90 kernels address K/V themselves and
+  /// the AMD kernels not at all yet.
   bool kv_cache = false;
   int num_splits = 1;   ///< resolved (>= 1)
   /// Query rows per (batch, head) as the kernel sees them: Sq (max_seqlen_q for varlen), or
