@@ -102,6 +102,30 @@ def test_compile_fullgraph_dynamic_matches_eager_bitwise(device):
 
 @needs_compile
 @pytest.mark.parametrize("device", DEVICES)
+def test_compile_runs_a_training_step(device):
+    # The backward operator has a fake kernel too, so a compiled forward of the autograd
+    # function gets a compiled backward (hipflash::bwd): the gradients equal eager's, bitwise
+    # (deterministic dq).
+    torch._dynamo.reset()
+
+    def attn(q, k, v):
+        return hipflash.flash_attn_func(q, k, v, causal=True, deterministic=True)
+
+    compiled = torch.compile(attn, dynamic=True)
+    for seed, (sq, sk) in enumerate([(37, 150), (64, 200)]):
+        q, k, v = qkv(device, sq=sq, sk=sk, seed=seed)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q)
+        grads = []
+        for fn in (compiled, attn):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            fn(*leaves).backward(dout)
+            grads.append([t.grad for t in leaves])
+        for g, w in zip(*grads):
+            assert_bitwise_equal(g, w, f"sq={sq} sk={sk}")
+
+
+@needs_compile
+@pytest.mark.parametrize("device", DEVICES)
 def test_compile_with_out_buffer(device):
     torch._dynamo.reset()
     q, k, v = qkv(device)
