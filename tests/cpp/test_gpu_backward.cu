@@ -267,6 +267,22 @@ TEST_F(Gpu, VarlenBackwardRowsOutsideSequencesAreZero) {
   for (int64_t r = 3; r < total_q - 4; ++r) EXPECT_TRUE(row_is(dq, r, false)) << "dq row " << r;
 }
 
+TEST_F(Gpu, BackwardEmptyProblems) {
+  // No query rows: dk / dv are zero (no row sees a key); no keys: dq is zero; no batch: nothing.
+  for (bool det : {true, false}) {
+    for (auto [sq, sk] : {std::pair<int64_t, int64_t>{0, 70}, {50, 0}}) {
+      BwdProblem pb(Case{DType::bf16, 2, sq, sk, 4, 2, 64}, det);
+      pb.run_gpu();
+      EXPECT_TRUE(close(pb.dq, pb.dq_cpu, DType::bf16, "dq")) << sq << "x" << sk;
+      EXPECT_TRUE(close(pb.dk, pb.dk_cpu, DType::bf16, "dk")) << sq << "x" << sk;
+      EXPECT_TRUE(close(pb.dv, pb.dv_cpu, DType::bf16, "dv")) << sq << "x" << sk;
+    }
+    BwdProblem none(Case{DType::bf16, 0, 10, 10, 2, 2, 64}, det);
+    none.run_gpu();  // launches nothing, writes nothing
+    EXPECT_TRUE(none.dq.all_nan() && none.dk.all_nan() && none.dv.all_nan());
+  }
+}
+
 TEST_F(Gpu, BackwardBadCallsWriteNothing) {
   BwdProblem pb(Case{DType::bf16, 1, 40, 40, 2, 2, 64}, true);
   DeviceTensor q(pb.t.q), k(pb.t.k), v(pb.t.v), out(pb.t.out), lse(pb.t.lse), d_out(pb.dout);
