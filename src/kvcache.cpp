@@ -248,4 +248,75 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   dispatch_forward(p, opts, q.loc, stream, std::move(workspace));
 }
 
+void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,
+                          const TensorRef& out, const TensorRef* lse, const TensorRef& cu_seqlens_q,
+                          const TensorRef& cu_seqlens_k, const TensorRef& block_table,
+                          const VarlenOptions& opts, Stream stream, Workspace workspace) {
+  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
+                    "varlen queries against a paged KV cache run on CPU tensors only so far (the "
+                    "GPU path has not been run)");
+  const char* layout = "[num_blocks, page_size, heads_kv, head_dim] with a block_table";
+  check_operand(k_cache, "k_cache", q, layout);
+  check_operand(v_cache, "v_cache", q, layout);
+  for (int i = 0; i < 4; ++i)
+    HIPFLASH_CHECK(v_cache.sizes[i] == k_cache.sizes[i], "k_cache and v_cache must have the same "
+                   "shape: k_cache ", shape_str(k_cache), ", v_cache ", shape_str(v_cache));
+  HIPFLASH_CHECK(cu_seqlens_q.rank == 1 && cu_seqlens_q.sizes[0] >= 1,
+                 "cu_seqlens_q must be a 1-D tensor of length batch + 1, got shape ",
+                 shape_str(cu_seqlens_q));
+  const int64_t batch = cu_seqlens_q.sizes[0] - 1, page = k_cache.sizes[1];
+  check_index(block_table, "block_table", 2, "[batch, max_blocks_per_seq]", q);
+  HIPFLASH_CHECK(power_of_two(page) && page >= kMinPageSize && page <= kMaxPageSize,
+                 "the page size (k_cache.shape[1]) must be a power of two in [", kMinPageSize,
+                 ", ", kMaxPageSize, "], got ", page);
+  HIPFLASH_CHECK(block_table.sizes[0] == batch, "block_table must have one row per sequence ",
+                 "(batch = ", batch, "), got shape ", shape_str(block_table));
+  const int64_t max_blocks = block_table.sizes[1];
+  HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 40) / page, "block_table has too many columns");
+  const int64_t capacity = max_blocks * page;
+  // varlen_forward's checks of q, out, lse, cu_seqlens and the options, against the cache seen
+  // as [2^31, Hkv, D] rows of stride 0 (more rows than an int32 cu_seqlens_k can count: the
+  // shape and dtype checks apply, each sequence's length against its pages is checked below).
+  TensorRef k_view = k_cache, v_view = v_cache;
+  for (TensorRef* t : {&k_view, &v_view}) {
+    t->rank = 3;
+    t->sizes[0] = int64_t(1) << 31;
+    t->sizes[1] = k_cache.sizes[2];
+    t->sizes[2] = k_cache.sizes[3];
+    t->strides[0] = 0;
+    t->strides[1] = (t == &k_view ? k_cache : v_cache).strides[2];
+    t->strides[2] = 1;
+  }
+  FwdParams p = make_varlen_params(q, k_view, v_view, out, lse, cu_seqlens_q, cu_seqlens_k, opts,
+                                   stream);
+  for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
+    check_disjoint(out, "out", *t, name);
+    if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
+  }
+  check_disjoint(out, "out", block_table, "block_table");
+  if (opts.return_lse) check_disjoint(*lse, "lse", block_table, "block_table");
+  // Lengths against the capacity, and the block-table entries each sequence uses.
+  const auto* cu_k = static_cast<const int32_t*>(cu_seqlens_k.data);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = int64_t(cu_k[b + 1]) - cu_k[b];
+    HIPFLASH_CHECK(len <= capacity, "sequence ", b, " has ", len, " keys but its cache holds ",
+                   capacity, " (max_blocks_per_seq * page_size)");
+    const auto* row = static_cast<const int32_t*>(block_table.data) + b * block_table.strides[0];
+    const int64_t used = (len + page - 1) / page, num_blocks = k_cache.sizes[0];
+    for (int64_t e = 0; e < used; ++e)
+      HIPFLASH_CHECK(row[e] >= 0 && row[e] < num_blocks, "block_table[", b, ", ", e, "] = ",
+                     row[e], " is not a page of the cache (num_blocks = ", num_blocks, ")");
+  }
+  p.k = k_cache.data;
+  p.v = v_cache.data;
+  p.k_batch_stride = k_cache.strides[0], p.k_row_stride = k_cache.strides[1];
+  p.k_head_stride = k_cache.strides[2];
+  p.v_batch_stride = v_cache.strides[0], p.v_row_stride = v_cache.strides[1];
+  p.v_head_stride = v_cache.strides[2];
+  p.block_table = static_cast<const int32_t*>(block_table.data);
+  p.block_table_stride = block_table.strides[0];
+  p.page_shift = log2_of(page);
+  dispatch_forward(p, opts, q.loc, stream, std::move(workspace));
+}
+
 }  // namespace hipflash

@@ -53,4 +53,21 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                      const TensorRef& out, const TensorRef* lse, const KvCacheOptions& opts = {},
                      Stream stream = nullptr, Workspace workspace = {});
 
+/// Chunked prefill (SPEC §7): varlen queries against a paged KV cache, FlashAttention-2's
+/// `flash_attn_varlen_func(..., block_table=...)`. q / out [total_q, Hq, D] with cu_seqlens_q as
+/// for varlen_forward; k_cache / v_cache [num_blocks, page_size, Hkv, D] (page_size a power of
+/// two in [16, 256]); block_table int32 [B, max_blocks]; cu_seqlens_k int32 [B + 1]: sequence b
+/// attends to the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its cache (the cache
+/// already holds the chunk's own keys), causal / windows bottom-right against that length; LSE
+/// in opts.lse_layout. Checked first: everything varlen_forward checks, the page size, each
+/// sequence's length against max_blocks * page_size, and the block-table entries it uses. The
+/// same out and LSE, bitwise, as varlen_forward on the sequences' keys gathered contiguously.
+/// CPU tensors only so far: a GPU call raises not_implemented (the paged decode / generic
+/// kernels would read it, but that path has not run on a GPU).
+void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,
+                          const TensorRef& out, const TensorRef* lse, const TensorRef& cu_seqlens_q,
+                          const TensorRef& cu_seqlens_k, const TensorRef& block_table,
+                          const VarlenOptions& opts, Stream stream = nullptr,
+                          Workspace workspace = {});
+
 }  // namespace hipflash

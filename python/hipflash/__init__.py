@@ -270,7 +270,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
-                           return_lse=False, lse_layout="padded", out=None, deterministic=False):
+                           return_lse=False, lse_layout="padded", out=None, deterministic=False,
+                           block_table=None):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -291,6 +292,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
             past a sequence's length are -inf, or "packed" for (nheads, total_q), the layout of
             FlashAttention-2/3 and PyTorch.
+        deterministic: bool. As for :func:`flash_attn_func` (the gradients).
+        block_table: optional (batch_size, max_blocks_per_seq) int32. Chunked prefill, as in
+            FlashAttention-2: k and v are then paged KV caches (num_blocks, page_size,
+            nheads_k, headdim), page_size a power of two in [16, 256], and sequence b attends
+            to the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` rows of its cache, row j in
+            page ``block_table[b, j // page_size]`` (append the chunk's keys first, e.g. with
+            :func:`flash_attn_with_kvcache`). The same out and LSE, bitwise, as the call on
+            those keys gathered contiguously. CPU tensors only so far (GPU tensors raise
+            NotImplementedError); no out=, no gradients.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not
@@ -308,11 +318,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_tensor(t, name)
     if out is not None:
         _check_tensor(out, "out")
+    if block_table is not None:
+        _check_tensor(block_table, "block_table")
     if lse_layout not in _LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be 'padded' or 'packed', got {lse_layout!r}")
     _check_same_device(q, [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                            ("cu_seqlens_k", cu_seqlens_k)]
-                       + ([("out", out)] if out is not None else []))
+                       + ([("out", out)] if out is not None else [])
+                       + ([("block_table", block_table)] if block_table is not None else []))
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
@@ -321,6 +334,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k = _bounded(_int(max_seqlen_k, "max_seqlen_k"), "max_seqlen_k", -_INT64_MAX, _INT64_MAX)
     causal, return_lse = bool(causal), bool(return_lse)
 
+    if block_table is not None:  # chunked prefill: k and v are paged caches
+        if out is not None:
+            raise ValueError("out= is not supported with a block_table")
+        out, lse = _call(_ops.varlen_fwd_paged, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
+                         max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
+                         return_lse, lse_layout)
+        return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,

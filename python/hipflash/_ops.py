@@ -16,13 +16,15 @@ fwd = torch.ops.hipflash.fwd.default
 fwd_out = torch.ops.hipflash.fwd_out.default
 varlen_fwd = torch.ops.hipflash.varlen_fwd.default
 varlen_fwd_out = torch.ops.hipflash.varlen_fwd_out.default
+varlen_fwd_paged = torch.ops.hipflash.varlen_fwd_paged.default
 
 merge_attn_states = torch.ops.hipflash.merge_attn_states.default
 fwd_kvcache = torch.ops.hipflash.fwd_kvcache.default
 bwd = torch.ops.hipflash.bwd.default
 varlen_bwd = torch.ops.hipflash.varlen_bwd.default
 
-OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out, merge_attn_states, fwd_kvcache, bwd, varlen_bwd)
+OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out, varlen_fwd_paged, merge_attn_states, fwd_kvcache,
+       bwd, varlen_bwd)
 
 
 def _lse_like(q, shape):
@@ -49,6 +51,12 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out, _lse_like(q, shape)
 
 
+def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, *args):
+    max_seqlen_q, _, _, _, _, _, _, return_lse, lse_layout = args
+    return _varlen_fwd_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0,
+                            None, False, -1, -1, 0, return_lse, lse_layout)
+
+
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                   window_left, window_right, num_splits, return_lse):
     # The caches are mutated in place (declared in the schema); the outputs are new.
@@ -71,6 +79,7 @@ if _register_fake is not None:
     _register_fake("hipflash::fwd_out")(_out_fake)
     _register_fake("hipflash::varlen_fwd")(_varlen_fwd_fake)
     _register_fake("hipflash::varlen_fwd_out")(_out_fake)
+    _register_fake("hipflash::varlen_fwd_paged")(_varlen_paged_fake)
     _register_fake("hipflash::merge_attn_states")(_merge_fake)
     _register_fake("hipflash::fwd_kvcache")(_kvcache_fake)
     _register_fake("hipflash::varlen_bwd")(

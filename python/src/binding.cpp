@@ -4,6 +4,8 @@
 //   hipflash::fwd_out         (q, k, v, out!, lse!?, ...)   -> ()           writes the caller's
 //   hipflash::varlen_fwd      (q, k, v, cu_q, cu_k, ...)    -> (out, lse)
 //   hipflash::varlen_fwd_out  (q, k, v, out!, lse!?, ...)   -> ()
+//   hipflash::varlen_fwd_paged (q, k_cache, v_cache, cu_q, cu_k, block_table, ...) -> (out, lse)
+//                                                            chunked prefill against a paged cache
 //   hipflash::merge_attn_states (outs, lses)                -> (out, lse)   stacked parts
 //   hipflash::fwd_kvcache     (q, k_cache!, v_cache!, k?, v?, cache_seqlens?, block_table?, ...)
 //                                                            -> (out, lse)   appends k/v in place
@@ -239,20 +241,55 @@ void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
+/// The LSE varlen_fwd allocates for this call (an empty one when none is asked for, or when the
+/// arguments are too wrong to size it: the launcher's checks report them).
+at::Tensor varlen_lse(const at::Tensor& q, const at::Tensor& cu_seqlens_q, int64_t max_seqlen_q,
+                      bool return_lse, const std::string& lse_layout) {
+  if (return_lse && q.dim() == 3) {
+    if (lse_layout == "packed") return alloc_lse(q, true, {q.size(1), q.size(0)});
+    if (lse_layout == "padded" && cu_seqlens_q.dim() == 1 && cu_seqlens_q.numel() >= 1)
+      return alloc_lse(q, true, {cu_seqlens_q.numel() - 1, q.size(1), max_seqlen_q});
+  }
+  return alloc_lse(q, false, {});
+}
+
+/// Chunked prefill: varlen queries against a paged KV cache (CPU tensors so far).
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& block_table,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, c10::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t num_splits, bool return_lse,
+    const std::string& lse_layout) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
+  std::vector<at::Tensor> keep;
+  run_launcher([&] {
+    hipflash::VarlenOptions opts;
+    opts.lse_layout = lse_layout_of(lse_layout);
+    static_cast<hipflash::FwdOptions&>(opts) =
+        fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+    opts.max_seqlen_q = max_seqlen_q;
+    opts.max_seqlen_k = max_seqlen_k;
+    std::optional<hipflash::TensorRef> lser;
+    if (return_lse) lser = to_ref(lse, "lse", Role::lse);
+    hipflash::varlen_paged_forward(
+        to_ref(q, "q", Role::operand), to_ref(k_cache, "k_cache", Role::operand),
+        to_ref(v_cache, "v_cache", Role::operand), to_ref(out, "out", Role::operand),
+        lser ? &*lser : nullptr, to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index),
+        to_ref(cu_seqlens_k, "cu_seqlens_k", Role::index),
+        to_ref(block_table, "block_table", Role::index), opts, stream_of(q),
+        torch_workspace(q, keep));
+  });
+  return {out, lse};
+}
+
 std::tuple<at::Tensor, at::Tensor> varlen_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     int64_t num_splits, bool return_lse, const std::string& lse_layout) {
   at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = alloc_lse(q, false, {});
-  if (return_lse && q.dim() == 3) {
-    if (lse_layout == "packed") {
-      lse = alloc_lse(q, true, {q.size(1), q.size(0)});
-    } else if (lse_layout == "padded" && cu_seqlens_q.dim() == 1 && cu_seqlens_q.numel() >= 1) {
-      lse = alloc_lse(q, true, {cu_seqlens_q.numel() - 1, q.size(1), max_seqlen_q});
-    }
-  }
+  at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   varlen_fwd_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                  return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt, softmax_scale,
                  causal, window_left, window_right, num_splits, return_lse, lse_layout);
@@ -446,6 +483,19 @@ void varlen_fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at:
       return_lse, lse_layout);
 }
 
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_autograd(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& block_table,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, c10::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t num_splits, bool return_lse,
+    const std::string& lse_layout) {
+  refuse_grad({&q, &k_cache, &v_cache}, "flash_attn_varlen_func (paged KV cache)");
+  return below_autograd<decltype(varlen_fwd_paged)>(
+      "hipflash::varlen_fwd_paged", q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table,
+      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, num_splits,
+      return_lse, lse_layout);
+}
+
 std::tuple<at::Tensor, at::Tensor> merge_attn_states_autograd(const at::Tensor& outs,
                                                               const at::Tensor& lses) {
   refuse_grad({&outs, &lses}, "merge_attn_states");
@@ -537,6 +587,10 @@ TORCH_LIBRARY(hipflash, m) {
         "int max_seqlen_q, int max_seqlen_k, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
         "bool return_lse, str lse_layout) -> ()");
+  m.def("varlen_fwd_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, Tensor block_table, int max_seqlen_q, int max_seqlen_k, "
+        "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
+        "bool return_lse, str lse_layout) -> (Tensor out, Tensor lse)");
   m.def("merge_attn_states(Tensor outs, Tensor lses) -> (Tensor out, Tensor lse)");
   m.def("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
         "Tensor? cache_seqlens, Tensor? block_table, float? softmax_scale, bool causal, "
@@ -562,6 +616,7 @@ static void register_backend_kernels(torch::Library& m) {
   m.impl("fwd_out", &fwd_out);
   m.impl("varlen_fwd", &varlen_fwd);
   m.impl("varlen_fwd_out", &varlen_fwd_out);
+  m.impl("varlen_fwd_paged", &varlen_fwd_paged);
 }
 
 TORCH_LIBRARY_IMPL(hipflash, CPU, m) { register_backend_kernels(m); }
@@ -576,6 +631,7 @@ TORCH_LIBRARY_IMPL(hipflash, Autograd, m) {
   m.impl("fwd_out", &fwd_out_autograd);
   m.impl("varlen_fwd", &varlen_fwd_autograd);
   m.impl("varlen_fwd_out", &varlen_fwd_out_autograd);
+  m.impl("varlen_fwd_paged", &varlen_fwd_paged_autograd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,11 +1,12 @@
 """hipflash.flash_attn_with_kvcache (SPEC §7) on CPU tensors: a paged cache gives bitwise the
 result of a contiguous cache holding the same rows; append + attend against the reference of
-SPEC §3; bad block tables refused before anything is written; the operator."""
+SPEC §3; bad block tables refused before anything is written; the operator; chunked prefill (varlen queries against a paged cache, flash_attn_varlen_func
+with a block_table) against the same keys packed contiguously."""
 import pytest
 import torch
 
 import hipflash
-from reference import assert_bitwise_equal
+from reference import assert_bitwise_equal, check_attention
 from reference import check_kv_per_sequence as check_per_sequence
 from reference import make_kv_cache as make_cache
 
@@ -114,3 +115,79 @@ def test_requires_grad_is_refused_and_caches_are_bumped():
     hipflash.flash_attn_with_kvcache(q, k, v, torch.randn(1, 1, 1, 64).bfloat16(),
                                      torch.randn(1, 1, 1, 64).bfloat16(), cache_seqlens=3)
     assert k._version > version
+
+
+# ---- Chunked prefill: varlen queries against a paged cache (flash_attn_varlen_func) ----------
+
+
+def _chunked_prefill_case(page, hq, hkv, seed=3):
+    """Paged caches holding each sequence's keys (its new chunk included), the same keys packed
+    contiguously, varlen queries (the chunks) and both cu_seqlens."""
+    lens_k = [2 * page + 5, 0, page, 17]
+    lens_q = [7, 0, page, 17]  # a chunk of new rows per sequence (the last attends all it has)
+    capacity = ((max(lens_k) + page - 1) // page) * page
+    k, v, k_pages, v_pages, table = make_cache(lens_k, capacity, hkv, 64, torch.bfloat16, page,
+                                               seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(lens_q), hq, 64, generator=g).bfloat16()
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int64).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int64).cumsum(0).to(torch.int32)
+    k_packed = torch.cat([k[i, :n] for i, n in enumerate(lens_k)])
+    v_packed = torch.cat([v[i, :n] for i, n in enumerate(lens_k)])
+    return q, cu_q, cu_k, max(lens_q), max(lens_k), k_pages, v_pages, table, k_packed, v_packed
+
+
+@pytest.mark.parametrize("lse_layout", ["padded", "packed"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=lambda h: f"h{h[0]}_{h[1]}")
+@pytest.mark.parametrize("page", [16, 64])
+def test_chunked_prefill_equals_packed_keys_bitwise(page, heads, causal, splits, lse_layout):
+    q, cu_q, cu_k, mq, mk, k_pages, v_pages, table, k_packed, v_packed = \
+        _chunked_prefill_case(page, *heads)
+    kw = dict(causal=causal, num_splits=splits, return_lse=True, lse_layout=lse_layout)
+    out_p, lse_p = hipflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, mq, mk,
+                                                   block_table=table, **kw)
+    out_c, lse_c = hipflash.flash_attn_varlen_func(q, k_packed, v_packed, cu_q, cu_k, mq, mk, **kw)
+    assert_bitwise_equal(out_p, out_c, "out")
+    assert_bitwise_equal(lse_p, lse_c, "lse")
+    # and the packed call against the reference, sequence by sequence
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if qs.stop == qs.start:
+            continue
+        lse_b = (lse_c[:, qs] if lse_layout == "packed" else lse_c[b, :, :qs.stop - qs.start])
+        lse_b = lse_b.contiguous()
+        check_attention(out_c[qs][None], lse_b[None], q[qs][None], k_packed[ks][None],
+                        v_packed[ks][None], causal=causal)
+
+
+def test_chunked_prefill_bad_calls_are_refused():
+    q, cu_q, cu_k, mq, mk, k_pages, v_pages, table, _, _ = _chunked_prefill_case(16, 4, 4)
+
+    def call(**over):
+        args = dict(q=q, k=k_pages, v=v_pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    max_seqlen_q=mq, max_seqlen_k=mk, block_table=table)
+        args.update(over)
+        return hipflash.flash_attn_varlen_func(**args)
+
+    bad = table.clone()
+    bad[0, 1] = k_pages.shape[0]  # a page that does not exist, inside sequence 0's keys
+    with pytest.raises(ValueError, match="is not a page of the cache"):
+        call(block_table=bad)
+    long_k = cu_k.clone()
+    long_k[1:] += 1000  # sequence 0 longer than its pages
+    with pytest.raises(ValueError, match="cache holds"):
+        call(cu_seqlens_k=long_k, max_seqlen_k=mk + 1000)
+    with pytest.raises(ValueError, match="page size"):
+        call(k=k_pages[:, :12], v=v_pages[:, :12])
+    with pytest.raises(ValueError, match="block_table must have one row per sequence"):
+        call(block_table=table[:2])
+    with pytest.raises(ValueError, match="out= is not supported"):
+        call(out=torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="no backward yet"):
+        call(q=q.clone().requires_grad_())
+    if torch.cuda.is_available() and hipflash.gpu_available():
+        with pytest.raises(NotImplementedError, match="CPU tensors only"):
+            hipflash.flash_attn_varlen_func(q.cuda(), k_pages.cuda(), v_pages.cuda(), cu_q.cuda(),
+                                            cu_k.cuda(), mq, mk, block_table=table.cuda())

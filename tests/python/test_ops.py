@@ -162,7 +162,7 @@ def test_opcheck(device):
     torch.library.opcheck(ops.varlen_fwd_out.default,
                           (qv, kv, vv, cq, ck, 40, 40, vout, vlse, None, True, -1, -1, 0, True,
                            "padded"))
-    if device == "cpu":  # the KV-cache path is CPU-only so far
+    if device == "cpu":  # (the GPU KV-cache ops are checked by test_gpu.py's calls)
         k_pages = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
         v_pages = torch.randn_like(k_pages)
         table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
@@ -171,6 +171,12 @@ def test_opcheck(device):
         torch.library.opcheck(ops.fwd_kvcache.default,
                               (q, k_pages, v_pages, k_new, torch.randn_like(k_new), lens, table,
                                None, True, -1, -1, 0, True))
+        cu_q = torch.tensor([0, 5, 9], dtype=torch.int32)  # chunked prefill: 5 and 4 new rows
+        cu_k = torch.tensor([0, 7, 27], dtype=torch.int32)  # against 7 and 20 cached keys
+        for layout in ("padded", "packed"):
+            torch.library.opcheck(ops.varlen_fwd_paged.default,
+                                  (qv[:9], k_pages, v_pages, cu_q, cu_k, table, 5, 20, None, True,
+                                   -1, -1, 0, True, layout))
 
 
 @needs_gpu
