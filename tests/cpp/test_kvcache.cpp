@@ -167,5 +167,37 @@ TEST(KvCacheApi, GpuTensorsInABuildWithoutGpuKernelsAreNotImplemented) {
   EXPECT_TRUE(t.out.all_nan());
 }
 
+// Chunked prefill (varlen_paged_forward): each sequence's query rows against the first lens[b]
+// rows of its pages, checked against the fp64 reference of those keys; a bad call writes nothing.
+TEST(KvCacheApi, ChunkedPrefillMatchesTheReference) {
+  for (bool causal : {false, true}) {
+    KvCase c;
+    c.sq = 5;
+    c.lens = {40, 0, 17, 33};
+    c.causal = causal;
+    KvProblem t(c, 11);
+    const int64_t B = c.batch();
+    std::vector<int32_t> lq(static_cast<size_t>(B), int32_t(c.sq));
+    HostTensor cq = cu_seqlens(lq), ck = cu_seqlens(c.lens);
+    VarlenOptions vo;
+    static_cast<FwdOptions&>(vo) = c.options();
+    vo.max_seqlen_q = c.sq;
+    vo.max_seqlen_k = 40;
+    const TensorRef qv = make_tensor(t.q.ref.data, c.dt, {B * c.sq, c.hq, c.d});
+    const TensorRef ov = make_tensor(t.out.ref.data, c.dt, {B * c.sq, c.hq, c.d});
+    varlen_paged_forward(qv, t.k_pages.ref, t.v_pages.ref, ov, &t.lse.ref, cq.ref, ck.ref,
+                         t.table.ref, vo);
+    EXPECT_REF_OK(t.check(t.out, t.lse, 0)) << "causal " << causal;
+
+    HostTensor bad = t.table;
+    bad.i32()[0] = int32_t(t.k_pages.ref.sizes[0]);  // sequence 0's first page does not exist
+    t.out.fill(kNaN);
+    EXPECT_THROW(varlen_paged_forward(qv, t.k_pages.ref, t.v_pages.ref, ov, &t.lse.ref, cq.ref,
+                                      ck.ref, bad.ref, vo),
+                 invalid_argument);
+    EXPECT_TRUE(t.out.all_nan());
+  }
+}
+
 }  // namespace
 }  // namespace hipflash::test
