@@ -65,6 +65,27 @@ int log2_of(int64_t x) {
   return s;
 }
 
+/// The block-table entries sequence b uses for `keys` rows (the first ceil(keys / page)) must
+/// name pages of the cache; entries past them are never read.
+void check_pages_used(const TensorRef& block_table, int64_t b, int64_t keys, int64_t page,
+                      int64_t num_blocks) {
+  const auto* row = static_cast<const int32_t*>(block_table.data) + b * block_table.strides[0];
+  const int64_t used = (keys + page - 1) / page;
+  for (int64_t e = 0; e < used; ++e)
+    HIPFLASH_CHECK(row[e] >= 0 && row[e] < num_blocks, "block_table[", b, ", ", e, "] = ",
+                   row[e], " is not a page of the cache (num_blocks = ", num_blocks, ")");
+}
+
+/// p's K and V: the cache's data and strides (batch or page, row, head).
+void point_at_cache(FwdParams& p, const TensorRef& k_cache, const TensorRef& v_cache) {
+  p.k = k_cache.data;
+  p.v = v_cache.data;
+  p.k_batch_stride = k_cache.strides[0], p.k_row_stride = k_cache.strides[1];
+  p.k_head_stride = k_cache.strides[2];
+  p.v_batch_stride = v_cache.strides[0], p.v_row_stride = v_cache.strides[1];
+  p.v_head_stride = v_cache.strides[2];
+}
+
 /// Copies the rows of `src` ([B, S_new, Hkv, D]) to rows cache_seqlens[b] + j of the cache at
 /// `cache` (strides of FwdParams: batch or page, row, head) through its row source, contiguous
 /// or paged: the append, on host memory.
@@ -212,22 +233,11 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     HIPFLASH_CHECK(len + s_new <= capacity, "sequence ", b, " needs ", len, " cached + ", s_new,
                    " new keys but its cache holds ", capacity,
                    paged ? " (max_blocks_per_seq * page_size)" : " (k_cache.shape[1])");
-    if (paged && !gpu) {
-      const auto* row = static_cast<const int32_t*>(block_table->data) + b * block_table->strides[0];
-      const int64_t used = (len + s_new + page - 1) / page, num_blocks = k_cache.sizes[0];
-      for (int64_t e = 0; e < used; ++e)
-        HIPFLASH_CHECK(row[e] >= 0 && row[e] < num_blocks, "block_table[", b, ", ", e, "] = ",
-                       row[e], " is not a page of the cache (num_blocks = ", num_blocks, ")");
-    }
+    if (paged && !gpu) check_pages_used(*block_table, b, len + s_new, page, k_cache.sizes[0]);
   }
 
   // ---- FwdParams over the cache, the append, the forward.
-  p.k = k_cache.data;
-  p.v = v_cache.data;
-  p.k_batch_stride = k_cache.strides[0], p.k_row_stride = k_cache.strides[1];
-  p.k_head_stride = k_cache.strides[2];
-  p.v_batch_stride = v_cache.strides[0], p.v_row_stride = v_cache.strides[1];
-  p.v_head_stride = v_cache.strides[2];
+  point_at_cache(p, k_cache, v_cache);
   p.seqlen_k = capacity;  // the longest a sequence can be: the split heuristic's key range
   p.seqlens_k = cache_seqlens ? static_cast<const int32_t*>(cache_seqlens->data) : nullptr;
   p.seqlen_k_new = s_new;
@@ -301,18 +311,9 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
     const int64_t len = int64_t(cu_k[b + 1]) - cu_k[b];
     HIPFLASH_CHECK(len <= capacity, "sequence ", b, " has ", len, " keys but its cache holds ",
                    capacity, " (max_blocks_per_seq * page_size)");
-    const auto* row = static_cast<const int32_t*>(block_table.data) + b * block_table.strides[0];
-    const int64_t used = (len + page - 1) / page, num_blocks = k_cache.sizes[0];
-    for (int64_t e = 0; e < used; ++e)
-      HIPFLASH_CHECK(row[e] >= 0 && row[e] < num_blocks, "block_table[", b, ", ", e, "] = ",
-                     row[e], " is not a page of the cache (num_blocks = ", num_blocks, ")");
+    check_pages_used(block_table, b, len, page, k_cache.sizes[0]);
   }
-  p.k = k_cache.data;
-  p.v = v_cache.data;
-  p.k_batch_stride = k_cache.strides[0], p.k_row_stride = k_cache.strides[1];
-  p.k_head_stride = k_cache.strides[2];
-  p.v_batch_stride = v_cache.strides[0], p.v_row_stride = v_cache.strides[1];
-  p.v_head_stride = v_cache.strides[2];
+  point_at_cache(p, k_cache, v_cache);
   p.block_table = static_cast<const int32_t*>(block_table.data);
   p.block_table_stride = block_table.strides[0];
   p.page_shift = log2_of(page);

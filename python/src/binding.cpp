@@ -216,6 +216,21 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
   return {out, lse};
 }
 
+/// The options of a varlen forward call (varlen_fwd_out, varlen_fwd_paged).
+hipflash::VarlenOptions varlen_options(int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                       c10::optional<double> softmax_scale, bool causal,
+                                       int64_t window_left, int64_t window_right,
+                                       int64_t num_splits, bool return_lse,
+                                       const std::string& lse_layout) {
+  hipflash::VarlenOptions opts;
+  opts.lse_layout = lse_layout_of(lse_layout);
+  static_cast<hipflash::FwdOptions&>(opts) =
+      fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+  opts.max_seqlen_q = max_seqlen_q;
+  opts.max_seqlen_k = max_seqlen_k;
+  return opts;
+}
+
 void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                     int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
@@ -224,12 +239,9 @@ void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     bool return_lse, const std::string& lse_layout) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
-    hipflash::VarlenOptions opts;
-    opts.lse_layout = lse_layout_of(lse_layout);
-    static_cast<hipflash::FwdOptions&>(opts) =
-        fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
-    opts.max_seqlen_q = max_seqlen_q;
-    opts.max_seqlen_k = max_seqlen_k;
+    const hipflash::VarlenOptions opts =
+        varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, num_splits, return_lse, lse_layout);
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
                vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
     const auto cuq = to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index);
@@ -264,12 +276,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged(
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   std::vector<at::Tensor> keep;
   run_launcher([&] {
-    hipflash::VarlenOptions opts;
-    opts.lse_layout = lse_layout_of(lse_layout);
-    static_cast<hipflash::FwdOptions&>(opts) =
-        fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
-    opts.max_seqlen_q = max_seqlen_q;
-    opts.max_seqlen_k = max_seqlen_k;
+    const hipflash::VarlenOptions opts =
+        varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, num_splits, return_lse, lse_layout);
     std::optional<hipflash::TensorRef> lser;
     if (return_lse) lser = to_ref(lse, "lse", Role::lse);
     hipflash::varlen_paged_forward(
