@@ -51,12 +51,89 @@ struct SeqBounds {
   }
 };
 
-/// Row 0 of (batch b, head h) of sequence `s` in a dense [B, S, H, D] or varlen [total, H, D]
-/// tensor with these strides (varlen: batch stride 0, rows offset by the sequence start).
+/// Row 0 of (batch b, head h) of the sequence starting at row `start` in a dense [B, S, H, D] or
+/// varlen [total, H, D] tensor with these strides (varlen: batch stride 0).
 template <class T>
 HIPFLASH_HD T* rows_of(T* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
                        int64_t b, int64_t start, int64_t h) {
   return base + b * batch_stride + start * row_stride + h * head_stride;
 }
+
+// Row 0 of (batch b, head h) of the sequence starting at `start` in each operand of the
+// backward: q, out, dout and dq take the query start and a query head, k, v, dk and dv the key
+// start and a kv head.
+template <class T>
+HIPFLASH_HD const T* q_rows(const BwdParams& p, int64_t b, int64_t start, int64_t h) {
+  return rows_of(static_cast<const T*>(p.q), p.q_batch_stride, p.q_row_stride, p.q_head_stride, b,
+                 start, h);
+}
+template <class T>
+HIPFLASH_HD const T* out_rows(const BwdParams& p, int64_t b, int64_t start, int64_t h) {
+  return rows_of(static_cast<const T*>(p.out), p.o_batch_stride, p.o_row_stride, p.o_head_stride,
+                 b, start, h);
+}
+template <class T>
+HIPFLASH_HD const T* dout_rows(const BwdParams& p, int64_t b, int64_t start, int64_t h) {
+  return rows_of(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_row_stride,
+                 p.do_head_stride, b, start, h);
+}
+template <class T>
+HIPFLASH_HD T* dq_rows(const BwdParams& p, int64_t b, int64_t start, int64_t h) {
+  return rows_of(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, b,
+                 start, h);
+}
+template <class T>
+HIPFLASH_HD const T* k_rows(const BwdParams& p, int64_t b, int64_t start, int64_t hk) {
+  return rows_of(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride, p.k_head_stride, b,
+                 start, hk);
+}
+template <class T>
+HIPFLASH_HD const T* v_rows(const BwdParams& p, int64_t b, int64_t start, int64_t hk) {
+  return rows_of(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride, p.v_head_stride, b,
+                 start, hk);
+}
+template <class T>
+HIPFLASH_HD T* dk_rows(const BwdParams& p, int64_t b, int64_t start, int64_t hk) {
+  return rows_of(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
+                 start, hk);
+}
+template <class T>
+HIPFLASH_HD T* dv_rows(const BwdParams& p, int64_t b, int64_t start, int64_t hk) {
+  return rows_of(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
+                 start, hk);
+}
+
+/// What one block of a dk/dv pass owns: key block n_block (keys [n0, n0 + block_n)) of kv head
+/// hk of batch b, and the query rows [row_lo, row_hi) that see those keys (row_lo rounded down
+/// to the pass's query step block_m), walked for each of the kv head's `groups` query heads.
+/// The grid enumerates (key block, kv head, batch) with the key block fastest, or slowest when
+/// `key_block_slowest` (every head's heaviest causal blocks start first).
+struct KeyBlock {
+  int n_block;
+  int64_t hk, b;
+  SeqBounds seq;
+  int64_t n0, groups, row_lo = 0, row_hi = 0;
+
+  HIPFLASH_HD KeyBlock(const FwdParams& p, int64_t linear, int num_n_blocks,
+                       bool key_block_slowest, int block_n, int block_m)
+      : n_block(int(key_block_slowest ? linear / (p.batch * p.heads_kv) : linear % num_n_blocks)),
+        hk(head_batch(p, linear, num_n_blocks, key_block_slowest) % p.heads_kv),
+        b(head_batch(p, linear, num_n_blocks, key_block_slowest) / p.heads_kv),
+        seq(p, b),
+        n0(int64_t(n_block) * block_n),
+        groups(p.heads_q / p.heads_kv) {
+    seq.rows_seeing(p, n0, n0 + block_n, row_lo, row_hi);
+    row_lo = row_lo / block_m * block_m;
+  }
+
+  /// Whether the block lies past its sequence's keys (a shorter varlen sequence): no work.
+  HIPFLASH_HD bool past_keys() const { return n0 >= seq.len_k; }
+
+ private:
+  HIPFLASH_HD static int64_t head_batch(const FwdParams& p, int64_t linear, int num_n_blocks,
+                                        bool key_block_slowest) {
+    return key_block_slowest ? linear % (p.batch * p.heads_kv) : linear / num_n_blocks;
+  }
+};
 
 }  // namespace hipflash::bwd

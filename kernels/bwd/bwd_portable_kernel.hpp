@@ -94,21 +94,15 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   constexpr int kBM = Tile::kBlockM, kBN = Tile::kBlockN, kP = Tile::kPitch, kAcc = Tile::kAcc;
   __shared__ Step sm;
 
-  const int64_t linear = blockIdx.x;
-  const int n_block = int(linear % num_n_blocks);
-  const int64_t rest = linear / num_n_blocks;
-  const int64_t hk = rest % p.heads_kv, b = rest / p.heads_kv;
-  const SeqBounds seq(p, b);
-  const int64_t n0 = int64_t(n_block) * kBN;
-  if (n0 >= seq.len_k) return;  // past this varlen sequence's keys
+  const KeyBlock kb(p, blockIdx.x, num_n_blocks, false, kBN, kBM);
+  if (kb.past_keys()) return;  // past this varlen sequence's keys
+  const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups;
+  const SeqBounds& seq = kb.seq;
   const int hd = int(p.head_dim);
-  const int64_t groups = p.heads_q / p.heads_kv;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
-  const W* k = rows_of(static_cast<const W*>(p.k), p.k_batch_stride, p.k_row_stride,
-                       p.k_head_stride, b, seq.k_start, hk);
-  const W* v = rows_of(static_cast<const W*>(p.v), p.v_batch_stride, p.v_row_stride,
-                       p.v_head_stride, b, seq.k_start, hk);
+  const W* k = k_rows<W>(p, b, seq.k_start, hk);
+  const W* v = v_rows<W>(p, b, seq.k_start, hk);
   Step::load_rows(sm.k, k, p.k_row_stride, n0, seq.len_k, kBN, hd);
   Step::load_rows(sm.v, v, p.v_row_stride, n0, seq.len_k, kBN, hd);
 
@@ -116,16 +110,11 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   const int t = int(threadIdx.x), qi = t / kBN, kj = t % kBN;
   const int acc_key = t / 16, c0 = t % 16;
   float dk[kAcc] = {}, dv[kAcc] = {};
-  int64_t row_lo, row_hi;
-  seq.rows_seeing(p, n0, n0 + kBN, row_lo, row_hi);
-  row_lo = row_lo / kBM * kBM;
 
   for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
-    const W* q = rows_of(static_cast<const W*>(p.q), p.q_batch_stride, p.q_row_stride,
-                         p.q_head_stride, b, seq.q_start, h);
-    const W* dout = rows_of(static_cast<const W*>(p.dout), p.do_batch_stride, p.do_row_stride,
-                            p.do_head_stride, b, seq.q_start, h);
-    for (int64_t m0 = row_lo; m0 < row_hi; m0 += kBM) {
+    const W* q = q_rows<W>(p, b, seq.q_start, h);
+    const W* dout = dout_rows<W>(p, b, seq.q_start, h);
+    for (int64_t m0 = kb.row_lo; m0 < kb.row_hi; m0 += kBM) {
       __syncthreads();  // the previous step is done with q, dout, p, ds
       Step::load_rows(sm.q, q, p.q_row_stride, m0, seq.len_q, kBM, hd);
       Step::load_rows(sm.dout, dout, p.do_row_stride, m0, seq.len_q, kBM, hd);
@@ -151,10 +140,8 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   // dk = scale * dS^T Q, dv = P^T dO, for this block's keys of the sequence.
   const int64_t j = n0 + acc_key;
   if (j >= seq.len_k) return;
-  W* dk_row = rows_of(static_cast<W*>(p.dk), p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
-                      b, seq.k_start, hk) + j * p.dk_row_stride;
-  W* dv_row = rows_of(static_cast<W*>(p.dv), p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride,
-                      b, seq.k_start, hk) + j * p.dv_row_stride;
+  W* dk_row = dk_rows<W>(p, b, seq.k_start, hk) + j * p.dk_row_stride;
+  W* dv_row = dv_rows<W>(p, b, seq.k_start, hk) + j * p.dv_row_stride;
 #pragma unroll
   for (int e = 0; e < kAcc; ++e) {
     const int d = c0 + 16 * e;
@@ -181,14 +168,10 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   const int hd = int(p.head_dim);
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
-  const W* q = rows_of(static_cast<const W*>(p.q), p.q_batch_stride, p.q_row_stride,
-                       p.q_head_stride, bi.b, bi.q_start, bi.h);
-  const W* dout = rows_of(static_cast<const W*>(p.dout), p.do_batch_stride, p.do_row_stride,
-                          p.do_head_stride, bi.b, bi.q_start, bi.h);
-  const W* k = rows_of(static_cast<const W*>(p.k), p.k_batch_stride, p.k_row_stride,
-                       p.k_head_stride, bi.b, bi.k_start, bi.h_kv);
-  const W* v = rows_of(static_cast<const W*>(p.v), p.v_batch_stride, p.v_row_stride,
-                       p.v_head_stride, bi.b, bi.k_start, bi.h_kv);
+  const W* q = q_rows<W>(p, bi.b, bi.q_start, bi.h);
+  const W* dout = dout_rows<W>(p, bi.b, bi.q_start, bi.h);
+  const W* k = k_rows<W>(p, bi.b, bi.k_start, bi.h_kv);
+  const W* v = v_rows<W>(p, bi.b, bi.k_start, bi.h_kv);
   Step::load_rows(sm.q, q, p.q_row_stride, m0, bi.len_q, kBM, hd);
   Step::load_rows(sm.dout, dout, p.do_row_stride, m0, bi.len_q, kBM, hd);
   sm.load_row_stats(p, bi.b, bi.h, m0);
@@ -215,8 +198,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
 
   const int64_t row = m0 + qi;
   if (row >= bi.len_q) return;
-  W* dq_row = rows_of(static_cast<W*>(p.dq), p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
-                      bi.b, bi.q_start, bi.h) + row * p.dq_row_stride;
+  W* dq_row = dq_rows<W>(p, bi.b, bi.q_start, bi.h) + row * p.dq_row_stride;
 #pragma unroll
   for (int e = 0; e < kAcc; ++e) {
     const int d = kj + 16 * e;

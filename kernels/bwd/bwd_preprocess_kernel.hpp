@@ -43,10 +43,8 @@ __global__ void __launch_bounds__(kPrepThreads)
 
   float delta = 0.f, lse2 = __int_as_float(0x7f800000);  // +inf
   if (row < seq.len_q) {
-    const W* o = rows_of(static_cast<const W*>(p.out), p.o_batch_stride, p.o_row_stride,
-                         p.o_head_stride, b, seq.q_start, h) + row * p.o_row_stride;
-    const W* dout = rows_of(static_cast<const W*>(p.dout), p.do_batch_stride, p.do_row_stride,
-                            p.do_head_stride, b, seq.q_start, h) + row * p.do_row_stride;
+    const W* o = out_rows<W>(p, b, seq.q_start, h) + row * p.o_row_stride;
+    const W* dout = dout_rows<W>(p, b, seq.q_start, h) + row * p.do_row_stride;
     for (int c = lane * 8; c < p.head_dim; c += kPrepLanesPerRow * 8) {
       W ov[8], dv[8];
       common::load_words<W, 8>(o + c, ov);
@@ -92,8 +90,7 @@ __global__ void __launch_bounds__(kConvertThreads)
   W w[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) w[e] = B::from_float(acc[e] * p.softmax_scale);
-  W* dq = rows_of(static_cast<W*>(p.dq), p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
-                  b, seq.q_start, h) + row * p.dq_row_stride + c;
+  W* dq = dq_rows<W>(p, b, seq.q_start, h) + row * p.dq_row_stride + c;
   common::store_words<W, 8>(dq, w);
 }
 

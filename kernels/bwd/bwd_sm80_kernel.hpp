@@ -155,24 +155,16 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
   const int key_warp = warp / Cfg::kDSplit, dpart = warp % Cfg::kDSplit;
   const int g = lane / 4, t = lane % 4;
 
-  const int64_t linear = blockIdx.x;
-  const int n_block = int(linear % num_n_blocks);
-  const int64_t rest = linear / num_n_blocks;
-  const int64_t hk = rest % p.heads_kv, b = rest / p.heads_kv;
-  const SeqBounds seq(p, b);
-  const int64_t n0 = int64_t(n_block) * kBN;
-  if (n0 >= seq.len_k) return;  // past this varlen sequence's keys
+  const KeyBlock kb(p, blockIdx.x, num_n_blocks, false, kBN, kBM);
+  if (kb.past_keys()) return;  // past this varlen sequence's keys
+  const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups, row_lo = kb.row_lo;
+  const SeqBounds& seq = kb.seq;
   const int hd = int(p.head_dim);
-  const int64_t groups = p.heads_q / p.heads_kv;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
-  const T* k = rows_of(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
-                       p.k_head_stride, b, seq.k_start, hk);
-  const T* v = rows_of(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride,
-                       p.v_head_stride, b, seq.k_start, hk);
-  int64_t row_lo, row_hi;
-  seq.rows_seeing(p, n0, n0 + kBN, row_lo, row_hi);
-  row_lo = row_lo / kBM * kBM;
+  const T* k = k_rows<T>(p, b, seq.k_start, hk);
+  const T* v = v_rows<T>(p, b, seq.k_start, hk);
+  const int64_t row_hi = kb.row_hi;
   const int64_t m_steps = (row_hi - row_lo + kBM - 1) / kBM;  // per query head
   const int64_t steps = m_steps * groups;
 
@@ -180,10 +172,8 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
   auto load_step = [&](int64_t s) {
     const int64_t h = hk * groups + s / m_steps, m0 = row_lo + (s % m_steps) * kBM;
     const int stage = int(s % 2);
-    const T* q = rows_of(static_cast<const T*>(p.q), p.q_batch_stride, p.q_row_stride,
-                         p.q_head_stride, b, seq.q_start, h);
-    const T* dout = rows_of(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_row_stride,
-                            p.do_head_stride, b, seq.q_start, h);
+    const T* q = q_rows<T>(p, b, seq.q_start, h);
+    const T* dout = dout_rows<T>(p, b, seq.q_start, h);
     load_rows<kBM, Cfg::kChunks, Cfg::kThreads>(sQ + stage * Cfg::kSmemQ, q, p.q_row_stride, m0,
                                                 seq.len_q, hd);
     load_rows<kBM, Cfg::kChunks, Cfg::kThreads>(sdO + stage * Cfg::kSmemQ, dout, p.do_row_stride,
@@ -273,10 +263,8 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
 
   // dk = scale dS^T Q, dv = P^T dO for this warp's keys and columns.
   const int col0 = dpart * Cfg::kDCols;
-  T* dk = rows_of(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
-                  seq.k_start, hk);
-  T* dv = rows_of(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
-                  seq.k_start, hk);
+  T* dk = dk_rows<T>(p, b, seq.k_start, hk);
+  T* dv = dv_rows<T>(p, b, seq.k_start, hk);
   write_c<kDT>(dk, p.dk_row_stride, dK, n0 + key_warp * 16, col0, seq.len_k, hd, p.softmax_scale, lane);
   write_c<kDT>(dv, p.dv_row_stride, dV, n0 + key_warp * 16, col0, seq.len_k, hd, 1.f, lane);
 #else
@@ -309,14 +297,10 @@ __global__ void __launch_bounds__(DqTile<Traits::kHeadDim>::kThreads)
   const int hd = int(p.head_dim);
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
-  const T* q = rows_of(static_cast<const T*>(p.q), p.q_batch_stride, p.q_row_stride,
-                       p.q_head_stride, bi.b, bi.q_start, bi.h);
-  const T* dout = rows_of(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_row_stride,
-                          p.do_head_stride, bi.b, bi.q_start, bi.h);
-  const T* k = rows_of(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
-                       p.k_head_stride, bi.b, bi.k_start, bi.h_kv);
-  const T* v = rows_of(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride,
-                       p.v_head_stride, bi.b, bi.k_start, bi.h_kv);
+  const T* q = q_rows<T>(p, bi.b, bi.q_start, bi.h);
+  const T* dout = dout_rows<T>(p, bi.b, bi.q_start, bi.h);
+  const T* k = k_rows<T>(p, bi.b, bi.k_start, bi.h_kv);
+  const T* v = v_rows<T>(p, bi.b, bi.k_start, bi.h_kv);
   auto load_kv = [&](int n, int stage) {
     load_rows<kBN, Cfg::kChunks, Cfg::kThreads>(sK + stage * Cfg::kSmemKV, k, p.k_row_stride,
                                                 int64_t(n) * kBN, bi.len_k, hd);
@@ -371,8 +355,7 @@ __global__ void __launch_bounds__(DqTile<Traits::kHeadDim>::kThreads)
     gemm_rs<kDT, kHD / 8, kBN / 16>(dQ, S, lanes_bt(k_tile, Cfg::kRowBytes, lane), Cfg::kRowBytes, 0);
   }
 
-  T* dq = rows_of(static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
-                  bi.b, bi.q_start, bi.h);
+  T* dq = dq_rows<T>(p, bi.b, bi.q_start, bi.h);
   write_c<kDT>(dq, p.dq_row_stride, dQ, m0 + warp * 16, 0, bi.len_q, hd, p.softmax_scale, lane);
 #else
   port::trap();  // mma.sync targets only

@@ -75,30 +75,21 @@ __global__ void __launch_bounds__(256, 1)
   // Grid order: key block fastest (the blocks of one kv head run together and share its Q / dO
   // in L2); masked calls key block slowest instead, so that every head's heaviest key blocks
   // (causal: the first ones, seen by the most rows) start first and none is left for the tail.
-  const int64_t linear = blockIdx.x, heads = p.batch * p.heads_kv;
-  const int n_block = int(Traits::kMasked ? linear / heads : linear % num_n_blocks);
-  const int64_t rest = Traits::kMasked ? linear % heads : linear / num_n_blocks;
-  const int64_t hk = rest % p.heads_kv, b = rest / p.heads_kv;
-  const SeqBounds seq(p, b);
-  const int64_t n0 = int64_t(n_block) * kBN;
-  if (n0 >= seq.len_k) return;  // past this varlen sequence's keys
+  const KeyBlock kb(p, blockIdx.x, num_n_blocks, Traits::kMasked, kBN, kBM);
+  if (kb.past_keys()) return;  // past this varlen sequence's keys
+  const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups, row_lo = kb.row_lo;
+  const SeqBounds& seq = kb.seq;
   const int hd = int(p.head_dim);
-  const int64_t groups = p.heads_q / p.heads_kv;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
-
-  int64_t row_lo, row_hi;
-  seq.rows_seeing(p, n0, n0 + kBN, row_lo, row_hi);
-  row_lo = row_lo / kBM * kBM;
+  const int64_t row_hi = kb.row_hi;
   const int64_t m_steps = (row_hi - row_lo + kBM - 1) / kBM;  // per query head
   const int64_t steps = m_steps * groups;
 
   auto load_step = [&](int64_t s) {  // Q, dO and the row statistics of step s into stage s % 2
     const int64_t h = hk * groups + s / m_steps, m0 = row_lo + (s % m_steps) * kBM;
     const int st = int(s % 2);
-    const T* q = rows_of(static_cast<const T*>(p.q), p.q_batch_stride, p.q_row_stride,
-                         p.q_head_stride, b, seq.q_start, h);
-    const T* dout = rows_of(static_cast<const T*>(p.dout), p.do_batch_stride, p.do_row_stride,
-                            p.do_head_stride, b, seq.q_start, h);
+    const T* q = q_rows<T>(p, b, seq.q_start, h);
+    const T* dout = dout_rows<T>(p, b, seq.q_start, h);
     TileLoader<kBM, kHD, Cfg::kThreads, T>(q, p.q_row_stride, hd).load(sQ(st), m0, seq.len_q);
     TileLoader<kBM, kHD, Cfg::kThreads, T>(dout, p.do_row_stride, hd).load(sdO(st), m0, seq.len_q);
     const int i = int(threadIdx.x);
@@ -108,10 +99,8 @@ __global__ void __launch_bounds__(256, 1)
       cp_async_16(sDelta(st) + 4 * (i - 128), p.delta + p.ws_row(b, h, m0) + 4 * (i - 128), true);
   };
   {
-    const T* k = rows_of(static_cast<const T*>(p.k), p.k_batch_stride, p.k_row_stride,
-                         p.k_head_stride, b, seq.k_start, hk);
-    const T* v = rows_of(static_cast<const T*>(p.v), p.v_batch_stride, p.v_row_stride,
-                         p.v_head_stride, b, seq.k_start, hk);
+    const T* k = k_rows<T>(p, b, seq.k_start, hk);
+    const T* v = v_rows<T>(p, b, seq.k_start, hk);
     TileLoader<kBN, kHD, Cfg::kThreads, T>(k, p.k_row_stride, hd).load(sK, n0, seq.len_k);
     TileLoader<kBN, kHD, Cfg::kThreads, T>(v, p.v_row_stride, hd).load(sV, n0, seq.len_k);
     if (steps > 0) load_step(0);
@@ -253,10 +242,8 @@ __global__ void __launch_bounds__(256, 1)
   cp_async_wait<0>();  // no copy outlives the block (no step: K and V were never read)
 
   // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
-  T* dk = rows_of(static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
-                  seq.k_start, hk);
-  T* dv = rows_of(static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
-                  seq.k_start, hk);
+  T* dk = dk_rows<T>(p, b, seq.k_start, hk);
+  T* dv = dv_rows<T>(p, b, seq.k_start, hk);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int64_t j = key0 + 8 * hh;

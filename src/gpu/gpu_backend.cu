@@ -55,6 +55,26 @@ void pack_gqa_decode(FwdParams& p) {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+/// `need` bytes of scratch for a call (`what` names it in errors): the caller's buffer when it
+/// is large enough, else the caller's allocator, else a stream-ordered allocation that
+/// `scratch` frees on scope exit (after the kernels using it are enqueued). 16-byte aligned.
+void* acquire_workspace(const Workspace& ws, size_t need, port::stream_t stream,
+                        std::unique_ptr<ScratchBuffer>& scratch, const char* what) {
+  void* base = ws.data;
+  if (base == nullptr || ws.bytes < need) {
+    if (ws.allocate) {
+      base = ws.allocate(need);
+      HIPFLASH_CHECK_AS(runtime_error, base != nullptr,
+                        "the workspace allocator returned no memory for ", need, " bytes");
+    } else {
+      scratch = std::make_unique<ScratchBuffer>(need, stream);
+      base = scratch->ptr;
+    }
+  }
+  HIPFLASH_CHECK(aligned16(base), what, " must be 16-byte aligned");
+  return base;
+}
+
 }  // namespace
 
 BuildCaps build_caps() {
@@ -196,18 +216,7 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
   std::unique_ptr<ScratchBuffer> scratch;
   if (p.num_splits > 1) {
     const size_t need = splitk_workspace_bytes(p);
-    void* base = ws.data;
-    if (base == nullptr || ws.bytes < need) {
-      if (ws.allocate) {
-        base = ws.allocate(need);
-        HIPFLASH_CHECK_AS(runtime_error, base != nullptr,
-                          "the workspace allocator returned no memory for ", need, " bytes");
-      } else {
-        scratch = std::make_unique<ScratchBuffer>(need, stream);
-        base = scratch->ptr;
-      }
-    }
-    HIPFLASH_CHECK(aligned16(base), "the split-K workspace must be 16-byte aligned");
+    void* base = acquire_workspace(ws, need, stream, scratch, "the split-K workspace");
     const size_t rows = need / (size_t(hd) * sizeof(float) + sizeof(detail::SoftmaxState));
     p.out_partial = static_cast<float*>(base);
     p.state_partial = reinterpret_cast<detail::SoftmaxState*>(p.out_partial + rows * size_t(hd));
@@ -290,18 +299,11 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   const size_t need = rows * sizeof(float) * (2 + (p.deterministic ? 0 : size_t(hd)));
   ScopedDevice guard(device);
   std::unique_ptr<ScratchBuffer> scratch;
-  void* base = ws.data;
-  if (need > 0 && (base == nullptr || ws.bytes < need)) {
-    if (ws.allocate) {
-      base = ws.allocate(need);
-      HIPFLASH_CHECK_AS(runtime_error, base != nullptr,
-                        "the workspace allocator returned no memory for ", need, " bytes");
-    } else {
-      scratch = std::make_unique<ScratchBuffer>(need, stream);
-      base = scratch->ptr;
-    }
-  }
-  HIPFLASH_CHECK(aligned16(base), "the backward's workspace must be 16-byte aligned");
+  void* base = ws.data;  // an empty problem needs none (and must not ask the allocator)
+  if (need > 0)
+    base = acquire_workspace(ws, need, stream, scratch, "the backward's workspace");
+  else
+    HIPFLASH_CHECK(aligned16(base), "the backward's workspace must be 16-byte aligned");
   p.lse_log2 = static_cast<float*>(base);
   p.delta = p.lse_log2 + rows;
   p.dq_accum = p.deterministic ? nullptr : p.delta + rows;

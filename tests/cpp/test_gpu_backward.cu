@@ -85,6 +85,19 @@ struct BwdProblem {
                                        << " > " << rtol << " * max |cpu| (" << scale << ")";
 }
 
+/// The varlen backward of a forward-run problem on the GPU; the gradients land in dq, dk, dv.
+void run_gpu_varlen_backward(const Varlen& t, const HostTensor& dout, const VarlenBwdOptions& bo,
+                             HostTensor& dq, HostTensor& dk, HostTensor& dv) {
+  DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), d_out(dout), cq(t.cu_q),
+      ck(t.cu_k), g_q(dq), g_k(dk), g_v(dv);
+  varlen_backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, cq.ref, ck.ref, g_q.ref,
+                  g_k.ref, g_v.ref, bo);
+  sync();
+  g_q.download(dq);
+  g_k.download(dk);
+  g_v.download(dv);
+}
+
 class GpuBackward : public ::testing::TestWithParam<BwdCase> {
  protected:
   void SetUp() override {
@@ -205,16 +218,7 @@ TEST_F(Gpu, VarlenBackwardMatchesTheCpuAndZeroesRowsOutsideSequences) {
       bo.lse_layout = layout;
       varlen_backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, t.cu_q.ref,
                       t.cu_k.ref, dq_c.ref, dk_c.ref, dv_c.ref, bo);
-      {
-        DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), d_out(dout), cq(t.cu_q),
-            ck(t.cu_k), g_q(dq), g_k(dk), g_v(dv);
-        varlen_backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, cq.ref, ck.ref, g_q.ref,
-                        g_k.ref, g_v.ref, bo);
-        sync();
-        g_q.download(dq);
-        g_k.download(dk);
-        g_v.download(dv);
-      }
+      run_gpu_varlen_backward(t, dout, bo, dq, dk, dv);
       EXPECT_TRUE(close(dq, dq_c, DType::bf16, "dq")) << int(layout) << det;
       EXPECT_TRUE(close(dk, dk_c, DType::bf16, "dk")) << int(layout) << det;
       EXPECT_TRUE(close(dv, dv_c, DType::bf16, "dv")) << int(layout) << det;
@@ -243,16 +247,7 @@ TEST_F(Gpu, VarlenBackwardRowsOutsideSequencesAreZero) {
   bo.max_seqlen_k = 37;
   bo.lse_layout = LseLayout::packed;
   bo.deterministic = false;
-  {
-    DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), d_out(dout), cq(t.cu_q),
-        ck(t.cu_k), g_q(dq), g_k(dk), g_v(dv);
-    varlen_backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, cq.ref, ck.ref, g_q.ref,
-                    g_k.ref, g_v.ref, bo);
-    sync();
-    g_q.download(dq);
-    g_k.download(dk);
-    g_v.download(dv);
-  }
+  run_gpu_varlen_backward(t, dout, bo, dq, dk, dv);
   auto row_is = [](const HostTensor& g, int64_t r, bool zero) {
     for (int64_t i = 0; i < g.ref.sizes[1] * g.ref.sizes[2]; ++i) {
       const float x = g.get_raw(g.base() + r * g.ref.strides[0] + i);
