@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "hipflash/bwd_params.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
@@ -16,12 +17,15 @@ namespace hipflash {
 
 /// The launcher's validation (SPEC §4) and FwdParams of a dense / varlen call, before the
 /// kernel is selected and num_splits resolved (p.num_splits is 1). Internal: the host tests of
-/// the kernel schedules build their parameters with them.
+/// the kernel schedules build their parameters with them. make_varlen_params reads cu_seqlens
+/// to the host to check them (unless the stream captures a graph); `host_cu_k`, when given,
+/// receives that copy of cu_seqlens_k (empty while capturing).
 FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                             const TensorRef& out, const TensorRef* lse, const FwdOptions& opts);
 FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                              const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
-                             const TensorRef& cu_k, const VarlenOptions& opts, Stream stream);
+                             const TensorRef& cu_k, const VarlenOptions& opts, Stream stream,
+                             std::vector<int32_t>* host_cu_k = nullptr);
 
 /// The select and split steps of dispatch_forward alone: throws what dispatch_forward would
 /// throw before launching (a kernel or head dim this build lacks, a workspace too large).

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +75,18 @@ void check_pages_used(const TensorRef& block_table, int64_t b, int64_t keys, int
   for (int64_t e = 0; e < used; ++e)
     HIPFLASH_CHECK(row[e] >= 0 && row[e] < num_blocks, "block_table[", b, ", ", e, "] = ",
                    row[e], " is not a page of the cache (num_blocks = ", num_blocks, ")");
+}
+
+/// The operands of a GPU call: 16-byte aligned, every stride but the last (which is 1) a
+/// multiple of 8 elements, as the kernels' 16-byte vector loads need.
+void check_gpu_vectors(std::initializer_list<std::pair<const TensorRef*, const char*>> operands) {
+  for (auto [t, name] : operands) {
+    HIPFLASH_CHECK((reinterpret_cast<uintptr_t>(t->data) & 15u) == 0, name,
+                   " must be 16-byte aligned for the GPU kernels");
+    for (int d = 0; d + 1 < t->rank; ++d)
+      HIPFLASH_CHECK(t->strides[d] % 8 == 0, name, " strides must be multiples of 8 elements "
+                     "(16 bytes) for the GPU kernels, got ", t->strides[d]);
+  }
 }
 
 /// p's K and V: the cache's data and strides (batch or page, row, head).
@@ -202,19 +215,9 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
   }
   const bool gpu = q.loc.kind == Location::gpu;
-  if (gpu) {
-    // The GPU kernels move 16-byte vectors (gpu::run_forward checks the same, but only after
-    // the append would have written the caches).
-    for (auto [t, name] : {std::pair{&q, "q"}, {&out, "out"}, {&k_cache, "k_cache"},
-                           {&v_cache, "v_cache"}}) {
-      HIPFLASH_CHECK((reinterpret_cast<uintptr_t>(t->data) & 15u) == 0, name,
-                     " must be 16-byte aligned for the GPU kernels");
-      for (int d = 0; d < 3; ++d)
-        HIPFLASH_CHECK(t->strides[d] % 8 == 0, name, " strides must be "
-                       "multiples of 8 elements (16 bytes) for the GPU kernels, got ",
-                       t->strides[d]);
-    }
-  }
+  // The GPU kernels move 16-byte vectors (gpu::run_forward checks the same, but only after the
+  // append would have written the caches).
+  if (gpu) check_gpu_vectors({{&q, "q"}, {&out, "out"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}});
 
   // ---- The values: lengths, and (CPU) the block-table entries each sequence uses. On the GPU
   // the lengths are copied back as cu_seqlens are (not while the stream captures a graph); the
@@ -262,9 +265,6 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
                           const TensorRef& out, const TensorRef* lse, const TensorRef& cu_seqlens_q,
                           const TensorRef& cu_seqlens_k, const TensorRef& block_table,
                           const VarlenOptions& opts, Stream stream, Workspace workspace) {
-  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
-                    "varlen queries against a paged KV cache run on CPU tensors only so far (the "
-                    "GPU path has not been run)");
   const char* layout = "[num_blocks, page_size, heads_kv, head_dim] with a block_table";
   check_operand(k_cache, "k_cache", q, layout);
   check_operand(v_cache, "v_cache", q, layout);
@@ -297,21 +297,24 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
     t->strides[1] = (t == &k_view ? k_cache : v_cache).strides[2];
     t->strides[2] = 1;
   }
+  std::vector<int32_t> cu_k;  // cu_seqlens_k on the host (empty while a graph is captured)
   FwdParams p = make_varlen_params(q, k_view, v_view, out, lse, cu_seqlens_q, cu_seqlens_k, opts,
-                                   stream);
+                                   stream, &cu_k);
   for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
     check_disjoint(out, "out", *t, name);
     if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
   }
   check_disjoint(out, "out", block_table, "block_table");
   if (opts.return_lse) check_disjoint(*lse, "lse", block_table, "block_table");
-  // Lengths against the capacity, and the block-table entries each sequence uses.
-  const auto* cu_k = static_cast<const int32_t*>(cu_seqlens_k.data);
-  for (int64_t b = 0; b < batch; ++b) {
+  const bool gpu = q.loc.kind == Location::gpu;
+  if (gpu) check_gpu_vectors({{&k_cache, "k_cache"}, {&v_cache, "v_cache"}});
+  // Lengths against the capacity, and (CPU) the block-table entries each sequence uses; on the
+  // GPU the block table is not copied back (as for kvcache_forward: docs/spec.md §7).
+  for (size_t b = 0; b + 1 < cu_k.size(); ++b) {
     const int64_t len = int64_t(cu_k[b + 1]) - cu_k[b];
     HIPFLASH_CHECK(len <= capacity, "sequence ", b, " has ", len, " keys but its cache holds ",
                    capacity, " (max_blocks_per_seq * page_size)");
-    check_pages_used(block_table, b, len, page, k_cache.sizes[0]);
+    if (!gpu) check_pages_used(block_table, int64_t(b), len, page, k_cache.sizes[0]);
   }
   point_at_cache(p, k_cache, v_cache);
   p.block_table = static_cast<const int32_t*>(block_table.data);

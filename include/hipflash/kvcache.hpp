@@ -62,8 +62,9 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
 /// in opts.lse_layout. Checked first: everything varlen_forward checks, the page size, each
 /// sequence's length against max_blocks * page_size, and the block-table entries it uses. The
 /// same out and LSE, bitwise, as varlen_forward on the sequences' keys gathered contiguously.
-/// CPU tensors only so far: a GPU call raises not_implemented (the paged decode / generic
-/// kernels would read it, but that path has not run on a GPU).
+/// On NVIDIA GPUs the paged instantiations of the decode and generic kernels read it (as for
+/// kvcache_forward, the block-table entries of a GPU call are not copied back to be checked:
+/// an entry out of range is the caller's error, docs/spec.md §7); AMD: not_implemented.
 void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,
                           const TensorRef& out, const TensorRef* lse, const TensorRef& cu_seqlens_q,
                           const TensorRef& cu_seqlens_k, const TensorRef& block_table,

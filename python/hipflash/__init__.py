@@ -299,8 +299,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             to the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` rows of its cache, row j in
             page ``block_table[b, j // page_size]`` (append the chunk's keys first, e.g. with
             :func:`flash_attn_with_kvcache`). The same out and LSE, bitwise, as the call on
-            those keys gathered contiguously. CPU tensors only so far (GPU tensors raise
-            NotImplementedError); no out=, no gradients.
+            those keys gathered contiguously. CPU and NVIDIA GPU tensors; no out=, no
+            gradients.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not

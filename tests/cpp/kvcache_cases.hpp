@@ -93,30 +93,47 @@ struct KvProblem {
                     paged ? &table.ref : nullptr, o.ref, &l.ref, c.options());
   }
 
-  /// The fp64 reference of the (appended) contiguous cache: each sequence's first
-  /// lens[b] + s_new keys, packed, as a varlen problem.
-  ref::CheckResult check(const HostTensor& o, const HostTensor& l, int64_t appended) const {
+  /// Each sequence's first lens[b] + appended keys of the contiguous cache packed as a varlen
+  /// problem (queries: c.sq rows per sequence), with its cu_seqlens and options.
+  struct Packed {
+    HostTensor cu_q, cu_k, k, v;
+    VarlenOptions opts;
+  };
+  Packed packed(int64_t appended) const {
     const int64_t B = c.batch(), cap = c.capacity(), row = c.hkv * c.d;
     std::vector<int32_t> lq(static_cast<size_t>(B), int32_t(c.sq)), lk(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) lk[size_t(b)] = int32_t(c.lens[size_t(b)] + appended);
-    HostTensor cq = cu_seqlens(lq), ck = cu_seqlens(lk);
-    const int64_t total_k = std::max<int32_t>(ck.i32()[B], 0);
-    HostTensor kp(c.dt, {total_k, c.hkv, c.d}), vp(c.dt, {total_k, c.hkv, c.d});
+    Packed pk{cu_seqlens(lq), cu_seqlens(lk), {}, {}, {}};
+    const int64_t total_k = std::max<int32_t>(pk.cu_k.i32()[B], 0);
+    pk.k = HostTensor(c.dt, {total_k, c.hkv, c.d});
+    pk.v = HostTensor(c.dt, {total_k, c.hkv, c.d});
     for (int64_t b = 0; b < B; ++b)
       for (int64_t j = 0; j < lk[size_t(b)]; ++j)
         for (int64_t x = 0; x < row; ++x) {
-          const int64_t dst = (ck.i32()[b] + j) * row + x, src = (b * cap + j) * row + x;
-          kp.set_raw(dst, k_cache.get_raw(src));
-          vp.set_raw(dst, v_cache.get_raw(src));
+          const int64_t dst = (pk.cu_k.i32()[b] + j) * row + x, src = (b * cap + j) * row + x;
+          pk.k.set_raw(dst, k_cache.get_raw(src));
+          pk.v.set_raw(dst, v_cache.get_raw(src));
         }
-    VarlenOptions vo;
-    static_cast<FwdOptions&>(vo) = c.options();
-    vo.max_seqlen_q = c.sq;
-    vo.max_seqlen_k = *std::max_element(lk.begin(), lk.end());
-    const TensorRef qv = make_tensor(q.ref.data, c.dt, {B * c.sq, c.hq, c.d});
-    const TensorRef ov = make_tensor(o.ref.data, c.dt, {B * c.sq, c.hq, c.d});
-    const ref::Problem prob = ref::Problem::varlen(qv, kp.ref, vp.ref, cq.i32(), ck.i32(), B, vo);
-    return ref::check(prob, ov, &l.ref);
+    static_cast<FwdOptions&>(pk.opts) = c.options();
+    pk.opts.max_seqlen_q = c.sq;
+    pk.opts.max_seqlen_k = *std::max_element(lk.begin(), lk.end());
+    return pk;
+  }
+
+  /// q / out ([B, sq, Hq, D], host or device) seen as varlen rows [B * sq, Hq, D].
+  TensorRef varlen_view(const TensorRef& t) const {
+    TensorRef v = make_tensor(t.data, c.dt, {c.batch() * c.sq, c.hq, c.d});
+    v.loc = t.loc;
+    return v;
+  }
+
+  /// The fp64 reference of the (appended) contiguous cache: each sequence's first
+  /// lens[b] + s_new keys, packed, as a varlen problem.
+  ref::CheckResult check(const HostTensor& o, const HostTensor& l, int64_t appended) const {
+    Packed pk = packed(appended);
+    const ref::Problem prob = ref::Problem::varlen(varlen_view(q.ref), pk.k.ref, pk.v.ref,
+                                                   pk.cu_q.i32(), pk.cu_k.i32(), c.batch(), pk.opts);
+    return ref::check(prob, varlen_view(o.ref), &l.ref);
   }
 };
 

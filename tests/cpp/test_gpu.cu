@@ -823,6 +823,53 @@ TEST_F(Gpu, KvCacheLongDecodeSplitsAndGqaPacking) {
   EXPECT_REF_OK(t.check(out_c, lse_c, c.s_new));
 }
 
+// Chunked prefill on the GPU (varlen_paged_forward): varlen queries against the first lens[b]
+// rows of each sequence's pages give bitwise the out and LSE of varlen_forward on the same keys
+// packed contiguously (the paged decode / generic instantiations against the contiguous ones),
+// and match the fp64 reference. Short chunks run the decode kernel, long ones the generic one.
+TEST_F(Gpu, ChunkedPrefillEqualsPackedKeysAndMatchesTheReference) {
+  int i = 0;
+  for (int64_t sq : {3, 70})
+    for (int64_t page : {16, 256})
+      for (bool causal : {false, true}) {
+        KvCase c;
+        c.sq = sq, c.hq = 8, c.hkv = 2, c.d = i % 2 ? 128 : 64, c.page = page;
+        c.dt = i % 3 ? DType::bf16 : DType::f16;
+        c.lens = {int32_t(2 * page + 5), 0, int32_t(page), 90};
+        c.causal = causal, c.splits = i % 2 ? 0 : 2;
+        ++i;
+        KvProblem t(c, 21 + uint32_t(i));
+        KvProblem::Packed pk = t.packed(0);
+        for (LseLayout layout : {LseLayout::padded, LseLayout::packed}) {
+          pk.opts.lse_layout = layout;
+          const int64_t total_q = c.batch() * c.sq;
+          HostTensor lse = layout == LseLayout::padded ? t.lse : HostTensor(DType::f32, {c.hq, total_q});
+          lse.fill(kNaN);
+          HostTensor out_p = t.out, lse_p = lse, out_c = t.out, lse_c = lse;
+          std::string kernel;
+          {
+            DeviceTensor q(t.q), kp(t.k_pages), vp(t.v_pages), table(t.table), cq(pk.cu_q),
+                ck(pk.cu_k), k(pk.k), v(pk.v), op(out_p), lp(lse_p), oc(out_c), lc(lse_c);
+            varlen_paged_forward(t.varlen_view(q.ref), kp.ref, vp.ref,
+                                 t.varlen_view(op.ref), &lp.ref, cq.ref, ck.ref,
+                                 table.ref, pk.opts);
+            kernel = last_kernel_name();
+            varlen_forward(t.varlen_view(q.ref), k.ref, v.ref,
+                           t.varlen_view(oc.ref), &lc.ref, cq.ref, ck.ref, pk.opts);
+            sync();
+            for (auto [d, h] : {std::pair{&op, &out_p}, {&lp, &lse_p}, {&oc, &out_c}, {&lc, &lse_c}})
+              d->download(*h);
+          }
+          const std::string what = kv_case_name(c) + (layout == LseLayout::padded ? " padded" : " packed");
+          EXPECT_TRUE(kernel.rfind(sq <= 16 ? "fwd_decode_" : "fwd_generic_", 0) == 0)
+              << what << ": " << kernel;
+          EXPECT_TRUE(out_p.bitwise_equal(out_c)) << what << ": out, paged differs from packed";
+          EXPECT_TRUE(lse_p.bitwise_equal(lse_c)) << what << ": lse, paged differs from packed";
+          if (layout == LseLayout::padded) EXPECT_REF_OK(t.check(out_p, lse_p, 0)) << what;
+        }
+      }
+}
+
 TEST_F(Gpu, KvCacheBadCallsWriteNothing) {
   KvCase c;
   c.lens = {20, 40};

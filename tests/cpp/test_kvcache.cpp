@@ -183,8 +183,7 @@ TEST(KvCacheApi, ChunkedPrefillMatchesTheReference) {
     static_cast<FwdOptions&>(vo) = c.options();
     vo.max_seqlen_q = c.sq;
     vo.max_seqlen_k = 40;
-    const TensorRef qv = make_tensor(t.q.ref.data, c.dt, {B * c.sq, c.hq, c.d});
-    const TensorRef ov = make_tensor(t.out.ref.data, c.dt, {B * c.sq, c.hq, c.d});
+    const TensorRef qv = t.varlen_view(t.q.ref), ov = t.varlen_view(t.out.ref);
     varlen_paged_forward(qv, t.k_pages.ref, t.v_pages.ref, ov, &t.lse.ref, cq.ref, ck.ref,
                          t.table.ref, vo);
     EXPECT_REF_OK(t.check(t.out, t.lse, 0)) << "causal " << causal;

@@ -212,6 +212,26 @@ def make_kv_cache(lens, capacity, hkv, d, dtype, page, seed=0, device="cpu"):
     return tuple(t.to(device) for t in (k, v, k_pages, v_pages, ids))
 
 
+def make_chunked_prefill(page, hq, hkv, seed=3, d=64, dtype=torch.bfloat16, lens_q=None,
+                         device="cpu"):
+    """Chunked prefill: paged caches holding each sequence's keys (its new chunk included), the
+    same keys packed contiguously, varlen queries (the chunks) and both cu_seqlens. Returns
+    (q, cu_q, cu_k, max_q, max_k, k_pages, v_pages, table, k_packed, v_packed)."""
+    lens_k = [2 * page + 5, 0, page, 17]
+    lens_q = lens_q or [7, 0, page, 17]  # a chunk of new rows per sequence
+    capacity = ((max(lens_k) + page - 1) // page) * page
+    k, v, k_pages, v_pages, table = make_kv_cache(lens_k, capacity, hkv, d, dtype, page, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(dtype)
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int64).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int64).cumsum(0).to(torch.int32)
+    k_packed = torch.cat([k[i, :n] for i, n in enumerate(lens_k)])
+    v_packed = torch.cat([v[i, :n] for i, n in enumerate(lens_k)])
+    return tuple(t.to(device) if torch.is_tensor(t) else t for t in
+                 (q, cu_q, cu_k, max(lens_q), max(lens_k), k_pages, v_pages, table, k_packed,
+                  v_packed))
+
+
 def check_kv_per_sequence(out, lse, q, k_cache, v_cache, lens, **kw):
     """A KV-cache result against the reference of each sequence's first lens[i] keys."""
     for i, n in enumerate(lens):

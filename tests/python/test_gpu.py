@@ -18,6 +18,7 @@ from reference import (
     check_lse,
     check_kv_per_sequence,
     check_out,
+    make_chunked_prefill,
     make_kv_cache,
     make_qkv,
     make_varlen,
@@ -487,4 +488,34 @@ def test_kvcache_full_caches_without_cache_seqlens(page):
         assert_bitwise_equal(a, b, what)
     check_kv_per_sequence(*dense, q, k, v, [512, 512])
     if not ON_CPU:
+        assert name.startswith(("fwd_decode_", "fwd_generic_")), name
+
+
+@pytest.mark.parametrize("lse_layout", ["padded", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens_q", [[7, 0, 3, 1], [70, 0, 40, 17]], ids=["decode_rows", "chunk70"])
+@pytest.mark.parametrize("heads,d", [((8, 2), 128), ((4, 4), 64)], ids=["h8_2_d128", "h4_4_d64"])
+@pytest.mark.parametrize("page", [16, 256])
+def test_chunked_prefill_equals_packed_keys(page, heads, d, lens_q, causal, lse_layout):
+    # flash_attn_varlen_func with a block_table (varlen queries against a paged cache): bitwise
+    # the call on the same keys packed contiguously, and the reference sequence by sequence.
+    q, cu_q, cu_k, mq, mk, k_pages, v_pages, table, k_packed, v_packed = make_chunked_prefill(
+        page, *heads, d=d, lens_q=lens_q, seed=page + d, device=DEVICE)
+    kw = dict(causal=causal, return_lse=True, lse_layout=lse_layout)
+    out_p, lse_p = hipflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, mq, mk,
+                                                   block_table=table, **kw)
+    name = hipflash.last_kernel_name()
+    out_c, lse_c = hipflash.flash_attn_varlen_func(q, k_packed, v_packed, cu_q, cu_k, mq, mk, **kw)
+    sync()
+    assert_bitwise_equal(out_p, out_c, "out")
+    assert_bitwise_equal(lse_p, lse_c, "lse")
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if qs.stop == qs.start:
+            continue
+        lse_b = lse_p[:, qs] if lse_layout == "packed" else lse_p[b, :, :qs.stop - qs.start]
+        check_attention(out_p[qs][None], lse_b.contiguous()[None], q[qs][None],
+                        k_packed[ks][None], v_packed[ks][None], causal=causal,
+                        what=f"sequence {b}")
+    if not ON_CPU:  # only these kernels read K/V through a row source
         assert name.startswith(("fwd_decode_", "fwd_generic_")), name

@@ -8,6 +8,7 @@ import torch
 import hipflash
 from reference import assert_bitwise_equal, check_attention
 from reference import check_kv_per_sequence as check_per_sequence
+from reference import make_chunked_prefill
 from reference import make_kv_cache as make_cache
 
 
@@ -120,23 +121,6 @@ def test_requires_grad_is_refused_and_caches_are_bumped():
 # ---- Chunked prefill: varlen queries against a paged cache (flash_attn_varlen_func) ----------
 
 
-def _chunked_prefill_case(page, hq, hkv, seed=3):
-    """Paged caches holding each sequence's keys (its new chunk included), the same keys packed
-    contiguously, varlen queries (the chunks) and both cu_seqlens."""
-    lens_k = [2 * page + 5, 0, page, 17]
-    lens_q = [7, 0, page, 17]  # a chunk of new rows per sequence (the last attends all it has)
-    capacity = ((max(lens_k) + page - 1) // page) * page
-    k, v, k_pages, v_pages, table = make_cache(lens_k, capacity, hkv, 64, torch.bfloat16, page,
-                                               seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(sum(lens_q), hq, 64, generator=g).bfloat16()
-    cu_q = torch.tensor([0] + lens_q, dtype=torch.int64).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lens_k, dtype=torch.int64).cumsum(0).to(torch.int32)
-    k_packed = torch.cat([k[i, :n] for i, n in enumerate(lens_k)])
-    v_packed = torch.cat([v[i, :n] for i, n in enumerate(lens_k)])
-    return q, cu_q, cu_k, max(lens_q), max(lens_k), k_pages, v_pages, table, k_packed, v_packed
-
-
 @pytest.mark.parametrize("lse_layout", ["padded", "packed"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -144,7 +128,7 @@ def _chunked_prefill_case(page, hq, hkv, seed=3):
 @pytest.mark.parametrize("page", [16, 64])
 def test_chunked_prefill_equals_packed_keys_bitwise(page, heads, causal, splits, lse_layout):
     q, cu_q, cu_k, mq, mk, k_pages, v_pages, table, k_packed, v_packed = \
-        _chunked_prefill_case(page, *heads)
+        make_chunked_prefill(page, *heads)
     kw = dict(causal=causal, num_splits=splits, return_lse=True, lse_layout=lse_layout)
     out_p, lse_p = hipflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, mq, mk,
                                                    block_table=table, **kw)
@@ -163,7 +147,7 @@ def test_chunked_prefill_equals_packed_keys_bitwise(page, heads, causal, splits,
 
 
 def test_chunked_prefill_bad_calls_are_refused():
-    q, cu_q, cu_k, mq, mk, k_pages, v_pages, table, _, _ = _chunked_prefill_case(16, 4, 4)
+    q, cu_q, cu_k, mq, mk, k_pages, v_pages, table, _, _ = make_chunked_prefill(16, 4, 4)
 
     def call(**over):
         args = dict(q=q, k=k_pages, v=v_pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -187,7 +171,3 @@ def test_chunked_prefill_bad_calls_are_refused():
         call(out=torch.empty_like(q))
     with pytest.raises(RuntimeError, match="no backward yet"):
         call(q=q.clone().requires_grad_())
-    if torch.cuda.is_available() and hipflash.gpu_available():
-        with pytest.raises(NotImplementedError, match="CPU tensors only"):
-            hipflash.flash_attn_varlen_func(q.cuda(), k_pages.cuda(), v_pages.cuda(), cu_q.cuda(),
-                                            cu_k.cuda(), mq, mk, block_table=table.cuda())
