@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "common/kv_source.hpp"
 #include "common/swizzle.hpp"
 #include "hipflash/port/port.hpp"
 #include "hipflash/types.hpp"
@@ -93,6 +94,55 @@ __device__ __forceinline__ void load_tile(T* smem, const Rows& src, int64_t row0
     const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
     const bool valid = row0 + r < len && c * 8 < head_dim;
     const T* from = valid ? src.row(row0 + r) + c * 8 : src.row(0);
+    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), from, valid);
+  }
+}
+
+/// The rows one thread copies in load_tile<Tile, kRows> (chunk i: row (threadIdx.x + i *
+/// kThreads) / kChunks), resolved ahead of the copy. Contiguous rows need nothing; for a paged
+/// KV cache (TileRows<..., PagedRows>) `fetch` reads the block-table entries of a tile one tile
+/// early, so that the cp.async issue of that tile does not wait on dependent global loads. The
+/// K and V caches share the block table: one fetch serves both tiles of a key block.
+template <class Tile, int kRows, class Rows>
+struct TileRows {
+  template <class Src>
+  __device__ __forceinline__ void fetch(const Src&, int64_t, int64_t) {}
+  template <class Src>
+  __device__ __forceinline__ auto row(const Src& src, int, int64_t j) const { return src.row(j); }
+};
+
+template <class Tile, int kRows, class T>
+struct TileRows<Tile, kRows, common::PagedRows<T>> {
+  static constexpr int kPerThread = kRows * Tile::kChunks / Tile::kThreads;
+  int32_t page[kPerThread];
+
+  /// The pages of rows [row0, row0 + kRows) this thread will copy; rows >= len get page 0
+  /// (their copies read nothing), so no table entry past the sequence's pages is read.
+  __device__ __forceinline__ void fetch(const common::PagedRows<T>& src, int64_t row0,
+                                        int64_t len) {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int64_t j = row0 + (int(threadIdx.x) + i * Tile::kThreads) / Tile::kChunks;
+      page[i] = j < len ? int32_t(src.page_of(j)) : 0;
+    }
+  }
+  __device__ __forceinline__ const T* row(const common::PagedRows<T>& src, int i, int64_t j) const {
+    return src.row_in(page[i], j);
+  }
+};
+
+/// load_tile with the rows resolved ahead (TileRows::fetch for the same row0 and len).
+template <class Tile, int kRows, class T, class Rows, class Resolved>
+__device__ __forceinline__ void load_tile(T* smem, const Rows& src, const Resolved& rows,
+                                          int64_t row0, int64_t len, int head_dim) {
+  constexpr int kTotal = kRows * Tile::kChunks;
+  static_assert(kTotal % Tile::kThreads == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < kTotal / Tile::kThreads; ++i) {
+    const int idx = int(threadIdx.x) + i * Tile::kThreads;
+    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
+    const bool valid = row0 + r < len && c * 8 < head_dim;
+    const T* from = valid ? rows.row(src, i, row0 + r) + c * 8 : src.base;
     cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), from, valid);
   }
 }

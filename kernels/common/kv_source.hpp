@@ -31,10 +31,13 @@ struct PagedRows {
   int64_t ld;            ///< elements from one row to the next within a page
   int page_shift;        ///< log2(page size)
 
-  HIPFLASH_HD T* row(int64_t j) const {
-    const int64_t page = table[j >> page_shift];
+  /// The page holding row j: one block-table load.
+  HIPFLASH_HD int64_t page_of(int64_t j) const { return table[j >> page_shift]; }
+  /// Row j, given the page that holds it (page_of(j), possibly read ahead of time).
+  HIPFLASH_HD T* row_in(int64_t page, int64_t j) const {
     return base + page * page_stride + (j & ((int64_t(1) << page_shift) - 1)) * ld;
   }
+  HIPFLASH_HD T* row(int64_t j) const { return row_in(page_of(j), j); }
 };
 
 }  // namespace hipflash::common

@@ -10,6 +10,8 @@
 // Same FwdParams, BlockInfo (varlen, windows, split range) and flags as the generic kernel.
 #pragma once
 
+#include <type_traits>
+
 #include "decode/decode_tile.hpp"
 #include "atoms/sm80.hpp"
 #include "common/block_info.hpp"
@@ -53,15 +55,20 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int n_begin = bi.n_block_min, num_n = bi.n_block_max - bi.n_block_min;
   // Key block n_begin + i goes to stage i % kStages; one commit group per block, empty ones
   // included, so that "all but the newest kStages - 2 groups" always means block i landed.
+  // The rows of the next block to load are resolved one load ahead (a paged cache's block-table
+  // entries: see TileRows).
+  TileRows<Cfg, kBN, std::remove_const_t<decltype(k_src)>> next_rows;
   auto load_kv = [&](int i) {
     if (i < num_n) {
       T* sK = sRing + (i % kStages) * Cfg::kSmemStage;
       const int64_t row0 = int64_t(n_begin + i) * kBN;
-      load_tile<Cfg, kBN>(sK, k_src, row0, bi.len_k, hd);
-      load_tile<Cfg, kBN>(sK + Cfg::kSmemKV, v_src, row0, bi.len_k, hd);
+      load_tile<Cfg, kBN>(sK, k_src, next_rows, row0, bi.len_k, hd);
+      load_tile<Cfg, kBN>(sK + Cfg::kSmemKV, v_src, next_rows, row0, bi.len_k, hd);
+      if (i + 1 < num_n) next_rows.fetch(k_src, row0 + kBN, bi.len_k);
     }
     cp_async_commit();
   };
+  if (num_n > 0) next_rows.fetch(k_src, int64_t(n_begin) * kBN, bi.len_k);
   load_tile<Cfg, Cfg::kBlockM>(sQ, q_src, m0, bi.len_q, hd);  // joins group 0
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) load_kv(i);

@@ -5,12 +5,14 @@
 // kVec-element piece of one (row, head): 16 bytes (8 bf16/f16 or 4 f32) on the vector path, one
 // element on the scalar path the launcher takes for rows that are not 16-byte aligned. It
 // merges the parts' LSEs into the row's total state (the same sequence of operations as the CPU
-// merge, MergeParams::total_state), then reads the live parts' pieces kBatch at a time, all
-// loads in flight before the first multiply-add, and accumulates w_i * out_i in fp32 in part
-// order. A part with LSE -inf is never read (its out may hold anything); a NaN LSE makes every
-// weight NaN; every part empty gives out 0 and LSE -inf. The piece-0 thread of a row writes
-// the merged LSE. Grid-stride loop over the pieces, 64-bit offsets (32-bit index arithmetic
-// where the indices fit).
+// merge, MergeParams::total_state), then reads the parts' pieces kBatch at a time and
+// accumulates w_i * out_i in fp32 in part order. The first batch's pieces are requested before
+// the LSEs, so that both are in flight together: a row costs one memory latency, not two (the
+// loads of the LSEs, then of the pieces they weigh). A part with LSE -inf contributes nothing:
+// its piece may be read but is never used (its out may hold anything, NaN included); a NaN LSE
+// makes every weight NaN; every part empty gives out 0 and LSE -inf. The piece-0 thread of a
+// row writes the merged LSE. Grid-stride loop over the pieces, 64-bit offsets (32-bit index
+// arithmetic where the indices fit).
 #pragma once
 
 #include <cstdint>
@@ -67,31 +69,55 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
       row = p.lses_offset(t, h);
     }
 
-    const SoftmaxState total = p.total_state(row);
+    // The pieces of parts [i0, i0 + kBatch): plain loads, used only after the LSEs arrive.
+    W v[kBatch][kVec];
+    const auto load_batch = [&](int64_t i0) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (i0 + j < p.parts && c < p.head_dim)
+          load_words<W, kVec>(outs + p.outs_offset(i0 + j, t, h) + c, v[j]);
+    };
+    // The parts' states kBatch at a time (all LSE loads of a batch in flight together), merged
+    // in part order: MergeParams::total_state's sequence of operations, unrolled.
+    SoftmaxState first[kBatch];  // the first batch's states, kept for the weights
+    const auto load_states = [&](int64_t i0, SoftmaxState (&s)[kBatch]) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (i0 + j < p.parts) s[j] = p.part_state(i0 + j, row);
+    };
+    load_batch(0);
+    load_states(0, first);
+    SoftmaxState total;
+    for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
+      SoftmaxState s[kBatch];
+      if (i0 == 0) {
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) s[j] = first[j];
+      } else {
+        load_states(i0, s);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (i0 + j < p.parts) total.merge(s[j]);
+    }
     float acc[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
     for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
-      W v[kBatch][kVec];
-      float w[kBatch];
-      bool live[kBatch];
+      SoftmaxState s[kBatch];
+      if (i0 == 0) {
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int64_t i = i0 + j;
-        live[j] = false;
-        w[j] = 0.f;
-        if (i < p.parts) {
-          const SoftmaxState s = p.part_state(i, row);
-          live[j] = s.live();
-          w[j] = detail::combine_weight(s, total);
-          if (live[j] && c < p.head_dim) load_words<W, kVec>(outs + p.outs_offset(i, t, h) + c, v[j]);
-        }
+        for (int j = 0; j < kBatch; ++j) s[j] = first[j];
+      } else {
+        load_batch(i0);
+        load_states(i0, s);
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (!live[j]) continue;  // an empty part's row is never read
+        if (i0 + j >= p.parts || !s[j].live()) continue;  // an empty part's piece is never used
+        const float w = detail::combine_weight(s[j], total);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += w[j] * B::to_float(v[j][e]);  // 0 * NaN stays NaN
+        for (int e = 0; e < kVec; ++e) acc[e] += w * B::to_float(v[j][e]);  // 0 * NaN stays NaN
       }
     }
     if (c < p.head_dim) {
