@@ -72,9 +72,59 @@ __device__ __forceinline__ void load_words(const W* src, W (&v)[kVec]) {
   }
 }
 
+/// kVec elements of kDType as loaded, kept packed until each is converted: whole 16-byte
+/// vectors (kVec * element size a multiple of 16: the launcher checked the alignment) stay four
+/// registers each (eight bf16 / f16 unpacked would take eight), so a kernel that keeps several
+/// in flight (the merge kernel) holds twice as many per register; otherwise one element per
+/// register.
+template <DType kDType, int kVec>
+struct PackedVec {
+  using W = typename Bits<kDType>::word;
+  static constexpr bool kVector = (kVec * sizeof(W)) % 16 == 0;
+  static constexpr int kRegs = kVector ? kVec * int(sizeof(W)) / 4 : kVec;
+  uint32_t u[kRegs];
+
+  __device__ __forceinline__ void load(const W* src) {
+    if constexpr (kVector) {
+#pragma unroll
+      for (int q = 0; q < kRegs / 4; ++q) {
+        const uint4 x = reinterpret_cast<const uint4*>(src)[q];
+        u[4 * q] = x.x, u[4 * q + 1] = x.y, u[4 * q + 2] = x.z, u[4 * q + 3] = x.w;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        W w = src[e];
+        uint32_t bits = 0;
+        __builtin_memcpy(&bits, &w, sizeof(W));
+        u[e] = bits;
+      }
+    }
+  }
+  /// Element e as fp32 (exact).
+  __device__ __forceinline__ float get(int e) const {
+    if constexpr (kVector && sizeof(W) == 2) {
+      return Bits<kDType>::to_float(W(e % 2 ? u[e / 2] >> 16 : u[e / 2] & 0xffffu));
+    } else if constexpr (sizeof(W) == 2) {
+      return Bits<kDType>::to_float(W(u[e]));
+    } else {
+      return __uint_as_float(u[e]);
+    }
+  }
+};
+
 template <class W, int kVec>
 __device__ __forceinline__ void store_words(W* dst, const W (&v)[kVec]) {
-  if constexpr (kVec * sizeof(W) == 16) {
+  constexpr int k16 = 16 / int(sizeof(W));  // words per 16-byte vector
+  if constexpr (kVec > k16 && kVec % k16 == 0) {  // several 16-byte vectors
+#pragma unroll
+    for (int q = 0; q < kVec / k16; ++q) {
+      W part[k16];
+#pragma unroll
+      for (int e = 0; e < k16; ++e) part[e] = v[q * k16 + e];
+      store_words<W, k16>(dst + q * k16, part);
+    }
+  } else if constexpr (kVec * sizeof(W) == 16) {
     // Packed into four 32-bit words by value, so that the store stays one 16-byte vector.
     uint32_t u[4];
     if constexpr (sizeof(W) == 2) {

@@ -2,8 +2,9 @@
 // their LSEs with the split-K combine's math (detail::SoftmaxState, detail::combine_weight).
 //
 // Memory-bound: every part's row is read once, the merged row written once. A thread owns one
-// kVec-element piece of one (row, head): 16 bytes (8 bf16/f16 or 4 f32) on the vector path, one
-// element on the scalar path the launcher takes for rows that are not 16-byte aligned. It
+// kVec-element piece of one (row, head): 32 or 16 bytes (16 / 8 bf16/f16, 8 / 4 f32) on the
+// vector paths, one element on the scalar path the launcher takes for rows that are not
+// 16-byte aligned; pieces stay packed in registers until used (common::PackedVec). It
 // merges the parts' LSEs into the row's total state (the same sequence of operations as the CPU
 // merge, MergeParams::total_state), then reads the parts' pieces kBatch at a time and
 // accumulates w_i * out_i in fp32 in part order. The first batch's pieces are requested before
@@ -25,12 +26,13 @@
 namespace hipflash::merge {
 
 using common::Bits;
-using common::load_words;
 using common::store_words;
 
 inline constexpr int kThreads = 256;
-/// Parts whose loads a thread keeps in flight at once.
-inline constexpr int kBatch = 4;
+/// Parts whose loads a thread keeps in flight at once: with 32-byte pieces, 2 keeps the kernel
+/// at 64 registers (four 256-thread blocks per SM, 64 KiB of loads in flight per SM for a
+/// two-part merge); 4 would take 94 and leave 24 KiB in flight per SM.
+inline constexpr int kBatch = 2;
 /// The grid-stride loop's block count cap (enough to fill any GPU several times over).
 inline constexpr int64_t kMaxBlocks = 65536;
 
@@ -70,12 +72,11 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
     }
 
     // The pieces of parts [i0, i0 + kBatch): plain loads, used only after the LSEs arrive.
-    W v[kBatch][kVec];
+    common::PackedVec<kDType, kVec> v[kBatch];
     const auto load_batch = [&](int64_t i0) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
-        if (i0 + j < p.parts && c < p.head_dim)
-          load_words<W, kVec>(outs + p.outs_offset(i0 + j, t, h) + c, v[j]);
+        if (i0 + j < p.parts && c < p.head_dim) v[j].load(outs + p.outs_offset(i0 + j, t, h) + c);
     };
     // The parts' states kBatch at a time (all LSE loads of a batch in flight together), merged
     // in part order: MergeParams::total_state's sequence of operations, unrolled.
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
         if (i0 + j >= p.parts || !s[j].live()) continue;  // an empty part's piece is never used
         const float w = detail::combine_weight(s[j], total);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += w * B::to_float(v[j][e]);  // 0 * NaN stays NaN
+        for (int e = 0; e < kVec; ++e) acc[e] += w * v[j].get(e);  // 0 * NaN stays NaN
       }
     }
     if (c < p.head_dim) {

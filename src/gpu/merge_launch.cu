@@ -28,10 +28,14 @@ bool vectorizable(const MergeParams& p, int elems_per_16_bytes) {
          p.out_head_stride % v == 0;
 }
 
+/// A thread merges 32 bytes of a row (two 16-byte vectors per part: twice the bytes in flight
+/// per thread for the same index and LSE work) where the head dim holds whole pairs of
+/// vectors, else 16 bytes, else one element (rows not 16-byte aligned).
 template <DType kDType>
 void launch_dtype(const MergeParams& p, port::stream_t stream) {
   constexpr int kVec = 16 / dtype_size(kDType);
-  if (vectorizable(p, kVec)) launch<kDType, kVec>(p, stream);
+  if (vectorizable(p, kVec) && p.head_dim % (2 * kVec) == 0) launch<kDType, 2 * kVec>(p, stream);
+  else if (vectorizable(p, kVec)) launch<kDType, kVec>(p, stream);
   else launch<kDType, 1>(p, stream);
 }
 
