@@ -216,16 +216,22 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
     // P^T and dS^T from the saved LSE (rows: keys; columns: queries).
     const float* lse2 = sLse + stage * kBM;
     const float* delta = sDelta + stage * kBM;
-    const bool mask = seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked);
+    // The query rows seeing this thread's keys key0 + 8 hh, [lo, hi] relative to m0, once per
+    // step in tiles that need a mask (as in the wgmma pass): two 32-bit compares an element, or
+    // without a window one flag per key.
+    int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
+    if (seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked)) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        seq.rows_seeing_key(p, key0 + 8 * hh, m0, kBM, Traits::kMasked, lo[hh], hi[hh]);
+    }
 #pragma unroll
     for (int c = 0; c < kMCols; ++c) {
       const int col = (c / 2) * 8 + 2 * t + (c % 2);
       const float l2 = lse2[col], dl = delta[col];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const bool valid = !mask || common::BlockInfo<kBM, kBN>::key_valid(
-                                        p, m0 + col, key0 + 8 * hh, seq.len_k, seq.diag,
-                                        Traits::kMasked);
+        const bool valid = Traits::kMasked ? col >= lo[hh] && col <= hi[hh] : lo[hh] <= hi[hh];
         const float pr = exp2f(S[hh][c] * scale_log2 - l2);
         S[hh][c] = valid ? pr : 0.f;  // a select: a masked NaN score leaks nothing
         dP[hh][c] = valid ? pr * (dP[hh][c] - dl) : 0.f;
@@ -341,14 +347,20 @@ __global__ void __launch_bounds__(DqTile<Traits::kHeadDim>::kThreads)
     zero(dP);
     gemm_nt<kDT, kBN / 8, kHD / 16>(S, q_lanes, lanes_b(k_tile, Cfg::kRowBytes, lane), Cfg::kRowBytes);
     gemm_nt<kDT, kBN / 8, kHD / 16>(dP, do_lanes, lanes_b(v_tile, Cfg::kRowBytes, lane), Cfg::kRowBytes);
-    const bool mask = bi.needs_mask(p, n, Traits::kMasked);
+    // The keys of this block that rows row0 + 8 hh see, [lo, hi] relative to the block, once
+    // per key block in blocks that need a mask: two 32-bit compares an element.
+    int lo[2] = {-1, -1}, hi[2] = {kBN, kBN};
+    if (bi.needs_mask(p, n, Traits::kMasked)) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        bi.key_range(p, row0 + 8 * hh, int64_t(n) * kBN, Traits::kMasked, lo[hh], hi[hh]);
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
       for (int c = 0; c < kNCols; ++c) {
-        const int64_t j = int64_t(n) * kBN + (c / 2) * 8 + 2 * (lane % 4) + (c % 2);
-        const bool valid = !mask || common::BlockInfo<kBM, kBN>::key_valid(
-                                        p, row0 + 8 * hh, j, bi.len_k, bi.diag, Traits::kMasked);
+        const int col = (c / 2) * 8 + 2 * (lane % 4) + (c % 2);
+        const bool valid = col >= lo[hh] && col <= hi[hh];
         const float pr = exp2f(S[hh][c] * scale_log2 - lse2[hh]);
         S[hh][c] = valid ? pr * (dP[hh][c] - delta[hh]) : 0.f;  // dS
       }

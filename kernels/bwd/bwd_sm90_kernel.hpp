@@ -149,7 +149,17 @@ __global__ void __launch_bounds__(256, 1)
     // P^T and dS^T from the saved LSE (a select for masked pairs: a masked NaN leaks nothing).
     const float* lse2 = sLse(st);
     const float* delta = sDelta(st);
-    const bool mask = seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked);
+    // The query rows (columns of S^T, relative to m0) that see this thread's keys key0 + 8 hh:
+    // [lo, hi], from the window and the sequence's keys once per step and only in tiles that
+    // need a mask (the diagonal, window edges, the last key block), so that the test of an
+    // element is two 32-bit compares — or, without a window, one flag per key (past the
+    // sequence or not).
+    int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
+    if (seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked)) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        seq.rows_seeing_key(p, key0 + 8 * hh, m0, kBM, Traits::kMasked, lo[hh], hi[hh]);
+    }
 #pragma unroll
     for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
@@ -159,9 +169,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int r = 4 * i + 2 * hh + e;
-          const bool valid = !mask || common::BlockInfo<kBM, kBN>::key_valid(
-                                          p, m0 + col, key0 + 8 * hh, seq.len_k, seq.diag,
-                                          Traits::kMasked);
+          const bool valid = Traits::kMasked ? col >= lo[hh] && col <= hi[hh] : lo[hh] <= hi[hh];
           const float pr = exp2f(S[r] * scale_log2 - l2);
           S[r] = valid ? pr : 0.f;
           dP[r] = valid ? pr * (dP[r] - dl) : 0.f;
