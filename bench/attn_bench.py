@@ -373,7 +373,7 @@ class Timer:
             ts.append((time.perf_counter() - t) * 1e3)
         return _stats(sorted(ts))
 
-    def host(self, runs, nsets):
+    def host(self, runs, nsets, loops=None):
         """Wall-clock cost of a call as a user makes it (the whole Python call: argument
         handling, output allocation, launch), for the backends of one cell at once.
 
@@ -383,8 +383,9 @@ class Timer:
         followed by a synchronize; median over the calls (the latency of one call). The backends
         take turns repeat by repeat and call by call, so a drift in the host's speed hits them
         alike. On the CPU there is nothing to synchronise: both are plain wall clock.
+        loops: (repeats, calls back to back, synchronised calls), default HOST_LOOPS.
         Returns {backend: {"b2b_us", "b2b_min_us", "sync_us"}}."""
-        repeats, n, ncalls = HOST_LOOPS[self.device]
+        repeats, n, ncalls = loops or HOST_LOOPS[self.device]
         sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
         clock = time.perf_counter_ns
         names = list(runs)

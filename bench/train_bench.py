@@ -15,7 +15,10 @@ Correct first: every backend's gradients are checked against an fp32 PyTorch ref
 first input set (error <= 2 x the bf16 PyTorch error + 1e-3 relative to the largest gradient,
 per tensor); a FAIL is not timed. Timing: attn_bench.Timer (CUDA events per call, warm-up,
 median; the queue held by a sleep kernel so the host's launch cost stays out), input sets
-rotated past L2, fresh random values (never zeros).
+rotated past L2, fresh random values (never zeros). Then the step as a user runs it, by wall
+clock (attn_bench.Timer.host, the backends of a cell taking turns): back to back (HOST_LOOPS[1]
+steps issued without synchronising, then a synchronize; median over HOST_LOOPS[0] repeats) and
+synchronised (each step followed by a synchronize; median over HOST_LOOPS[2] steps).
 """
 
 import math
@@ -29,6 +32,7 @@ import attn_report as rep
 
 F = torch.nn.functional
 BACKENDS = ["hipflash", "hipflash-det", "torch-flash", "torch-cudnn"]
+HOST_LOOPS = (3, 10, 10)  # wall clock: repeats x steps back to back, synchronised steps
 
 
 def train_cells(device):
@@ -98,7 +102,9 @@ def run_train_suite(args, device, timer, meta, out_dir):
         cells = [c for c in cells if re.search(args.cells, c[0])]
     names = BACKENDS if not args.backends else [b for b in BACKENDS if b in args.backends.split(",")]
     rows = []
+    host_loops = HOST_LOOPS if device == "cuda" else (1, 2, 2)
     for label, b, s, h, d, causal in cells:
+        timed = {}  # backend -> (row, run): the checked and timed ones, for the wall clock
         g = torch.Generator(device=device).manual_seed(zlib.crc32(label.encode()))
         per_set = 4 * b * s * h * d * 2
         nsets = max(1, min(8, math.ceil(3 * l2 / per_set))) if device == "cuda" else 1
@@ -138,7 +144,15 @@ def run_train_suite(args, device, timer, meta, out_dir):
                 continue
             t = timer.time(run, nsets)["time_ms"]
             row.update(time_ms=t, tflops=flops / t / 1e9)
+            timed[name] = (row, run)
             print(f"{label:28s} {name:14s} {t:9.3f} ms  {row['tflops']:7.1f} TFLOP/s", flush=True)
+        if timed:
+            host = timer.host({n: r for n, (_, r) in timed.items()}, nsets, loops=host_loops)
+            for n, (row, _) in timed.items():
+                row.update(b2b_ms=host[n]["b2b_us"] / 1e3, sync_ms=host[n]["sync_us"] / 1e3)
+            print(f"{label:28s} wall clock ms (back to back / synchronised): " +
+                  ", ".join(f"{n} {row['b2b_ms']:.3f} / {row['sync_ms']:.3f}"
+                            for n, (row, _) in timed.items()), flush=True)
         del sets, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -183,3 +197,39 @@ def write_md(meta, rows, names, path):
             f.write(f"\nGeomean: hipflash vs torch-flash (FA2) "
                     f"{gm(fa):.2f}x (lowest {min(fa):.2f}x), " if fa else "\n")
             f.write(f"vs torch-cudnn {gm(cd):.2f}x (lowest {min(cd):.2f}x).\n" if cd else "\n")
+        write_wall_clock(f, cells, names, by, gm)
+
+
+def write_wall_clock(f, cells, names, by, gm):
+    """The training step as a user runs it, by wall clock: per step back to back and
+    synchronised (ms), and hipflash's ratio to each peer (time(peer) / time(hipflash))."""
+    def ms(r, key):
+        return f"{r[key]:.3f}" if r and r.get(key) is not None else ""
+
+    peers = [n for n in ("torch-flash", "torch-cudnn") if n in names]
+    f.write("\n## Wall clock per step, as a user calls it\n\nms per training step (forward + "
+            "backward, host work included): back to back / synchronised (each step followed by "
+            "a synchronize). Ratios time(peer) / time(hipflash), back to back / synchronised.\n\n")
+    f.write("| cell | " + " | ".join(names) + " | " +
+            " | ".join(f"vs {p}" for p in peers) + " |\n")
+    f.write("|---" * (len(names) + len(peers) + 1) + "|\n")
+    ratios = {(p, k): [] for p in peers for k in ("b2b_ms", "sync_ms")}
+    for c in cells:
+        hf = by.get((c, "hipflash"))
+        line = [f"{ms(by.get((c, n)), 'b2b_ms')} / {ms(by.get((c, n)), 'sync_ms')}"
+                if by.get((c, n)) and by[(c, n)].get("b2b_ms") is not None else "" for n in names]
+        for p in peers:
+            pr = by.get((c, p))
+            rr = []
+            for k in ("b2b_ms", "sync_ms"):
+                if hf and pr and hf.get(k) and pr.get(k):
+                    ratios[(p, k)].append(pr[k] / hf[k])
+                    rr.append(f"{pr[k] / hf[k]:.2f}x")
+            line.append(" / ".join(rr))
+        f.write(f"| {c} | " + " | ".join(line) + " |\n")
+    for p in peers:
+        b, s = ratios[(p, "b2b_ms")], ratios[(p, "sync_ms")]
+        if b and s:
+            f.write(f"\nWall clock, hipflash vs {p}: back to back {gm(b):.2f}x (lowest "
+                    f"{min(b):.2f}x), synchronised {gm(s):.2f}x (lowest {min(s):.2f}x).\n")
+
