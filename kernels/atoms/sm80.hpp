@@ -80,36 +80,21 @@ __device__ __forceinline__ uint32_t pack2(float x, float y) {
   }
 }
 
-/// Copies rows [row0, row0 + kRows) of a [len, D] operand (rows from `src`, a row source of
-/// common/kv_source.hpp) into a swizzled tile; rows >= len and columns >= head_dim are
-/// zero-filled.
-template <class Tile, int kRows, class T, class Rows>
-__device__ __forceinline__ void load_tile(T* smem, const Rows& src, int64_t row0, int64_t len,
-                                          int head_dim) {
-  constexpr int kTotal = kRows * Tile::kChunks;
-  static_assert(kTotal % Tile::kThreads == 0, "whole chunks per thread");
-#pragma unroll
-  for (int i = 0; i < kTotal / Tile::kThreads; ++i) {
-    const int idx = int(threadIdx.x) + i * Tile::kThreads;
-    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
-    const bool valid = row0 + r < len && c * 8 < head_dim;
-    const T* from = valid ? src.row(row0 + r) + c * 8 : src.row(0);
-    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), from, valid);
-  }
-}
-
 /// The rows one thread copies in load_tile<Tile, kRows> (chunk i: row (threadIdx.x + i *
 /// kThreads) / kChunks), resolved ahead of the copy. Contiguous rows need nothing; for a paged
 /// KV cache (TileRows<..., PagedRows>) `fetch` reads the block-table entries of a tile one tile
 /// early, so that the cp.async issue of that tile does not wait on dependent global loads. The
 /// K and V caches share the block table: one fetch serves both tiles of a key block.
-template <class Tile, int kRows, class Rows>
-struct TileRows {
+/// Rows as their source gives them, at each copy (src.row(j)): nothing to resolve ahead.
+struct RowsAsGiven {
   template <class Src>
   __device__ __forceinline__ void fetch(const Src&, int64_t, int64_t) {}
   template <class Src>
   __device__ __forceinline__ auto row(const Src& src, int, int64_t j) const { return src.row(j); }
 };
+
+template <class Tile, int kRows, class Rows>
+struct TileRows : RowsAsGiven {};
 
 template <class Tile, int kRows, class T>
 struct TileRows<Tile, kRows, common::PagedRows<T>> {
@@ -131,7 +116,10 @@ struct TileRows<Tile, kRows, common::PagedRows<T>> {
   }
 };
 
-/// load_tile with the rows resolved ahead (TileRows::fetch for the same row0 and len).
+/// Copies rows [row0, row0 + kRows) of a [len, D] operand (rows from `src`, a row source of
+/// common/kv_source.hpp, at the addresses `rows` resolves: RowsAsGiven, or a TileRows fetched
+/// for the same row0 and len) into a swizzled tile; rows >= len and columns >= head_dim are
+/// zero-filled (their copies read nothing: the address is only a valid placeholder).
 template <class Tile, int kRows, class T, class Rows, class Resolved>
 __device__ __forceinline__ void load_tile(T* smem, const Rows& src, const Resolved& rows,
                                           int64_t row0, int64_t len, int head_dim) {
@@ -145,6 +133,13 @@ __device__ __forceinline__ void load_tile(T* smem, const Rows& src, const Resolv
     const T* from = valid ? rows.row(src, i, row0 + r) + c * 8 : src.base;
     cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), from, valid);
   }
+}
+
+/// load_tile with the rows as the source gives them.
+template <class Tile, int kRows, class T, class Rows>
+__device__ __forceinline__ void load_tile(T* smem, const Rows& src, int64_t row0, int64_t len,
+                                          int head_dim) {
+  load_tile<Tile, kRows>(smem, src, RowsAsGiven{}, row0, len, head_dim);
 }
 
 #endif  // HIPFLASH_HAS_MMA_SYNC

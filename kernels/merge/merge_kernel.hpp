@@ -86,17 +86,21 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
       for (int j = 0; j < kBatch; ++j)
         if (i0 + j < p.parts) s[j] = p.part_state(i0 + j, row);
     };
-    load_batch(0);
-    load_states(0, first);
-    SoftmaxState total;
-    for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
-      SoftmaxState s[kBatch];
+    // The states of parts [i0, i0 + kBatch): the first batch's as kept, later ones loaded.
+    const auto states_of = [&](int64_t i0, SoftmaxState (&s)[kBatch]) {
       if (i0 == 0) {
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) s[j] = first[j];
       } else {
         load_states(i0, s);
       }
+    };
+    load_batch(0);
+    load_states(0, first);
+    SoftmaxState total;
+    for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
+      SoftmaxState s[kBatch];
+      states_of(i0, s);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
         if (i0 + j < p.parts) total.merge(s[j]);
@@ -106,13 +110,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
     for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
     for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
       SoftmaxState s[kBatch];
-      if (i0 == 0) {
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j) s[j] = first[j];
-      } else {
-        load_batch(i0);
-        load_states(i0, s);
-      }
+      if (i0 > 0) load_batch(i0);
+      states_of(i0, s);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         if (i0 + j >= p.parts || !s[j].live()) continue;  // an empty part's piece is never used
