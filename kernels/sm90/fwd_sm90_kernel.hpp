@@ -18,6 +18,7 @@
 #include "common/swizzle.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
+#include "sm90/consumer.hpp"
 #include "sm90/tile.hpp"
 
 namespace hipflash::sm90 {
@@ -35,8 +36,6 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
   constexpr int kThreads = Cfg::kThreads;
   constexpr DType kDT = Traits::kDType;
-  using QK = wgmma::Op<kDT, kBN>;
-  using PV = wgmma::Op<kDT, kHD>;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -61,8 +60,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   auto load_k = [&](int n) { k_loader.load(sK(n), int64_t(n) * kBN, bi.len_k); };
   auto load_v = [&](int n) { v_loader.load(sV(n), int64_t(n) * kBN, bi.len_k); };
 
-  // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h (of this warp's 16), column
-  // 8i + 2t + e. This warpgroup's Q rows start 64 * (warp / 4) rows into the tile.
+  // The consumer pieces (sm90/consumer.hpp) on this schedule's stages: accumulators in wgmma
+  // order; this warp's rows row_of(0 / 1), its warpgroup's Q 64 (warp / 4) rows into the tile.
   float O[kHD / 2];
 #pragma unroll
   for (int i = 0; i < kHD / 2; ++i) O[i] = 0.f;
@@ -70,67 +69,14 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
   auto row_of = [&](int h) { return m0 + warp * 16 + h * 8 + g; };
   const uint32_t sQ_wg = sQ + (warp / 4) * 64 * 128;
-
-  // S = Q K(n)^T over head-dim steps of 16: panel ks / 4, 32 bytes per step inside the line.
   auto issue_qk = [&](float(&S)[kBN / 2], int n) {
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < kHD / 16; ++ks) {
-      const uint32_t step = (ks % 4) * 32;
-      QK::ss(S, wgmma::desc_k_major(sQ_wg + (ks / 4) * kBM * 128 + step),
-             wgmma::desc_k_major(sK(n) + (ks / 4) * kBN * 128 + step), ks > 0);
-    }
-    wgmma::commit();
+    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sQ_wg, sK(n));
   };
-  // O += P V(n) over key steps of 16 (2048 bytes of V rows); panels kBN * 128 bytes apart.
   auto issue_pv = [&](const uint32_t(&P)[kBN / 16][4], int n) {
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      PV::rs(O, P[kk], wgmma::desc_mn_major(sV(n) + kk * 16 * 128, kBN * 128), 1);
-    wgmma::commit();
+    consumer::issue_pv<kDT, kBN, kHD>(O, P, sV(n));
   };
-  // Scores of key block n -> masked online softmax; S is left holding the probabilities.
   auto softmax_step = [&](float(&S)[kBN / 2], int n, float(&rescale)[2]) {
-    float sc[2][kBN / 4];  // [row h][column 2i + e]
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sc[h][2 * i] = S[4 * i + 2 * h];
-        sc[h][2 * i + 1] = S[4 * i + 2 * h + 1];
-      }
-    if (bi.needs_mask(p, n, Traits::kMasked)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int lo, hi;
-        bi.key_range(p, row_of(h), int64_t(n) * kBN, Traits::kMasked, lo, hi);
-#pragma unroll
-        for (int c = 0; c < kBN / 4; ++c) {
-          const int col = (c / 2) * 8 + 2 * t + c % 2;
-          if (col < lo || col > hi) sc[h][c] = detail::kNegInf;
-        }
-      }
-    }
-    softmax.update(sc, scale_log2, rescale);
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        S[4 * i + 2 * h] = sc[h][2 * i];
-        S[4 * i + 2 * h + 1] = sc[h][2 * i + 1];
-      }
-  };
-  // Probabilities -> P V's A fragments: the C fragment of two 8-key score tiles (wgmma order
-  // 8kk .. 8kk + 7) is the A fragment of one 16-key step.
-  auto pack_p = [&](const float(&S)[kBN / 2], uint32_t(&P)[kBN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      P[kk][0] = pack2<kDT>(S[8 * kk], S[8 * kk + 1]);
-      P[kk][1] = pack2<kDT>(S[8 * kk + 2], S[8 * kk + 3]);
-      P[kk][2] = pack2<kDT>(S[8 * kk + 4], S[8 * kk + 5]);
-      P[kk][3] = pack2<kDT>(S[8 * kk + 6], S[8 * kk + 7]);
-    }
+    consumer::softmax_step<Traits, kBN>(p, bi, softmax, scale_log2, S, n, row_of, t, rescale);
   };
 
   // Software pipeline (key blocks from last to first): while P(n) V(n) runs on the tensor
@@ -155,7 +101,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
       wgmma::fence_operands(S);
       float unused[2];
       softmax_step(S, n_hi, unused);
-      pack_p(S, P);
+      consumer::pack_p<kDT, kBN>(S, P);
     }
     for (int n = n_hi; n >= n_lo; --n) {
       cp_async_wait<0>();  // V(n) and K(n - 1) landed
@@ -180,14 +126,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
         softmax_step(S, n - 1, rescale);
         wgmma::wait<0>();  // P(n) V(n) done: P and O are free
         wgmma::fence_operands(O);
-#pragma unroll
-        for (int i = 0; i < kHD / 8; ++i)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            O[4 * i + 2 * h] *= rescale[h];
-            O[4 * i + 2 * h + 1] *= rescale[h];
-          }
-        pack_p(S, P);
+        consumer::rescale_o<kHD>(O, rescale);
+        consumer::pack_p<kDT, kBN>(S, P);
       } else {
         wgmma::wait<0>();
         wgmma::fence_operands(O);
@@ -198,19 +138,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 
   // ---- Epilogue (as the generic kernel's) ----
   if constexpr (Traits::kSplit) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row_of(h);
-      if (row >= bi.len_q) continue;
-      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
-      const float inv = softmax.inv_sum(h);
-      float* dst = p.out_partial + prow * kHD;
-#pragma unroll
-      for (int i = 0; i < kHD / 8; ++i)
-        *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
-            make_float2(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
-      if (t == 0) p.state_partial[prow] = softmax.state(h);
-    }
+    consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
   } else {
     // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.
     cp_async_wait<0>();
@@ -218,26 +146,11 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     T* sO = reinterpret_cast<T*>(smem_raw + (sQ - smem_addr(smem_raw)));
     // The rows' LSEs are staged too (in K's first stage, free now), for one coalesced store.
     float* sL = reinterpret_cast<float*>(smem_raw + (sK(0) - smem_addr(smem_raw)));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float inv = softmax.inv_sum(h);
-      const int srow = warp * 16 + h * 8 + g;  // warps in order: warpgroup w owns rows 64w..
-#pragma unroll
-      for (int i = 0; i < kHD / 8; ++i)
-        *reinterpret_cast<uint32_t*>(sO + common::swizzle<Cfg::kChunks>(srow, i) + 2 * t) =
-            pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
-      if constexpr (Traits::kReturnLse)
-        if (t == 0) sL[srow] = softmax.lse(h);
-    }
+    // Warps in order: warpgroup w owns rows 64w ..
+    consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
+                                                                      warp * 16 + g, t);
     __syncthreads();
-    common::store_staged_rows<kBM, Cfg::kChunks, kThreads>(bi.template o_rows<T>(p),
-                                                            p.o_row_stride, sO, m0, bi.len_q, hd);
-    if constexpr (Traits::kReturnLse) {
-      const int r = int(threadIdx.x);  // one row per thread
-      if (r < kBM && m0 + r < bi.len_q)
-        p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
-      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    }
+    consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(p, bi, sO, sL, m0, hd);
   }
 }
 

@@ -29,6 +29,7 @@
 #include "common/swizzle.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
+#include "sm90/consumer.hpp"
 #include "sm90_ws/tile.hpp"
 
 namespace hipflash::sm90ws {
@@ -124,26 +125,23 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
     tma::load_4d(sm.q() + c * Cfg::kBlockM * 128, &maps.q, sm.q_full(), 64 * c, m0, h, b);
   ++q_it;
 
+  // Rows [row, row + kBlockN) of K or V into the next free stage of its ring.
+  const auto load_kv = [&](bool is_v, RingPos<Cfg::kStages>& pos, int row) {
+    const int s = pos.stage();
+    const Mbarrier empty = is_v ? sm.v_empty(s) : sm.k_empty(s);
+    const Mbarrier full = is_v ? sm.v_full(s) : sm.k_full(s);
+    const uint32_t dst = is_v ? sm.v(s) : sm.k(s);
+    empty.wait(pos.parity() ^ 1u);
+    full.arrive_expect_tx(Cfg::kSmemKV);
+#pragma unroll
+    for (int c = 0; c < Cfg::kPanels; ++c)
+      tma::load_4d(dst + c * Cfg::kBlockN * 128, is_v ? &maps.v : &maps.k, full, 64 * c, row,
+                   h_kv, b);
+    ++pos.it;
+  };
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
-    const int row = n * Cfg::kBlockN;
-    {
-      const int s = k_pos.stage();
-      sm.k_empty(s).wait(k_pos.parity() ^ 1u);
-      sm.k_full(s).arrive_expect_tx(Cfg::kSmemKV);
-#pragma unroll
-      for (int c = 0; c < Cfg::kPanels; ++c)
-        tma::load_4d(sm.k(s) + c * Cfg::kBlockN * 128, &maps.k, sm.k_full(s), 64 * c, row, h_kv, b);
-      ++k_pos.it;
-    }
-    {
-      const int s = v_pos.stage();
-      sm.v_empty(s).wait(v_pos.parity() ^ 1u);
-      sm.v_full(s).arrive_expect_tx(Cfg::kSmemKV);
-#pragma unroll
-      for (int c = 0; c < Cfg::kPanels; ++c)
-        tma::load_4d(sm.v(s) + c * Cfg::kBlockN * 128, &maps.v, sm.v_full(s), 64 * c, row, h_kv, b);
-      ++v_pos.it;
-    }
+    load_kv(false, k_pos, n * Cfg::kBlockN);
+    load_kv(true, v_pos, n * Cfg::kBlockN);
   }
 }
 
@@ -161,8 +159,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
   constexpr int kThreads = Cfg::kConsumerThreads;
   constexpr DType kDT = Traits::kDType;
-  using QK = wgmma::Op<kDT, kBN>;
-  using PV = wgmma::Op<kDT, kHD>;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;  // consumer warps
@@ -187,66 +183,16 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
     if (lane == 0) bar.arrive();
   };
 
-  // S = Q K^T over head-dim steps of 16: panel ks / 4, 32 bytes per step inside the line.
+  // The consumer pieces of sm90/consumer.hpp on this schedule's ring stages.
   auto issue_qk = [&](float(&S)[kBN / 2], uint32_t sK) {
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < kHD / 16; ++ks) {
-      const uint32_t step = (ks % 4) * 32;
-      QK::ss(S, wgmma::desc_k_major(sQ_wg + (ks / 4) * kBM * 128 + step),
-             wgmma::desc_k_major(sK + (ks / 4) * kBN * 128 + step), ks > 0);
-    }
-    wgmma::commit();
+    sm90::consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sQ_wg, sK);
   };
-  // O += P V over key steps of 16 (2048 bytes of V rows); panels kBN * 128 bytes apart.
   auto issue_pv = [&](const uint32_t(&P)[kBN / 16][4], uint32_t sV) {
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      PV::rs(O, P[kk], wgmma::desc_mn_major(sV + kk * 16 * 128, kBN * 128), 1);
-    wgmma::commit();
+    sm90::consumer::issue_pv<kDT, kBN, kHD>(O, P, sV);
   };
-  // Scores of key block n -> masked online softmax; S is left holding the probabilities.
   auto softmax_step = [&](float(&S)[kBN / 2], int n, float(&rescale)[2]) {
-    float sc[2][kBN / 4];  // [row h][column 2i + e]
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sc[h][2 * i] = S[4 * i + 2 * h];
-        sc[h][2 * i + 1] = S[4 * i + 2 * h + 1];
-      }
-    if (bi.needs_mask(p, n, Traits::kMasked)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int lo, hi;
-        bi.key_range(p, row_of(h), int64_t(n) * kBN, Traits::kMasked, lo, hi);
-#pragma unroll
-        for (int c = 0; c < kBN / 4; ++c) {
-          const int col = (c / 2) * 8 + 2 * t + c % 2;
-          if (col < lo || col > hi) sc[h][c] = detail::kNegInf;
-        }
-      }
-    }
-    softmax.update(sc, scale_log2, rescale);
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        S[4 * i + 2 * h] = sc[h][2 * i];
-        S[4 * i + 2 * h + 1] = sc[h][2 * i + 1];
-      }
-  };
-  // Probabilities -> P V's A fragments: the C fragment of two 8-key score tiles is the A
-  // fragment of one 16-key step.
-  auto pack_p = [&](const float(&S)[kBN / 2], uint32_t(&P)[kBN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      P[kk][0] = pack2<kDT>(S[8 * kk], S[8 * kk + 1]);
-      P[kk][1] = pack2<kDT>(S[8 * kk + 2], S[8 * kk + 3]);
-      P[kk][2] = pack2<kDT>(S[8 * kk + 4], S[8 * kk + 5]);
-      P[kk][3] = pack2<kDT>(S[8 * kk + 6], S[8 * kk + 7]);
-    }
+    sm90::consumer::softmax_step<Traits, kBN>(p, bi, softmax, scale_log2, S, n, row_of, t,
+                                              rescale);
   };
 
   sm.q_full().wait(q_it & 1u);
@@ -269,7 +215,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
       ++k_pos.it;
       float unused[2];
       softmax_step(S, n_hi, unused);
-      pack_p(S, P);
+      sm90::consumer::pack_p<kDT, kBN>(S, P);
     }
     for (int n = n_hi; n >= n_lo; --n) {
       // S is zeroed although its first wgmma overwrites it: on the last block it is not issued,
@@ -296,14 +242,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
         wgmma::fence_operands(O);
         release(sm.v_empty(vs));
         ++v_pos.it;
-#pragma unroll
-        for (int i = 0; i < kHD / 8; ++i)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            O[4 * i + 2 * h] *= rescale[h];
-            O[4 * i + 2 * h + 1] *= rescale[h];
-          }
-        pack_p(S, P);
+        sm90::consumer::rescale_o<kHD>(O, rescale);
+        sm90::consumer::pack_p<kDT, kBN>(S, P);
       } else {
         wgmma::wait<0>();
         wgmma::fence_operands(O);
@@ -316,19 +256,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
 
   // ---- Epilogue ----
   if constexpr (Traits::kSplit) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row_of(h);
-      if (row >= bi.len_q) continue;
-      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
-      const float inv = softmax.inv_sum(h);
-      float* dst = p.out_partial + prow * kHD;
-#pragma unroll
-      for (int i = 0; i < kHD / 8; ++i)
-        *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
-            make_float2(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
-      if (t == 0) p.state_partial[prow] = softmax.state(h);
-    }
+    sm90::consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
   } else {
     // Stage the rounded tile in shared memory over Q (every wgmma of both consumers that reads
     // it is done after the barrier), then write 16-byte rows.
@@ -336,27 +264,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* sO = reinterpret_cast<T*>(smem_raw + (sm.q() - smem_addr(smem_raw)));
     float* sL = reinterpret_cast<float*>(smem_raw + (sm.base + Cfg::kOffLse - smem_addr(smem_raw)));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float inv = softmax.inv_sum(h);
-      const int srow = warp * 16 + h * 8 + g;
-#pragma unroll
-      for (int i = 0; i < kHD / 8; ++i)
-        *reinterpret_cast<uint32_t*>(sO + common::swizzle<Cfg::kChunks>(srow, i) + 2 * t) =
-            pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
-      if constexpr (Traits::kReturnLse)
-        if (t == 0) sL[srow] = softmax.lse(h);
-    }
+    sm90::consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
+                                                                            warp * 16 + g, t);
     named_sync<kThreads>(kEpilogue);
-    const int hd = int(p.head_dim);
-    common::store_staged_rows<kBM, Cfg::kChunks, kThreads>(bi.template o_rows<T>(p),
-                                                            p.o_row_stride, sO, m0, bi.len_q, hd);
-    if constexpr (Traits::kReturnLse) {
-      const int r = int(threadIdx.x);  // one row per thread
-      if (r < kBM && m0 + r < bi.len_q)
-        p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
-      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    }
+    sm90::consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(
+        p, bi, sO, sL, m0, int(p.head_dim));
     // The next tile's Q (an async-proxy write) may land over sO once every warp has read it.
     fence_proxy_async();
   }

@@ -1,0 +1,178 @@
+// hipflash — what a consumer warpgroup of a Hopper forward schedule does with its 64 query rows,
+// shared by the cp.async kernel (sm90/fwd_sm90_kernel.hpp) and the TMA warp-specialised one
+// (sm90_ws/fwd_sm90_ws_kernel.hpp): the two GEMMs on warpgroup MMAs, the masked online-softmax
+// step, the probabilities as P V's A operand, O's rescale, and the epilogue (the split's fp32
+// partials, or the rounded tile staged in shared memory and stored with its LSEs). The
+// schedules differ in how K and V arrive and how the warpgroups take turns, not in these.
+//
+// Fragments are in wgmma order: element 4i + 2h + e of an accumulator is row g + 8h of the
+// warp's 16 (g = lane / 4), column 8i + 2t + e (t = lane % 4); row_of(h) is the sequence row
+// of the thread's row h (m0 + 16 warp + 8 h + g, as the schedule spells it).
+#pragma once
+
+#include <cstdint>
+
+#include "atoms/sm80.hpp"
+#include "atoms/sm90/wgmma.hpp"
+#include "atoms/sm90/wgmma_ops.hpp"
+#include "common/block_info.hpp"
+#include "common/epilogue.hpp"
+#include "common/softmax.hpp"
+#include "common/swizzle.hpp"
+#include "hipflash/params.hpp"
+
+namespace hipflash::sm90::consumer {
+
+#if defined(HIPFLASH_HAS_WGMMA)
+
+using namespace ::hipflash::atom::sm90;  // wgmma, the SW128 tile layout
+using ::hipflash::atom::sm80::pack2;
+
+/// S = Q K^T of this warpgroup's 64 rows (Q at sQ_wg, rows kBM * 128 bytes a panel apart)
+/// against kBN keys (K at sK), over head-dim steps of 16: panel ks / 4, 32 bytes a step inside
+/// the line. Issued and committed, not waited for.
+template <DType kDT, int kBM, int kBN, int kHD>
+__device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], uint32_t sQ_wg, uint32_t sK) {
+  wgmma::fence();
+#pragma unroll
+  for (int ks = 0; ks < kHD / 16; ++ks) {
+    const uint32_t step = (ks % 4) * 32;
+    wgmma::Op<kDT, kBN>::ss(S, wgmma::desc_k_major(sQ_wg + (ks / 4) * kBM * 128 + step),
+                            wgmma::desc_k_major(sK + (ks / 4) * kBN * 128 + step), ks > 0);
+  }
+  wgmma::commit();
+}
+
+/// O += P V over key steps of 16 (2048 bytes of V rows a step; panels kBN * 128 bytes apart).
+/// Issued and committed, not waited for.
+template <DType kDT, int kBN, int kHD>
+__device__ __forceinline__ void issue_pv(float (&O)[kHD / 2], const uint32_t (&P)[kBN / 16][4],
+                                         uint32_t sV) {
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk)
+    wgmma::Op<kDT, kHD>::rs(O, P[kk], wgmma::desc_mn_major(sV + kk * 16 * 128, kBN * 128), 1);
+  wgmma::commit();
+}
+
+/// The scores S of key block n -> the masked online-softmax step (BlockInfo's mask, in the
+/// blocks that need one); S is left holding the probabilities, `rescale` O's factor per row.
+template <class Traits, int kBN, class Info, class RowOf>
+__device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
+                                             common::RowSoftmax<2>& softmax, float scale_log2,
+                                             float (&S)[kBN / 2], int n, const RowOf& row_of,
+                                             int t, float (&rescale)[2]) {
+  float sc[2][kBN / 4];  // [row h][column 2i + e]
+#pragma unroll
+  for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sc[h][2 * i] = S[4 * i + 2 * h];
+      sc[h][2 * i + 1] = S[4 * i + 2 * h + 1];
+    }
+  if (bi.needs_mask(p, n, Traits::kMasked)) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int lo, hi;
+      bi.key_range(p, row_of(h), int64_t(n) * kBN, Traits::kMasked, lo, hi);
+#pragma unroll
+      for (int c = 0; c < kBN / 4; ++c) {
+        const int col = (c / 2) * 8 + 2 * t + c % 2;
+        if (col < lo || col > hi) sc[h][c] = detail::kNegInf;
+      }
+    }
+  }
+  softmax.update(sc, scale_log2, rescale);
+#pragma unroll
+  for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      S[4 * i + 2 * h] = sc[h][2 * i];
+      S[4 * i + 2 * h + 1] = sc[h][2 * i + 1];
+    }
+}
+
+/// Probabilities -> P V's A fragments: the C fragment of two 8-key score tiles (wgmma order
+/// 8kk .. 8kk + 7) is the A fragment of one 16-key step.
+template <DType kDT, int kBN>
+__device__ __forceinline__ void pack_p(const float (&S)[kBN / 2], uint32_t (&P)[kBN / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kBN / 16; ++kk) {
+    P[kk][0] = pack2<kDT>(S[8 * kk], S[8 * kk + 1]);
+    P[kk][1] = pack2<kDT>(S[8 * kk + 2], S[8 * kk + 3]);
+    P[kk][2] = pack2<kDT>(S[8 * kk + 4], S[8 * kk + 5]);
+    P[kk][3] = pack2<kDT>(S[8 * kk + 6], S[8 * kk + 7]);
+  }
+}
+
+/// O's rows times the softmax step's factors.
+template <int kHD>
+__device__ __forceinline__ void rescale_o(float (&O)[kHD / 2], const float (&rescale)[2]) {
+#pragma unroll
+  for (int i = 0; i < kHD / 8; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      O[4 * i + 2 * h] *= rescale[h];
+      O[4 * i + 2 * h + 1] *= rescale[h];
+    }
+}
+
+/// Split-K epilogue: the warp's rows of O (normalised) and their softmax states into the
+/// split's fp32 partials (FwdParams::partial_row, read by the combine kernel).
+template <int kHD, class Info, class RowOf>
+__device__ __forceinline__ void write_split(const FwdParams& p, const Info& bi,
+                                            const float (&O)[kHD / 2],
+                                            const common::RowSoftmax<2>& softmax,
+                                            const RowOf& row_of, int t) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row_of(h);
+    if (row >= bi.len_q) continue;
+    const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
+    const float inv = softmax.inv_sum(h);
+    float* dst = p.out_partial + prow * kHD;
+#pragma unroll
+    for (int i = 0; i < kHD / 8; ++i)
+      *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
+          make_float2(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
+    if (t == 0) p.state_partial[prow] = softmax.state(h);
+  }
+}
+
+/// The warp's rows of O, normalised and rounded, into the staged tile sO (swizzled rows of
+/// kChunks 16-byte chunks; the warp's rows start at srow0 = 16 warp + g), and with kLse their
+/// LSEs into sL. The caller syncs before (the tile's smem is free) and after (all staged).
+template <DType kDT, bool kLse, int kChunks, int kHD, class T>
+__device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kHD / 2],
+                                           const common::RowSoftmax<2>& softmax, int srow0,
+                                           int t) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float inv = softmax.inv_sum(h);
+    const int srow = srow0 + h * 8;
+#pragma unroll
+    for (int i = 0; i < kHD / 8; ++i)
+      *reinterpret_cast<uint32_t*>(sO + common::swizzle<kChunks>(srow, i) + 2 * t) =
+          pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
+    if constexpr (kLse)
+      if (t == 0) sL[srow] = softmax.lse(h);
+  }
+}
+
+/// The staged tile's rows to out (16-byte rows) and, with kLse, their LSEs (one row a thread,
+/// then the padded layout's tail): every thread of the kThreads that staged it.
+template <int kBM, int kChunks, int kThreads, bool kLse, class T, class Info>
+__device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi, const T* sO,
+                                             const float* sL, int64_t m0, int head_dim) {
+  common::store_staged_rows<kBM, kChunks, kThreads>(bi.template o_rows<T>(p), p.o_row_stride, sO,
+                                                    m0, bi.len_q, head_dim);
+  if constexpr (kLse) {
+    const int r = int(threadIdx.x);  // one row per thread
+    if (r < kBM && m0 + r < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
+    common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+  }
+}
+
+#endif  // HIPFLASH_HAS_WGMMA
+
+}  // namespace hipflash::sm90::consumer
