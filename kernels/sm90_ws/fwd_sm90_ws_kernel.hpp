@@ -125,23 +125,26 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
     tma::load_4d(sm.q() + c * Cfg::kBlockM * 128, &maps.q, sm.q_full(), 64 * c, m0, h, b);
   ++q_it;
 
-  // Rows [row, row + kBlockN) of K or V into the next free stage of its ring.
-  const auto load_kv = [&](bool is_v, RingPos<Cfg::kStages>& pos, int row) {
-    const int s = pos.stage();
-    const Mbarrier empty = is_v ? sm.v_empty(s) : sm.k_empty(s);
-    const Mbarrier full = is_v ? sm.v_full(s) : sm.k_full(s);
-    const uint32_t dst = is_v ? sm.v(s) : sm.k(s);
-    empty.wait(pos.parity() ^ 1u);
-    full.arrive_expect_tx(Cfg::kSmemKV);
-#pragma unroll
-    for (int c = 0; c < Cfg::kPanels; ++c)
-      tma::load_4d(dst + c * Cfg::kBlockN * 128, is_v ? &maps.v : &maps.k, full, 64 * c, row,
-                   h_kv, b);
-    ++pos.it;
-  };
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
-    load_kv(false, k_pos, n * Cfg::kBlockN);
-    load_kv(true, v_pos, n * Cfg::kBlockN);
+    const int row = n * Cfg::kBlockN;
+    {
+      const int s = k_pos.stage();
+      sm.k_empty(s).wait(k_pos.parity() ^ 1u);
+      sm.k_full(s).arrive_expect_tx(Cfg::kSmemKV);
+#pragma unroll
+      for (int c = 0; c < Cfg::kPanels; ++c)
+        tma::load_4d(sm.k(s) + c * Cfg::kBlockN * 128, &maps.k, sm.k_full(s), 64 * c, row, h_kv, b);
+      ++k_pos.it;
+    }
+    {
+      const int s = v_pos.stage();
+      sm.v_empty(s).wait(v_pos.parity() ^ 1u);
+      sm.v_full(s).arrive_expect_tx(Cfg::kSmemKV);
+#pragma unroll
+      for (int c = 0; c < Cfg::kPanels; ++c)
+        tma::load_4d(sm.v(s) + c * Cfg::kBlockN * 128, &maps.v, sm.v_full(s), 64 * c, row, h_kv, b);
+      ++v_pos.it;
+    }
   }
 }
 
