@@ -19,8 +19,9 @@ Per cell: fresh random inputs (never zeros), several input sets rotated so the i
 are not in L2 from the call before; every backend's result is checked against an fp32 reference
 first (SPEC §6; hipflash also gets a NaN-poisoned out= buffer and a bitwise repeat), and a FAIL
 is never timed. Timing: CUDA events around each call, warm-up, GPU queue pre-filled with a sleep
-kernel so host launch overhead stays out, median of many calls. The host-overhead suite also
-times the whole Python call by wall clock: calls issued back to back, and each one synchronised.
+kernel so host launch overhead stays out, median of many calls. The host-overhead, decode and
+serving suites also time the whole Python call by wall clock: calls issued back to back, and
+each one synchronised.
 
 Writes OUT/results.csv, OUT/results.md, OUT/results.json and OUT/<suite>.png, prints the tables.
 docs/benchmarks.md is rendered from a full run's OUT by bench/make_report.py.
@@ -511,7 +512,7 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
     # Peers first, hipflash last: a device fault in a new kernel cannot cost the peers' numbers.
     order = [n for n in todo if backends[n].peer] + [n for n in todo if not backends[n].peer]
     fatal = None
-    host_runs = {}  # host-overhead suite: the checked and timed backends' calls
+    host_runs = {}  # host-overhead, decode, serving: the checked and timed backends' calls
     for name in order:
         b, row = backends[name], rows[name]
         row["nsets"] = nsets
@@ -543,7 +544,7 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
                 row["tflops"] = cell.flops / t / 1e12
                 if cell.suite == "decode" or (cell.Sq == 1 and cell.kind == "dense"):
                     row["gbps"] = cell.kvbytes / t / 1e9
-                if cell.suite == HOST:
+                if cell.suite == HOST or cell.suite in rep.WALL_CLOCK_SUITES:
                     host_runs[name] = run
         except ab.Unavailable as e:
             row["status"], row["note"] = "n/a", str(e)
@@ -791,11 +792,12 @@ def main(argv=None):
         "pre-filled with a sleep kernel so host launch overhead is excluded"
         % (budget[0], budget[2], budget[3], budget[1])
         if device == "cuda" else "CPU perf_counter (runner test only)")
-    if any(c.suite == HOST for c in cells):
+    if any(c.suite == HOST or c.suite in rep.WALL_CLOCK_SUITES for c in cells):
         repeats, n, ncalls = HOST_LOOPS[device]
         sync = "torch.cuda.synchronize()" if device == "cuda" else "nothing (CPU)"
+        suites = ", ".join([HOST] + list(rep.WALL_CLOCK_SUITES))
         meta["host_timing"] = (
-            f"{HOST} suite: the whole Python call by wall clock (perf_counter_ns); back to back "
+            f"{suites} suites: the whole Python call by wall clock (perf_counter_ns); back to back "
             f"= {repeats} repeats of {n} calls with no synchronisation, then {sync}, per call "
             f"(median and min of the repeats); synchronised = median of {ncalls} calls, each "
             f"followed by {sync}; the backends take turns")

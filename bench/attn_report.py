@@ -253,6 +253,56 @@ def host_table(rows):
     return header, body, []
 
 
+# Suites whose cells are also timed by wall clock per call (Timer.host), besides the host-overhead
+# suite: decode and KV-cache decode, where the call's host cost is a visible share of the time.
+WALL_CLOCK_SUITES = ("decode", "serving")
+
+
+def wall_clock_table(rows, suite):
+    """A decode / serving suite's calls by wall clock, as a user makes them: µs per call back to
+    back / synchronised for every backend, hipflash+lse's ratio to the best LSE-returning peer
+    in each (time(peer) / time(hipflash+lse): >1 is hipflash faster) and, for the paged caches,
+    their cost against the contiguous one (time(contiguous) / time(paged)). None when the run
+    has no wall-clock rows for the suite."""
+    cells = cells_of(rows, suite)
+    if not any(value(r, "b2b_us") for _, bb in cells for r in bb.values()):
+        return None
+    names = backends_of(rows, suite)
+    paged = [b for b in names if b.startswith("hipflash-paged")] if HF_LSE in names else []
+
+    def best_lse_peer(bb, key):  # the lowest time among LSE-returning peers
+        ts = [(value(r, key), b) for b, r in bb.items()
+              if _truthy(r.get("peer")) and _truthy(r.get("lse")) and value(r, key)]
+        return min(ts) if ts else (None, None)
+
+    header = (["cell  [µs: back to back / synchronised]"] + names +
+              ["hf+lse / best lse peer"] + [f"{b[len('hipflash-'):]}/contiguous" for b in paged])
+    body, ratios = [], {k: [] for k in ["lse"] + paged}
+    for _, bb in cells:
+        line = [_cell_label(bb)]
+        for b in names:
+            r = bb.get(b)
+            b2b, sync = value(r, "b2b_us"), value(r, "sync_us")
+            line.append(f"{_fmt_us(b2b)} / {_fmt_us(sync)}" if b2b else _cell_text(r, "b2b_us"))
+        hf = bb.get(HF_LSE)
+        txt = []
+        for key in ("b2b_us", "sync_us"):
+            t_hf, (t_peer, _) = value(hf, key), best_lse_peer(bb, key)
+            rat = t_peer / t_hf if t_hf and t_peer else None
+            if key == "b2b_us":
+                ratios["lse"].append(rat)
+            txt.append(_fmt_ratio(rat))
+        line.append(" / ".join(txt))
+        for b in paged:
+            t_c, t_p = value(hf, "b2b_us"), value(bb.get(b), "b2b_us")
+            ratios[b].append(t_c / t_p if t_c and t_p else None)
+            line.append(_fmt_ratio(ratios[b][-1]))
+        body.append(line)
+    foot = [["geomean (back to back)"] + [""] * len(names) +
+            [_fmt_ratio(geomean(ratios["lse"]))] + [_fmt_ratio(geomean(ratios[b])) for b in paged]]
+    return header, body, foot
+
+
 def suite_table(rows, suite):
     """(header, body rows, footer rows) of one suite's table, as strings."""
     if suite == HOST:
@@ -436,6 +486,11 @@ def render_markdown(meta, rows, images, image_prefix="", heading="#"):
         if s in SUITE_NOTES:
             md += [SUITE_NOTES[s], ""]
         md += [_md(*suite_table(rows, s)), ""]
+        wall = wall_clock_table(rows, s) if s in WALL_CLOCK_SUITES else None
+        if wall:
+            md += ["Wall clock per call, as a user makes it (`Timer.host`: back to back = calls "
+                   "issued with no synchronisation, then one synchronize, per call; synchronised "
+                   "= each call followed by a synchronize):", "", _md(*wall), ""]
         if s in images:
             md += [f"![{s}]({image_prefix}{images[s]})", ""]
     probs = _problem_lines(rows)
