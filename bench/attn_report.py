@@ -276,7 +276,8 @@ def wall_clock_table(rows, suite):
         return min(ts) if ts else (None, None)
 
     header = (["cell  [µs: back to back / synchronised]"] + names +
-              ["hf+lse / best lse peer"] + [f"{b[len('hipflash-'):]}/contiguous" for b in paged])
+              ["hf+lse / best lse peer"] +
+              [f"{b[len('hipflash-'):]}/contiguous (back to back)" for b in paged])
     body, ratios = [], {k: [] for k in ["lse"] + paged}
     for _, bb in cells:
         line = [_cell_label(bb)]
@@ -292,7 +293,7 @@ def wall_clock_table(rows, suite):
             if key == "b2b_us":
                 ratios["lse"].append(rat)
             txt.append(_fmt_ratio(rat))
-        line.append(" / ".join(txt))
+        line.append(" / ".join(txt) if any(t != "-" for t in txt) else "-")
         for b in paged:
             t_c, t_p = value(hf, "b2b_us"), value(bb.get(b), "b2b_us")
             ratios[b].append(t_c / t_p if t_c and t_p else None)

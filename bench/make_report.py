@@ -3,6 +3,9 @@
 
     python3 bench/make_report.py RESULTS_DIR [--doc docs/benchmarks.md] [--commit SHA]
 
+The page of record is rendered from several runs; the command that renders it now is
+bench/results/render-benchmarks.sh (its runs, and the note in bench/results/benchmarks-note.md).
+
 Everything on the page comes from RESULTS_DIR/results.json (the runner's own rows and its
 record of GPU, driver, PyTorch version, commit and command line); the plots are copied from
 RESULTS_DIR to docs/benchmarks/. Refuses CPU runs (the runner's test mode) and, unless
@@ -134,6 +137,8 @@ def main(argv=None):
     ap.add_argument("--allow-partial", action="store_true",
                     help="accept a suite other than 'full' (the page says which)")
     ap.add_argument("--note", default="", help="a paragraph placed under the preamble")
+    ap.add_argument("--note-file", default=None,
+                    help="the same paragraph from a file (bench/results/benchmarks-note.md)")
     ap.add_argument("--append", action="append", default=[], metavar="DIR",
                     help="a run of a suite with a report of its own (train): its results.md, "
                          "as the runner wrote it (GPU, commit, command in its header), becomes "
@@ -189,7 +194,11 @@ def main(argv=None):
         lines[0] = lines[0].replace("## ", f"## Run: {meta.get('suite')} — ", 1) + \
             f" (`{os.path.relpath(path, REPO)}`)"
         sections.append("\n".join(lines) + "\n")
-    note = (args.note.strip() + "\n\n") if args.note.strip() else ""
+    note_text = args.note
+    if args.note_file:
+        with open(args.note_file) as f:
+            note_text = f.read()
+    note = (note_text.strip() + "\n\n") if note_text.strip() else ""
     with open(args.doc, "w") as f:
         f.write("# Benchmarks\n\n" + PREAMBLE + "\n" + note + "\n".join(sections))
     print(f"wrote {args.doc} ({nrows} rows from {len(runs)} run(s)) and {nimg} plots in {img_dir}")

@@ -16,9 +16,10 @@ first input set (error <= 2 x the bf16 PyTorch error + 1e-3 relative to the larg
 per tensor); a FAIL is not timed. Timing: attn_bench.Timer (CUDA events per call, warm-up,
 median; the queue held by a sleep kernel so the host's launch cost stays out), input sets
 rotated past L2, fresh random values (never zeros). Then the step as a user runs it, by wall
-clock (attn_bench.Timer.host, the backends of a cell taking turns): back to back (HOST_LOOPS[1]
-steps issued without synchronising, then a synchronize; median over HOST_LOOPS[0] repeats) and
-synchronised (each step followed by a synchronize; median over HOST_LOOPS[2] steps).
+clock (attn_bench.Timer.host, the backends of a cell taking turns): back to back
+(TRAIN_HOST_LOOPS[1] steps issued without synchronising, then a synchronize; median over
+TRAIN_HOST_LOOPS[0] repeats) and synchronised (each step followed by a synchronize; median over
+TRAIN_HOST_LOOPS[2] steps).
 """
 
 import math
@@ -32,7 +33,7 @@ import attn_report as rep
 
 F = torch.nn.functional
 BACKENDS = ["hipflash", "hipflash-det", "torch-flash", "torch-cudnn"]
-HOST_LOOPS = (3, 10, 10)  # wall clock: repeats x steps back to back, synchronised steps
+TRAIN_HOST_LOOPS = (3, 10, 10)  # wall clock: repeats x steps back to back, synchronised steps
 
 
 def train_cells(device):
@@ -102,7 +103,7 @@ def run_train_suite(args, device, timer, meta, out_dir):
         cells = [c for c in cells if re.search(args.cells, c[0])]
     names = BACKENDS if not args.backends else [b for b in BACKENDS if b in args.backends.split(",")]
     rows = []
-    host_loops = HOST_LOOPS if device == "cuda" else (1, 2, 2)
+    host_loops = TRAIN_HOST_LOOPS if device == "cuda" else (1, 2, 2)
     for label, b, s, h, d, causal in cells:
         timed = {}  # backend -> (row, run): the checked and timed ones, for the wall clock
         g = torch.Generator(device=device).manual_seed(zlib.crc32(label.encode()))
@@ -197,7 +198,8 @@ def write_md(meta, rows, names, path):
             f.write(f"\nGeomean: hipflash vs torch-flash (FA2) "
                     f"{gm(fa):.2f}x (lowest {min(fa):.2f}x), " if fa else "\n")
             f.write(f"vs torch-cudnn {gm(cd):.2f}x (lowest {min(cd):.2f}x).\n" if cd else "\n")
-        write_wall_clock(f, cells, names, by, gm)
+        if any(r.get("b2b_ms") is not None for r in rows):
+            write_wall_clock(f, cells, names, by, gm)
 
 
 def write_wall_clock(f, cells, names, by, gm):

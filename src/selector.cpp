@@ -91,7 +91,8 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     return sel;
   }
   if (p.kv_cache) {
-    sel.reason = "flash_attn_with_kvcache: the AMD kernels do not read a KV cache yet";
+    sel.reason = "a KV cache (flash_attn_with_kvcache, or varlen queries with a block_table): "
+                 "the AMD kernels do not read one yet";
     return sel;
   }
   // AMD: CDNA2/CDNA3/CDNA4 have MFMA. gfx950 runs the dualwave kernel for head dims up to 128

@@ -80,11 +80,6 @@ __device__ __forceinline__ uint32_t pack2(float x, float y) {
   }
 }
 
-/// The rows one thread copies in load_tile<Tile, kRows> (chunk i: row (threadIdx.x + i *
-/// kThreads) / kChunks), resolved ahead of the copy. Contiguous rows need nothing; for a paged
-/// KV cache (TileRows<..., PagedRows>) `fetch` reads the block-table entries of a tile one tile
-/// early, so that the cp.async issue of that tile does not wait on dependent global loads. The
-/// K and V caches share the block table: one fetch serves both tiles of a key block.
 /// Rows as their source gives them, at each copy (src.row(j)): nothing to resolve ahead.
 struct RowsAsGiven {
   template <class Src>
@@ -93,6 +88,11 @@ struct RowsAsGiven {
   __device__ __forceinline__ auto row(const Src& src, int, int64_t j) const { return src.row(j); }
 };
 
+/// The rows one thread copies in load_tile<Tile, kRows> (chunk i: row (threadIdx.x + i *
+/// kThreads) / kChunks), resolved ahead of the copy. Contiguous rows need nothing; for a paged
+/// KV cache (TileRows<..., PagedRows>) `fetch` reads the block-table entries of a tile one tile
+/// early, so that the cp.async issue of that tile does not wait on dependent global loads. The
+/// K and V caches share the block table: one fetch serves both tiles of a key block.
 template <class Tile, int kRows, class Rows>
 struct TileRows : RowsAsGiven {};
 

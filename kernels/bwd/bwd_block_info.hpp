@@ -38,21 +38,22 @@ struct SeqBounds {
     if (hi < lo) hi = lo;
   }
 
-  /// The rows of [m0, m0 + bm) that see key j, as [lo, hi] relative to m0 and clamped to
-  /// [-1, bm] (empty when lo > hi): none for a key past the sequence, else the window's rows
-  /// (`masked`: SPEC §3, row i sees key j iff i + diag - left <= j <= i + diag + right) — the
-  /// rule of common::BlockInfo::key_valid, solved for the row once per key.
-  HIPFLASH_HD void rows_seeing_key(const FwdParams& p, int64_t j, int64_t m0, int bm, bool masked,
-                                   int& lo, int& hi) const {
+  /// The rows of [m0, m0 + bm) that see key j, as [lo, hi] relative to m0 (empty when lo > hi;
+  /// lo in [0, bm], hi in [-1, bm - 1]): none for a key past the sequence, else the window's
+  /// rows (`masked`: SPEC §3, row i sees key j iff i + diag - left <= j <= i + diag + right) —
+  /// common::BlockInfo::key_valid solved for the row, once per key.
+  HIPFLASH_HD void rows_seeing_key(const FwdParams& p, int64_t j, int64_t m0, int bm,
+                                   bool masked, int& lo, int& hi) const {
     int64_t l = 0, h = int64_t(bm) - 1;
+    const int64_t row_of_key = j - diag - m0;  // the row on j's diagonal, relative to m0
     if (j >= len_k) {
       l = bm, h = -1;
     } else if (masked) {
-      if (p.window_right >= 0 && j - diag - p.window_right - m0 > l) l = j - diag - p.window_right - m0;
-      if (p.window_left >= 0 && j - diag + p.window_left - m0 < h) h = j - diag + p.window_left - m0;
+      if (p.window_right >= 0 && row_of_key - p.window_right > l) l = row_of_key - p.window_right;
+      if (p.window_left >= 0 && row_of_key + p.window_left < h) h = row_of_key + p.window_left;
     }
-    lo = int(l < -1 ? -1 : l > bm ? bm : l);
-    hi = int(h < -1 ? -1 : h > bm ? bm : h);
+    lo = int(l > bm ? bm : l);
+    hi = int(h < -1 ? -1 : h);
   }
 
   /// Whether the tile of rows [m0, m0 + bm) and keys [n0, n0 + bn) needs per-element masking:

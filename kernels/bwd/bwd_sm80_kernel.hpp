@@ -216,9 +216,8 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
     // P^T and dS^T from the saved LSE (rows: keys; columns: queries).
     const float* lse2 = sLse + stage * kBM;
     const float* delta = sDelta + stage * kBM;
-    // The query rows seeing this thread's keys key0 + 8 hh, [lo, hi] relative to m0, once per
-    // step in tiles that need a mask (as in the wgmma pass): two 32-bit compares an element, or
-    // without a window one flag per key.
+    // Rows seeing keys key0 + 8 hh, solved per step in masked tiles only (as in the wgmma
+    // pass): two 32-bit compares an element, or without a window one flag per key.
     int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
     if (seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked)) {
 #pragma unroll
@@ -347,8 +346,7 @@ __global__ void __launch_bounds__(DqTile<Traits::kHeadDim>::kThreads)
     zero(dP);
     gemm_nt<kDT, kBN / 8, kHD / 16>(S, q_lanes, lanes_b(k_tile, Cfg::kRowBytes, lane), Cfg::kRowBytes);
     gemm_nt<kDT, kBN / 8, kHD / 16>(dP, do_lanes, lanes_b(v_tile, Cfg::kRowBytes, lane), Cfg::kRowBytes);
-    // The keys of this block that rows row0 + 8 hh see, [lo, hi] relative to the block, once
-    // per key block in blocks that need a mask: two 32-bit compares an element.
+    // Keys of this block that rows row0 + 8 hh see, solved per block in masked blocks only.
     int lo[2] = {-1, -1}, hi[2] = {kBN, kBN};
     if (bi.needs_mask(p, n, Traits::kMasked)) {
 #pragma unroll

@@ -149,11 +149,8 @@ __global__ void __launch_bounds__(256, 1)
     // P^T and dS^T from the saved LSE (a select for masked pairs: a masked NaN leaks nothing).
     const float* lse2 = sLse(st);
     const float* delta = sDelta(st);
-    // The query rows (columns of S^T, relative to m0) that see this thread's keys key0 + 8 hh:
-    // [lo, hi], from the window and the sequence's keys once per step and only in tiles that
-    // need a mask (the diagonal, window edges, the last key block), so that the test of an
-    // element is two 32-bit compares — or, without a window, one flag per key (past the
-    // sequence or not).
+    // Rows (columns of S^T) seeing keys key0 + 8 hh, solved per step in masked tiles only:
+    // two 32-bit compares an element, or without a window one flag per key.
     int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
     if (seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked)) {
 #pragma unroll

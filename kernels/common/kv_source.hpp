@@ -21,8 +21,9 @@ struct ContiguousRows {
 
 /// Rows of a paged KV cache: row j of the sequence is row j % 2^page_shift of page
 /// table[j >> page_shift]; pages are page_stride elements apart, rows ld apart within a page.
-/// The table entries a caller reaches were validated (in range) before the launch. T is const
-/// for the loaders, non-const for the cache append.
+/// The table entries a call reaches are checked (in range) before the launch for CPU tensors;
+/// a GPU call's table is not copied back to be checked (docs/spec.md §7: an entry out of range
+/// is the caller's error). T is const for the loaders, non-const for the cache append.
 template <class T>
 struct PagedRows {
   T* base;               ///< row 0 of page 0 (the head offset applied)

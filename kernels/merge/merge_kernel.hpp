@@ -31,7 +31,7 @@ using common::store_words;
 inline constexpr int kThreads = 256;
 /// Parts whose loads a thread keeps in flight at once: with 32-byte pieces, 2 keeps the kernel
 /// at 64 registers (four 256-thread blocks per SM, 64 KiB of loads in flight per SM for a
-/// two-part merge); 4 would take 94 and leave 24 KiB in flight per SM.
+/// two-part merge); 4 would take 94 (two blocks per SM: 32 KiB for the same merge).
 inline constexpr int kBatch = 2;
 /// The grid-stride loop's block count cap (enough to fill any GPU several times over).
 inline constexpr int64_t kMaxBlocks = 65536;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "atoms/sm80.hpp"
+#include "atoms/sm90/consumer.hpp"
 #include "atoms/sm90/tile_loader.hpp"
 #include "atoms/sm90/wgmma.hpp"
 #include "atoms/sm90/wgmma_ops.hpp"
@@ -18,7 +19,6 @@
 #include "common/swizzle.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
-#include "sm90/consumer.hpp"
 #include "sm90/tile.hpp"
 
 namespace hipflash::sm90 {
@@ -29,7 +29,7 @@ using namespace ::hipflash::atom::sm90;  // wgmma, the SW128 tile layout
 
 template <class Traits>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
-  using namespace atom::sm80;  // cp.async group helpers, pack2
+  using namespace atom::sm80;  // cp.async group helpers, smem_addr
   using Cfg = Tile<Traits::kHeadDim>;
   using T = typename common::Element<Traits::kDType>::type;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
@@ -60,7 +60,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   auto load_k = [&](int n) { k_loader.load(sK(n), int64_t(n) * kBN, bi.len_k); };
   auto load_v = [&](int n) { v_loader.load(sV(n), int64_t(n) * kBN, bi.len_k); };
 
-  // The consumer pieces (sm90/consumer.hpp) on this schedule's stages: accumulators in wgmma
+  // The consumer pieces (atoms/sm90/consumer.hpp) on this schedule's stages: accumulators in wgmma
   // order; this warp's rows row_of(0 / 1), its warpgroup's Q 64 (warp / 4) rows into the tile.
   float O[kHD / 2];
 #pragma unroll

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "atoms/sm80.hpp"
+#include "atoms/sm90/consumer.hpp"
 #include "atoms/sm90/tma.hpp"
 #include "atoms/sm90/wgmma.hpp"
 #include "atoms/sm90/wgmma_ops.hpp"
@@ -29,7 +30,6 @@
 #include "common/swizzle.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
-#include "sm90/consumer.hpp"
 #include "sm90_ws/tile.hpp"
 
 namespace hipflash::sm90ws {
@@ -155,7 +155,6 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
                                         int64_t tile, int num_m_blocks, uint32_t& q_it,
                                         RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& k_pos,
                                         RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& v_pos) {
-  using namespace atom::sm80;  // pack2
   using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
   using T = typename common::Element<Traits::kDType>::type;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
@@ -186,15 +185,15 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
     if (lane == 0) bar.arrive();
   };
 
-  // The consumer pieces of sm90/consumer.hpp on this schedule's ring stages.
+  // The consumer pieces (atoms/sm90/consumer.hpp) on this schedule's ring stages.
   auto issue_qk = [&](float(&S)[kBN / 2], uint32_t sK) {
-    sm90::consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sQ_wg, sK);
+    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sQ_wg, sK);
   };
   auto issue_pv = [&](const uint32_t(&P)[kBN / 16][4], uint32_t sV) {
-    sm90::consumer::issue_pv<kDT, kBN, kHD>(O, P, sV);
+    consumer::issue_pv<kDT, kBN, kHD>(O, P, sV);
   };
   auto softmax_step = [&](float(&S)[kBN / 2], int n, float(&rescale)[2]) {
-    sm90::consumer::softmax_step<Traits, kBN>(p, bi, softmax, scale_log2, S, n, row_of, t,
+    consumer::softmax_step<Traits, kBN>(p, bi, softmax, scale_log2, S, n, row_of, t,
                                               rescale);
   };
 
@@ -218,7 +217,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
       ++k_pos.it;
       float unused[2];
       softmax_step(S, n_hi, unused);
-      sm90::consumer::pack_p<kDT, kBN>(S, P);
+      consumer::pack_p<kDT, kBN>(S, P);
     }
     for (int n = n_hi; n >= n_lo; --n) {
       // S is zeroed although its first wgmma overwrites it: on the last block it is not issued,
@@ -245,8 +244,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
         wgmma::fence_operands(O);
         release(sm.v_empty(vs));
         ++v_pos.it;
-        sm90::consumer::rescale_o<kHD>(O, rescale);
-        sm90::consumer::pack_p<kDT, kBN>(S, P);
+        consumer::rescale_o<kHD>(O, rescale);
+        consumer::pack_p<kDT, kBN>(S, P);
       } else {
         wgmma::wait<0>();
         wgmma::fence_operands(O);
@@ -259,7 +258,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
 
   // ---- Epilogue ----
   if constexpr (Traits::kSplit) {
-    sm90::consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
+    consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
   } else {
     // Stage the rounded tile in shared memory over Q (every wgmma of both consumers that reads
     // it is done after the barrier), then write 16-byte rows.
@@ -267,10 +266,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* sO = reinterpret_cast<T*>(smem_raw + (sm.q() - smem_addr(smem_raw)));
     float* sL = reinterpret_cast<float*>(smem_raw + (sm.base + Cfg::kOffLse - smem_addr(smem_raw)));
-    sm90::consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
+    consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
                                                                             warp * 16 + g, t);
     named_sync<kThreads>(kEpilogue);
-    sm90::consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(
+    consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(
         p, bi, sO, sL, m0, int(p.head_dim));
     // The next tile's Q (an async-proxy write) may land over sO once every warp has read it.
     fence_proxy_async();

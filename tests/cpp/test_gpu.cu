@@ -626,7 +626,7 @@ std::string merge_case_name(const ::testing::TestParamInfo<MergeCase>& info) {
   return info.param.name();
 }
 
-/// Two-way and N-way (past the kernel's batch of 4 parts in flight, up to kMaxMergeParts),
+/// Two-way and N-way (past the kernel's batch of parts in flight, up to kMaxMergeParts),
 /// dense and packed LSEs, every dtype, vector path (head dims 64, 128, 96, 40) and scalar path
 /// (head dims 36 and 1, a misaligned view).
 std::vector<MergeCase> merge_grid() {
@@ -642,7 +642,7 @@ std::vector<MergeCase> merge_grid() {
 }
 INSTANTIATE_TEST_SUITE_P(Grid, GpuMerge, ::testing::ValuesIn(merge_grid()), merge_case_name);
 
-TEST_F(Gpu, MergeNanReachesWhatItTouchesAndEmptyPartsAreNeverRead) {
+TEST_F(Gpu, MergeNanReachesWhatItTouchesAndEmptyPartsAreNeverUsed) {
   const int64_t T = 4, H = 2, D = 64;
   MergeCase c{DType::bf16, 2, 1, T, H, D, false};
   MergeData d(c, 3);

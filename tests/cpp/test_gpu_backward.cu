@@ -130,11 +130,14 @@ std::vector<BwdCase> bwd_grid() {
         v.push_back({Case{dt, 2, sq, sk, hq, hkv, d, causal}, i % 4 != 1});
         ++i;
       }
-  // Sliding windows (left only, right only, both), GQA, both dq paths.
+  // Sliding windows (both sides, right only, left only), GQA, both dq paths; hd64 and hd128
+  // take the wgmma dk/dv pass (its 128- and 64-row steps), hd256 the mma.sync one.
   for (bool det : {true, false}) {
     v.push_back({Case{DType::bf16, 1, 300, 333, 4, 2, 128, false, 40, 7}, det});
     v.push_back({Case{DType::bf16, 1, 200, 180, 2, 1, 64, false, -1, 0}, det});
     v.push_back({Case{DType::f16, 1, 150, 150, 2, 2, 256, false, 0, 16}, det});
+    v.push_back({Case{DType::bf16, 1, 300, 333, 4, 2, 128, false, 40, -1}, det});
+    v.push_back({Case{DType::f16, 1, 333, 300, 4, 1, 64, false, 70, 9}, det});
     v.push_back({Case{DType::bf16, 2, 1024, 1024, 2, 1, 128, true}, det});
   }
   return v;

@@ -258,12 +258,9 @@ def test_out_bumps_the_version_counter(device):
 
 
 def test_ctrl_c_interrupts_a_long_cpu_call():
-    # Calls of about a second on 2 cores (a tenth on 16) back to back until Ctrl-C, simulated by
-    # interrupt_main after 0.3 s, lands. It must land inside a call, stopped by hipflash's poll:
-    # the KeyboardInterrupt is then raised again by the wrapper from the handler's pending one
-    # (`_C.take_pending_signal_error`); one raised between two calls, in Python code, comes from
-    # elsewhere, and that attempt is repeated. Python's own SIGINT handler is installed for the test (a process a
-    # shell starts in the background may ignore SIGINT, and interrupt_main then does nothing).
+    # Calls of ~1 s (2 cores) back to back until a simulated Ctrl-C lands; it must land inside
+    # a call, stopped by hipflash's poll (re-raised by `_C.take_pending_signal_error`): one
+    # landing between calls is retried. Python's SIGINT handler is installed for the test.
     q, k, v = qkv("cpu", b=1, sq=4096, sk=4096, hq=8, hkv=8, d=64)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

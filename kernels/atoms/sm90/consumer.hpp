@@ -1,6 +1,6 @@
-// hipflash — what a consumer warpgroup of a Hopper forward schedule does with its 64 query rows,
-// shared by the cp.async kernel (sm90/fwd_sm90_kernel.hpp) and the TMA warp-specialised one
-// (sm90_ws/fwd_sm90_ws_kernel.hpp): the two GEMMs on warpgroup MMAs, the masked online-softmax
+// hipflash — the sm_90 forward atom: what a consumer warpgroup does with its 64 query rows,
+// composed by both Hopper schedules, the cp.async kernel (sm90/) and the TMA warp-specialised
+// one (sm90_ws/): the two GEMMs on warpgroup MMAs, the masked online-softmax
 // step, the probabilities as P V's A operand, O's rescale, and the epilogue (the split's fp32
 // partials, or the rounded tile staged in shared memory and stored with its LSEs). The
 // schedules differ in how K and V arrive and how the warpgroups take turns, not in these.
@@ -21,11 +21,10 @@
 #include "common/swizzle.hpp"
 #include "hipflash/params.hpp"
 
-namespace hipflash::sm90::consumer {
+namespace hipflash::atom::sm90::consumer {
 
 #if defined(HIPFLASH_HAS_WGMMA)
 
-using namespace ::hipflash::atom::sm90;  // wgmma, the SW128 tile layout
 using ::hipflash::atom::sm80::pack2;
 
 /// S = Q K^T of this warpgroup's 64 rows (Q at sQ_wg, rows kBM * 128 bytes a panel apart)
@@ -175,4 +174,4 @@ __device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi,
 
 #endif  // HIPFLASH_HAS_WGMMA
 
-}  // namespace hipflash::sm90::consumer
+}  // namespace hipflash::atom::sm90::consumer

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Renders docs/benchmarks.md from the runs of record (bench/make_report.py): edit the run list
+# and bench/results/benchmarks-note.md when a new run of record lands.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+python3 bench/make_report.py \
+  bench/results/h200-2026-11-30b/full:fa-grid,head-dims,varlen,lse-overhead,host-overhead \
+  bench/results/h200-2026-11-30c/decode \
+  bench/results/h200-2026-11-30d/serving \
+  --allow-partial \
+  --append bench/results/h200-2026-11-30d/train \
+  --append bench/results/h200-2026-11-30d/merge \
+  --note-file bench/results/benchmarks-note.md
