@@ -154,7 +154,8 @@ inline std::string kv_name(const ::testing::TestParamInfo<KvCase>& info) {
 inline void PrintTo(const KvCase& c, std::ostream* os) { *os << kv_case_name(c); }
 
 /// Page sizes 16 .. 256, GQA ratios 1, 2, 4, 8, cache lengths 0 .. a few pages (a sequence may
-/// be empty; lengths on and off page boundaries), with and without an append, masks, splits.
+/// be empty; lengths on and off page boundaries) and one of 100k, with and without an append,
+/// masks, splits.
 inline std::vector<KvCase> kv_grid() {
   std::vector<KvCase> v;
   int i = 0;
@@ -174,6 +175,10 @@ inline std::vector<KvCase> kv_grid() {
       v.push_back(c);
       ++i;
     }
+  KvCase big;  // a long cache (the 0 .. 100k lengths), split-K by the heuristic
+  big.page = 256, big.hq = 16, big.hkv = 2, big.d = 128, big.lens = {100000, 0, 4097};
+  big.s_new = 1, big.splits = 0;
+  v.push_back(big);
   KvCase w;  // sliding window, chunk of queries longer than a sequence's keys
   w.sq = 40, w.hq = 6, w.hkv = 2, w.page = 16, w.lens = {5, 100, 0}, w.s_new = 8;
   w.causal = true, w.wl = 20, w.splits = 2;
