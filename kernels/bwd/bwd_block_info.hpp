@@ -5,27 +5,14 @@
 
 #include <cstdint>
 
+#include "common/block_info.hpp"
 #include "hipflash/bwd_params.hpp"
 
 namespace hipflash::bwd {
 
-/// Sequence b's first rows and lengths (varlen: from cu_seqlens; dense: 0 and the call's).
-struct SeqBounds {
-  int64_t q_start = 0, k_start = 0, len_q = 0, len_k = 0;
-  int64_t diag = 0;  ///< len_k - len_q: key j is on row i's diagonal at j = i + diag
-
-  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) {
-    if (p.cu_seqlens_q != nullptr) {
-      q_start = p.cu_seqlens_q[b];
-      k_start = p.cu_seqlens_k[b];
-      len_q = p.cu_seqlens_q[b + 1] - q_start;
-      len_k = p.cu_seqlens_k[b + 1] - k_start;
-    } else {
-      len_q = p.seqlen_q;
-      len_k = p.seqlen_k;
-    }
-    diag = len_k - len_q;
-  }
+/// Sequence b's bounds (common::SeqBounds) and what the backward asks of them.
+struct SeqBounds : common::SeqBounds {
+  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) : common::SeqBounds(p, b) {}
 
   /// The query rows [lo, hi) that see at least one key of [n0, n1) under the window (SPEC §3:
   /// row i sees keys [i + diag - left, i + diag + right], -1 unbounded).
@@ -66,6 +53,26 @@ struct SeqBounds {
     if (p.window_left >= 0 && n0 < m0 + bm - 1 + diag - p.window_left) return true;
     if (p.window_right >= 0 && n0 + bn - 1 > m0 + diag + p.window_right) return true;
     return false;
+  }
+};
+
+/// The rows of [m0, m0 + kBM) that see a thread's two keys key0 and key0 + 8 in a dk/dv step
+/// (the wgmma and mma.sync passes alike): solved once per step, only in tiles that need a mask
+/// (SeqBounds::rows_seeing_key), so that an element's test is two 32-bit compares, or in an
+/// unmasked instantiation one flag per key (past the sequence or not).
+template <int kBM, bool kMasked>
+struct KeyPairRows {
+  int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
+
+  HIPFLASH_HD KeyPairRows(const SeqBounds& seq, const FwdParams& p, int64_t m0, int64_t n0,
+                          int bn, int64_t key0) {
+    if (seq.pair_needs_mask(p, m0, kBM, n0, bn, kMasked))
+      for (int hh = 0; hh < 2; ++hh)
+        seq.rows_seeing_key(p, key0 + 8 * hh, m0, kBM, kMasked, lo[hh], hi[hh]);
+  }
+  /// Whether row m0 + col sees key key0 + 8 hh.
+  HIPFLASH_HD bool sees(int col, int hh) const {
+    return kMasked ? col >= lo[hh] && col <= hi[hh] : lo[hh] <= hi[hh];
   }
 };
 

@@ -216,21 +216,15 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
     // P^T and dS^T from the saved LSE (rows: keys; columns: queries).
     const float* lse2 = sLse + stage * kBM;
     const float* delta = sDelta + stage * kBM;
-    // Rows seeing keys key0 + 8 hh, solved per step in masked tiles only (as in the wgmma
-    // pass): two 32-bit compares an element, or without a window one flag per key.
-    int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
-    if (seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked)) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        seq.rows_seeing_key(p, key0 + 8 * hh, m0, kBM, Traits::kMasked, lo[hh], hi[hh]);
-    }
+    // The rows seeing this thread's keys key0 and key0 + 8 (KeyPairRows).
+    const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
 #pragma unroll
     for (int c = 0; c < kMCols; ++c) {
       const int col = (c / 2) * 8 + 2 * t + (c % 2);
       const float l2 = lse2[col], dl = delta[col];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const bool valid = Traits::kMasked ? col >= lo[hh] && col <= hi[hh] : lo[hh] <= hi[hh];
+        const bool valid = key_rows.sees(col, hh);
         const float pr = exp2f(S[hh][c] * scale_log2 - l2);
         S[hh][c] = valid ? pr : 0.f;  // a select: a masked NaN score leaks nothing
         dP[hh][c] = valid ? pr * (dP[hh][c] - dl) : 0.f;

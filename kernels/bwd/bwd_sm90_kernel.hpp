@@ -149,14 +149,8 @@ __global__ void __launch_bounds__(256, 1)
     // P^T and dS^T from the saved LSE (a select for masked pairs: a masked NaN leaks nothing).
     const float* lse2 = sLse(st);
     const float* delta = sDelta(st);
-    // Rows (columns of S^T) seeing keys key0 + 8 hh, solved per step in masked tiles only:
-    // two 32-bit compares an element, or without a window one flag per key.
-    int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
-    if (seq.pair_needs_mask(p, m0, kBM, n0, kBN, Traits::kMasked)) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        seq.rows_seeing_key(p, key0 + 8 * hh, m0, kBM, Traits::kMasked, lo[hh], hi[hh]);
-    }
+    // The rows seeing this thread's keys key0 and key0 + 8 (KeyPairRows).
+    const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
 #pragma unroll
     for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
@@ -166,7 +160,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int r = 4 * i + 2 * hh + e;
-          const bool valid = Traits::kMasked ? col >= lo[hh] && col <= hi[hh] : lo[hh] <= hi[hh];
+          const bool valid = key_rows.sees(col, hh);
           const float pr = exp2f(S[r] * scale_log2 - l2);
           S[r] = valid ? pr : 0.f;
           dP[r] = valid ? pr * (dP[r] - dl) : 0.f;

@@ -10,13 +10,35 @@
 
 namespace hipflash::common {
 
+/// Sequence b's first rows and lengths: varlen from cu_seqlens; dense 0 and the call's, a KV
+/// cache its cached keys plus the appended ones. The forward's BlockInfo and the backward's
+/// passes (bwd::SeqBounds) both derive them here.
+struct SeqBounds {
+  int64_t q_start = 0, k_start = 0;  ///< first row of this sequence (varlen), else 0
+  int64_t len_q = 0, len_k = 0;
+  int64_t diag = 0;  ///< len_k - len_q: key j is on row i's diagonal at j = i + diag
+
+  SeqBounds() = default;
+  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) {
+    if (p.cu_seqlens_q != nullptr) {
+      q_start = p.cu_seqlens_q[b];
+      k_start = p.cu_seqlens_k[b];
+      len_q = p.cu_seqlens_q[b + 1] - q_start;
+      len_k = p.cu_seqlens_k[b + 1] - k_start;
+    } else {
+      q_start = k_start = 0;
+      len_q = p.seqlen_q;
+      // A KV cache: sequence b holds its cached keys plus the appended ones.
+      len_k = p.seqlens_k != nullptr ? p.seqlens_k[b] + p.seqlen_k_new : p.seqlen_k;
+    }
+    diag = len_k - len_q;
+  }
+};
+
 template <int kBlockM, int kBlockN>
-struct BlockInfo {
+struct BlockInfo : SeqBounds {
   int64_t b, h, h_kv;
   int m_block, split;
-  int64_t q_start, k_start;  ///< first row of this sequence (varlen), else 0
-  int64_t len_q, len_k;
-  int64_t diag;              ///< len_k - len_q: key j is on row i's diagonal at j = i + diag
   int n_block_min, n_block_max;  ///< key blocks [min, max) this block visits
 
   /// blockIdx.x enumerates (m_block fastest, then split, head, batch): one dimension, so
@@ -31,18 +53,7 @@ struct BlockInfo {
     h = rest % p.heads_q;
     b = rest / p.heads_q;
     h_kv = h / (p.heads_q / p.heads_kv);
-    if (p.cu_seqlens_q != nullptr) {
-      q_start = p.cu_seqlens_q[b];
-      k_start = p.cu_seqlens_k[b];
-      len_q = p.cu_seqlens_q[b + 1] - q_start;
-      len_k = p.cu_seqlens_k[b + 1] - k_start;
-    } else {
-      q_start = k_start = 0;
-      len_q = p.seqlen_q;
-      // A KV cache: sequence b holds its cached keys plus the appended ones.
-      len_k = p.seqlens_k != nullptr ? p.seqlens_k[b] + p.seqlen_k_new : p.seqlen_k;
-    }
-    diag = len_k - len_q;
+    static_cast<SeqBounds&>(*this) = SeqBounds(p, b);
     // Keys any row of this block may see (SPEC §3 window, bottom-right aligned).
     const int64_t m0 = int64_t(m_block) * kBlockM;
     int64_t lo = 0, hi = len_k;
@@ -131,20 +142,25 @@ struct BlockInfo {
   template <class T, bool kPaged>
   HIPFLASH_HD auto k_source_of(const FwdParams& p) const {
     if constexpr (kPaged)
-      return PagedRows<const T>{static_cast<const T*>(p.k) + h_kv * p.k_head_stride,
-                                p.block_table + b * p.block_table_stride, p.k_batch_stride,
-                                p.k_row_stride, p.page_shift};
+      return pages_of<T>(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
     else
       return k_source<T>(p);
   }
   template <class T, bool kPaged>
   HIPFLASH_HD auto v_source_of(const FwdParams& p) const {
     if constexpr (kPaged)
-      return PagedRows<const T>{static_cast<const T*>(p.v) + h_kv * p.v_head_stride,
-                                p.block_table + b * p.block_table_stride, p.v_batch_stride,
-                                p.v_row_stride, p.page_shift};
+      return pages_of<T>(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
     else
       return v_source<T>(p);
+  }
+  /// This block's kv head of a paged cache (pages page_stride elements apart) through its
+  /// sequence's block-table row.
+  template <class T>
+  HIPFLASH_HD PagedRows<const T> pages_of(const FwdParams& p, const void* cache,
+                                          int64_t page_stride, int64_t row_stride,
+                                          int64_t head_stride) const {
+    return {static_cast<const T*>(cache) + h_kv * head_stride,
+            p.block_table + b * p.block_table_stride, page_stride, row_stride, p.page_shift};
   }
 
   /// Whether key j is valid for query row i (both relative to this sequence).
