@@ -7,7 +7,9 @@
 // (split s belongs to warp s % kWarps), so the row costs about one memory round trip however
 // many splits there are. out = sum_s w_s * out_s is reduced across the warps in shared memory.
 // All splits empty: out = 0, lse = -inf. RETURN_LSE is a compile-time flag: without it no LSE
-// store exists.
+// store exists. On sm_90+ the kernel is a programmatic dependent of the split kernel before it
+// (src/gpu/combine_launch.cu): its blocks are placed while that kernel runs and wait for it,
+// which saves the launch gap between the two.
 #pragma once
 
 #include "hipflash/detail/softmax_state.hpp"
@@ -53,6 +55,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_C
   __shared__ bool s_live[kMaxSplits];  ///< the split saw a key: its partial row was written
   __shared__ float s_acc[kWarps][kPaddedDim];
 
+  // Launched as a programmatic dependent of the split kernel where the GPU has that: its
+  // partials are complete and visible past this point.
+  port::wait_prerequisite_grids();
   const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
   const int64_t item = blockIdx.x;
   const int64_t row = item % p.seqlen_q;

@@ -222,6 +222,9 @@ template <class Traits, bool kPaged = false>
 __global__ void __launch_bounds__(DecodeTile<Traits::kHeadDim>::kThreads)
     fwd_decode_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
+  // A split kernel's combine pass waits for this grid (griddepcontrol); its blocks may be
+  // placed as soon as every block here has started.
+  if constexpr (Traits::kSplit) port::allow_dependent_launch();
   Scheduler::run([&](int64_t tile) { fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
 #else
   port::trap();  // the decode kernel exists for mma.sync targets only; the selector knows

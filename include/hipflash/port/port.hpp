@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "hipflash/errors.hpp"
 
@@ -188,6 +189,51 @@ __device__ __forceinline__ T shfl(T v, int src_lane) {
   return __shfl_sync(0xffffffffu, v, src_lane);
 }
 #endif  // shuffles
+
+// ---- Programmatic dependent launch (NVIDIA sm_90+) ------------------------------------------
+// A kernel launched with launch_kernel(..., programmatic = true) may start while the work before
+// it in the stream is still running: it must call wait_prerequisite_grids() before it reads or
+// writes memory that work touches. A kernel in front of it may call allow_dependent_launch() so
+// that the dependent's blocks are placed as soon as all of its own blocks have started (without
+// it, when they have all exited). Both are no-ops on other targets, where the launch is plain.
+
+/// Waits until the grids this one depends on have completed and their writes are visible.
+__device__ __forceinline__ void wait_prerequisite_grids() {
+#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/// Lets the grid launched programmatically after this one start (its blocks then wait).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// kernel<<<grid, block, smem, s>>>(args...); with `programmatic` (NVIDIA sm_90+ devices; the
+/// caller knows the device) as a programmatic dependent of the work before it in s.
+template <class... Params, class... Args>
+inline error_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             stream_t s, bool programmatic, Args&&... args) {
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+#else
+  (void)programmatic;
+  kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
+  return hipGetLastError();
+#endif
+}
 
 /// Stops the kernel loudly: the body an unsupported target compiles to.
 __device__ __forceinline__ void trap() {
