@@ -215,7 +215,7 @@ int resolve_splits(const FwdParams& p, int requested, const gpu::TileShape& tile
   const int64_t heads = gpu ? p.gpu_heads() : p.heads_q;
   const int64_t rows = gpu ? p.gpu_query_rows() : p.seqlen_q;
   const int64_t work = p.batch * heads * ceil_div(rows, tile.block_m);
-  return num_splits_heuristic(work, processors * tile.blocks_per_sm, key_blocks);
+  return num_splits_heuristic(work, processors, tile.blocks_per_sm, key_blocks);
 }
 
 /// The kernel a call runs on, on which device, and its resolved split count.

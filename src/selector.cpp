@@ -111,25 +111,28 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
   return sel;
 }
 
-int num_splits_heuristic(int64_t work_items, int64_t num_slots, int64_t num_key_blocks,
-                         int max_splits) {
-  if (work_items <= 0 || num_slots <= 0 || num_key_blocks <= 1) return 1;
-  // Enough work for most of one wave already: splitting only adds the combine pass.
-  if (work_items * 10 >= num_slots * 8) return 1;
+int num_splits_heuristic(int64_t work_items, int64_t num_processors, int64_t blocks_per_processor,
+                         int64_t num_key_blocks, int max_splits) {
+  if (work_items <= 0 || num_processors <= 0 || num_key_blocks <= 1) return 1;
+  const int64_t slots = num_processors * std::max<int64_t>(blocks_per_processor, 1);
+  // Enough work for most of the resident slots already: splitting only adds the combine pass.
+  if (work_items * 10 >= slots * 8) return 1;
   // At least two key blocks per split: a split of one block costs its share of the combine
   // pass (a launch, the workspace round trip) for one block's work — tiny problems stay whole.
-  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks / 2, num_slots});
+  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks / 2, slots});
   if (limit <= 1) return 1;
-  // Wave efficiency of s splits: the filled fraction of the last wave.
-  auto efficiency = [&](int64_t s) {
-    double waves = double(work_items * s) / double(num_slots);
-    return waves / std::ceil(waves);
+  // The time of s splits, in units of one work item's keys: the blocks resident on one
+  // multiprocessor share its throughput (memory or math), so the busiest one, with
+  // ceil(items * s / processors) blocks of 1/s of an item each, sets it.
+  auto cost = [&](int64_t s) {
+    return double((work_items * s + num_processors - 1) / num_processors) / double(s);
   };
-  double best = 0;
-  for (int64_t s = 1; s <= limit; ++s) best = std::max(best, efficiency(s));
-  // The fewest splits within 85% of the best efficiency that fill 85% of one wave.
+  double best = cost(1);
+  for (int64_t s = 2; s <= limit; ++s) best = std::min(best, cost(s));
+  // The fewest splits within 4% of the best: each split adds partial rows to write and to
+  // combine (measured on the H200 for decode, B = 1..8: docs/perf-notes.md).
   for (int64_t s = 1; s <= limit; ++s)
-    if (efficiency(s) >= 0.85 * best && work_items * s * 100 >= num_slots * 85) return int(s);
+    if (cost(s) <= 1.04 * best) return int(s);
   return int(limit);
 }
 

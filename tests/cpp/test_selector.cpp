@@ -253,26 +253,29 @@ TEST(Selector, IsPure) {
 // ---- num_splits_heuristic ----------------------------------------------------------------------
 
 TEST(SplitHeuristic, NoSplitWhenNothingToSplit) {
-  EXPECT_EQ(num_splits_heuristic(0, 132, 100), 1);     // no work
-  EXPECT_EQ(num_splits_heuristic(10, 0, 100), 1);      // no SMs (defensive)
-  EXPECT_EQ(num_splits_heuristic(1, 132, 1), 1);       // one key block
-  EXPECT_EQ(num_splits_heuristic(1, 132, 0), 1);       // Sk = 0
-  EXPECT_EQ(num_splits_heuristic(132, 132, 1000), 1);  // a full wave already
-  EXPECT_EQ(num_splits_heuristic(106, 132, 1000), 1);  // >= 80% of a wave
-  EXPECT_EQ(num_splits_heuristic(100000, 132, 1000), 1);
+  EXPECT_EQ(num_splits_heuristic(0, 132, 1, 100), 1);     // no work
+  EXPECT_EQ(num_splits_heuristic(10, 0, 1, 100), 1);      // no SMs (defensive)
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 1), 1);       // one key block
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 0), 1);       // Sk = 0
+  EXPECT_EQ(num_splits_heuristic(132, 132, 1, 1000), 1);  // a full wave already
+  EXPECT_EQ(num_splits_heuristic(106, 132, 1, 1000), 1);  // >= 80% of a wave
+  EXPECT_EQ(num_splits_heuristic(212, 132, 2, 1000), 1);  // >= 80% of the resident slots
+  EXPECT_EQ(num_splits_heuristic(100000, 132, 2, 1000), 1);
 }
 
 TEST(SplitHeuristic, SplitsSmallProblemsWithinBounds) {
   for (int64_t work : {1, 2, 3, 7, 16, 40, 100}) {
     for (int64_t sms : {2, 8, 108, 132, 304}) {
-      for (int64_t kb : {2, 5, 17, 64, 2000}) {
-        for (int max_splits : {4, 128}) {
-          const int s = num_splits_heuristic(work, sms, kb, max_splits);
-          EXPECT_GE(s, 1);
-          EXPECT_LE(s, std::min<int64_t>({max_splits, kb, sms}));
-          EXPECT_EQ(s, num_splits_heuristic(work, sms, kb, max_splits));  // pure
-          if (work * 10 >= sms * 8) {
-            EXPECT_EQ(s, 1);
+      for (int64_t per_sm : {1, 2}) {
+        for (int64_t kb : {2, 5, 17, 64, 2000}) {
+          for (int max_splits : {4, 128}) {
+            const int s = num_splits_heuristic(work, sms, per_sm, kb, max_splits);
+            EXPECT_GE(s, 1);
+            EXPECT_LE(s, std::min<int64_t>({max_splits, kb, sms * per_sm}));
+            EXPECT_EQ(s, num_splits_heuristic(work, sms, per_sm, kb, max_splits));  // pure
+            if (work * 10 >= sms * per_sm * 8) {
+              EXPECT_EQ(s, 1);
+            }
           }
         }
       }
@@ -280,22 +283,55 @@ TEST(SplitHeuristic, SplitsSmallProblemsWithinBounds) {
   }
 }
 
-TEST(SplitHeuristic, DecodeFillsTheMachine) {
-  // One work item on 132 SMs with plenty of key blocks: the fewest splits within 85% of a
-  // full wave is ceil(0.85 * 132) = 113.
-  EXPECT_EQ(num_splits_heuristic(1, 132, 1000), 113);
+// The busiest multiprocessor's share of the keys, as the heuristic models it.
+double busiest(int64_t work, int64_t sms, int s) {
+  return double((work * s + sms - 1) / sms) / s;
+}
+
+TEST(SplitHeuristic, DecodeBalancesTheMultiprocessors) {
+  // One work item on 132 SMs, plenty of key blocks: 128 splits put one block on 128 SMs; the
+  // fewest within 4% of that, 124.
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 1000), 124);
+  // H200 decode, GQA 32/8 packed (8 items per sequence), two blocks per SM: measured best
+  // (bench/probes/decode_splits_probe.py, docs/perf-notes.md) B = 1 -> 16, 2 -> 8, 4 -> 4,
+  // 8 -> 2 — one block on 128 of the 132 SMs.
+  EXPECT_EQ(num_splits_heuristic(8, 132, 2, 64), 16);    // Sk = 4k
+  EXPECT_EQ(num_splits_heuristic(8, 132, 2, 2048), 16);  // Sk = 128k
+  EXPECT_EQ(num_splits_heuristic(16, 132, 2, 512), 8);
+  EXPECT_EQ(num_splits_heuristic(32, 132, 2, 512), 4);
+  EXPECT_EQ(num_splits_heuristic(64, 132, 2, 512), 2);
+  // Three sequences (24 items): 11 splits fill every SM with two blocks exactly.
+  EXPECT_EQ(num_splits_heuristic(24, 132, 2, 512), 11);
+  EXPECT_DOUBLE_EQ(busiest(24, 132, 11), 2.0 / 11);
   // Limited by the key blocks: at least two per split.
-  EXPECT_EQ(num_splits_heuristic(1, 132, 5), 2);
-  EXPECT_EQ(num_splits_heuristic(1, 132, 64), 32);
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 5), 2);
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 64), 31);  // 32 allowed, 31 within 4%
   // A tiny problem (2 key blocks) stays whole: a split would cost more than it saves.
-  EXPECT_EQ(num_splits_heuristic(16, 528, 2), 1);
-  EXPECT_EQ(num_splits_heuristic(16, 528, 3), 1);
+  EXPECT_EQ(num_splits_heuristic(16, 264, 2, 2), 1);
+  EXPECT_EQ(num_splits_heuristic(16, 264, 2, 3), 1);
   // Limited by max_splits.
-  EXPECT_EQ(num_splits_heuristic(1, 132, 1000, 16), 16);
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 1000, 16), 16);
   // 2 CPU threads, one row: 2 splits.
-  EXPECT_EQ(num_splits_heuristic(1, 2, 16), 2);
-  // 32 items on 132 SMs: 4 splits fill 128/132 = 97% of one wave.
-  EXPECT_EQ(num_splits_heuristic(32, 132, 100), 4);
+  EXPECT_EQ(num_splits_heuristic(1, 2, 1, 16), 2);
+}
+
+TEST(SplitHeuristic, FewestSplitsWithinFourPercentOfTheBest) {
+  for (int64_t work : {1, 3, 8, 24, 50, 100}) {
+    for (int64_t sms : {8, 108, 132}) {
+      const int64_t kb = 4000;
+      const int s = num_splits_heuristic(work, sms, 2, kb);
+      if (work * 10 >= sms * 16) {  // most of the resident slots already
+        EXPECT_EQ(s, 1);
+        continue;
+      }
+      const int limit = int(std::min<int64_t>({128, kb / 2, sms * 2}));
+      double best = busiest(work, sms, 1);
+      for (int other = 2; other <= limit; ++other) best = std::min(best, busiest(work, sms, other));
+      EXPECT_LE(busiest(work, sms, s), 1.04 * best) << "work " << work << " sms " << sms;
+      for (int other = 1; other < s; ++other)
+        EXPECT_GT(busiest(work, sms, other), 1.04 * best) << "work " << work << " sms " << sms;
+    }
+  }
 }
 
 }  // namespace

@@ -83,10 +83,11 @@ constexpr int padded_head_dim(int head_dim) {
        : head_dim == 256 ? 256 : 0;
 }
 
-/// The split-count heuristic for num_splits = 0 (pure): fill `num_slots` (multiprocessors x
-/// resident thread blocks per multiprocessor) with the (batch * heads * query-block) work
-/// items, never splitting into fewer than one key block each.
-int num_splits_heuristic(int64_t work_items, int64_t num_slots, int64_t num_key_blocks,
-                         int max_splits = 128);
+/// The split-count heuristic for num_splits = 0 (pure): split the (batch * heads * query-block)
+/// work items' keys so that the busiest of `num_processors` multiprocessors has the least work
+/// (each holding up to `blocks_per_processor` resident blocks), the fewest splits within 4% of
+/// that, never fewer than two key blocks per split.
+int num_splits_heuristic(int64_t work_items, int64_t num_processors, int64_t blocks_per_processor,
+                         int64_t num_key_blocks, int max_splits = 128);
 
 }  // namespace hipflash
