@@ -215,11 +215,6 @@ int resolve_splits(const FwdParams& p, int requested, const gpu::TileShape& tile
   const int64_t heads = gpu ? p.gpu_heads() : p.heads_q;
   const int64_t rows = gpu ? p.gpu_query_rows() : p.seqlen_q;
   const int64_t work = p.batch * heads * ceil_div(rows, tile.block_m);
-  // Blocks reading a paged cache keep a block-table read in their copy chain: one alone on a
-  // multiprocessor leaves its share of the memory idle (H200: 0.75-0.9x of two there, where a
-  // contiguous one loses nothing), so those calls balance the resident slots instead.
-  if (p.block_table != nullptr)
-    return num_splits_heuristic(work, processors * tile.blocks_per_sm, 1, key_blocks);
   return num_splits_heuristic(work, processors, tile.blocks_per_sm, key_blocks);
 }
 
