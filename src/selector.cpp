@@ -117,20 +117,20 @@ int num_splits_heuristic(int64_t work_items, int64_t num_processors, int64_t blo
   const int64_t slots = num_processors * std::max<int64_t>(blocks_per_processor, 1);
   // Enough work for most of the resident slots already: splitting only adds the combine pass.
   if (work_items * 10 >= slots * 8) return 1;
-  // At least two key blocks per split: a split of one block costs its share of the combine
-  // pass (a launch, the workspace round trip) for one block's work — tiny problems stay whole.
-  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks / 2, slots});
+  // At least four key blocks per split: shorter splits cost their share of the combine pass
+  // (the partial rows written and read back) and of the pipeline's fill for little work.
+  const int64_t limit = std::min<int64_t>({max_splits, num_key_blocks / 4, slots});
   if (limit <= 1) return 1;
-  // The time of s splits, in units of one work item's keys: the blocks resident on one
-  // multiprocessor share its throughput (memory or math), so the busiest one, with
-  // ceil(items * s / processors) blocks of 1/s of an item each, sets it.
+  // The time of s splits in units of one work item's keys: ceil(items * s / slots) rounds of
+  // the resident slots, each 1/s of an item long. Slots, not multiprocessors: one block alone
+  // on a multiprocessor reads a paged cache at 0.75-0.9x of two there (H200, docs/perf-notes.md),
+  // and paged and contiguous calls must split alike (bitwise the same result, SPEC §7).
   auto cost = [&](int64_t s) {
-    return double((work_items * s + num_processors - 1) / num_processors) / double(s);
+    return double((work_items * s + slots - 1) / slots) / double(s);
   };
   double best = cost(1);
   for (int64_t s = 2; s <= limit; ++s) best = std::min(best, cost(s));
-  // The fewest splits within 4% of the best: each split adds partial rows to write and to
-  // combine (measured on the H200 for decode, B = 1..8: docs/perf-notes.md).
+  // The fewest splits within 4% of the best: each split adds partial rows to write and combine.
   for (int64_t s = 1; s <= limit; ++s)
     if (cost(s) <= 1.04 * best) return int(s);
   return int(limit);

@@ -271,7 +271,7 @@ TEST(SplitHeuristic, SplitsSmallProblemsWithinBounds) {
           for (int max_splits : {4, 128}) {
             const int s = num_splits_heuristic(work, sms, per_sm, kb, max_splits);
             EXPECT_GE(s, 1);
-            EXPECT_LE(s, std::min<int64_t>({max_splits, kb, sms * per_sm}));
+            EXPECT_LE(s, std::max<int64_t>(1, std::min<int64_t>({max_splits, kb / 4, sms * per_sm})));
             EXPECT_EQ(s, num_splits_heuristic(work, sms, per_sm, kb, max_splits));  // pure
             if (work * 10 >= sms * per_sm * 8) {
               EXPECT_EQ(s, 1);
@@ -283,30 +283,31 @@ TEST(SplitHeuristic, SplitsSmallProblemsWithinBounds) {
   }
 }
 
-// The busiest multiprocessor's share of the keys, as the heuristic models it.
-double busiest(int64_t work, int64_t sms, int s) {
-  return double((work * s + sms - 1) / sms) / s;
+// The heuristic's cost of s splits: rounds of the resident slots, each 1/s of an item long.
+double rounds(int64_t work, int64_t slots, int s) {
+  return double((work * s + slots - 1) / slots) / s;
 }
 
-TEST(SplitHeuristic, DecodeBalancesTheMultiprocessors) {
-  // One work item on 132 SMs, plenty of key blocks: 128 splits put one block on 128 SMs; the
-  // fewest within 4% of that, 124.
+TEST(SplitHeuristic, DecodeFillsTheResidentSlots) {
+  // One work item on 132 SMs, plenty of key blocks: 128 splits (max_splits) in one round;
+  // the fewest within 4% of that, 124.
   EXPECT_EQ(num_splits_heuristic(1, 132, 1, 1000), 124);
-  // H200 decode, GQA 32/8 packed (8 items per sequence), two blocks per SM: measured best
-  // (bench/probes/decode_splits_probe.py, docs/perf-notes.md) B = 1 -> 16, 2 -> 8, 4 -> 4,
-  // 8 -> 2 — one block on 128 of the 132 SMs.
-  EXPECT_EQ(num_splits_heuristic(8, 132, 2, 64), 16);    // Sk = 4k
-  EXPECT_EQ(num_splits_heuristic(8, 132, 2, 2048), 16);  // Sk = 128k
-  EXPECT_EQ(num_splits_heuristic(16, 132, 2, 512), 8);
-  EXPECT_EQ(num_splits_heuristic(32, 132, 2, 512), 4);
-  EXPECT_EQ(num_splits_heuristic(64, 132, 2, 512), 2);
-  // Three sequences (24 items): 11 splits fill every SM with two blocks exactly.
+  // H200 decode, GQA 32/8 packed (8 items per sequence), two blocks per SM (264 slots):
+  // B = 1 -> 32 (256 blocks; 33 would fill all 264, within 4%), B = 2 -> 16, 4 -> 8, 8 -> 4.
+  EXPECT_EQ(num_splits_heuristic(8, 132, 2, 2048), 32);  // Sk = 128k
+  EXPECT_EQ(num_splits_heuristic(16, 132, 2, 512), 16);
+  EXPECT_EQ(num_splits_heuristic(32, 132, 2, 512), 8);
+  EXPECT_EQ(num_splits_heuristic(64, 132, 2, 512), 4);
+  // Sk = 4k (64 key blocks): at least four key blocks per split -> 16 (measured best there).
+  EXPECT_EQ(num_splits_heuristic(8, 132, 2, 64), 16);
+  // Three sequences (24 items): 11 splits fill the 264 slots exactly.
   EXPECT_EQ(num_splits_heuristic(24, 132, 2, 512), 11);
-  EXPECT_DOUBLE_EQ(busiest(24, 132, 11), 2.0 / 11);
-  // Limited by the key blocks: at least two per split.
-  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 5), 2);
-  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 64), 31);  // 32 allowed, 31 within 4%
-  // A tiny problem (2 key blocks) stays whole: a split would cost more than it saves.
+  EXPECT_DOUBLE_EQ(rounds(24, 264, 11), 1.0 / 11);
+  // Limited by the key blocks: at least four per split.
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 7), 1);
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 8), 2);
+  EXPECT_EQ(num_splits_heuristic(1, 132, 1, 64), 16);
+  // A tiny problem (2 or 3 key blocks) stays whole: a split would cost more than it saves.
   EXPECT_EQ(num_splits_heuristic(16, 264, 2, 2), 1);
   EXPECT_EQ(num_splits_heuristic(16, 264, 2, 3), 1);
   // Limited by max_splits.
@@ -318,18 +319,18 @@ TEST(SplitHeuristic, DecodeBalancesTheMultiprocessors) {
 TEST(SplitHeuristic, FewestSplitsWithinFourPercentOfTheBest) {
   for (int64_t work : {1, 3, 8, 24, 50, 100}) {
     for (int64_t sms : {8, 108, 132}) {
-      const int64_t kb = 4000;
+      const int64_t kb = 4000, slots = sms * 2;
       const int s = num_splits_heuristic(work, sms, 2, kb);
-      if (work * 10 >= sms * 16) {  // most of the resident slots already
+      if (work * 10 >= slots * 8) {  // most of the resident slots already
         EXPECT_EQ(s, 1);
         continue;
       }
-      const int limit = int(std::min<int64_t>({128, kb / 2, sms * 2}));
-      double best = busiest(work, sms, 1);
-      for (int other = 2; other <= limit; ++other) best = std::min(best, busiest(work, sms, other));
-      EXPECT_LE(busiest(work, sms, s), 1.04 * best) << "work " << work << " sms " << sms;
+      const int limit = int(std::min<int64_t>({128, kb / 4, slots}));
+      double best = rounds(work, slots, 1);
+      for (int other = 2; other <= limit; ++other) best = std::min(best, rounds(work, slots, other));
+      EXPECT_LE(rounds(work, slots, s), 1.04 * best) << "work " << work << " sms " << sms;
       for (int other = 1; other < s; ++other)
-        EXPECT_GT(busiest(work, sms, other), 1.04 * best) << "work " << work << " sms " << sms;
+        EXPECT_GT(rounds(work, slots, other), 1.04 * best) << "work " << work << " sms " << sms;
     }
   }
 }

@@ -84,9 +84,9 @@ constexpr int padded_head_dim(int head_dim) {
 }
 
 /// The split-count heuristic for num_splits = 0 (pure): split the (batch * heads * query-block)
-/// work items' keys so that the busiest of `num_processors` multiprocessors has the least work
-/// (each holding up to `blocks_per_processor` resident blocks), the fewest splits within 4% of
-/// that, never fewer than two key blocks per split.
+/// work items' keys over the resident slots (`num_processors` x `blocks_per_processor`) in the
+/// least time (rounds of the slots x split length), the fewest splits within 4% of that, never
+/// fewer than four key blocks per split.
 int num_splits_heuristic(int64_t work_items, int64_t num_processors, int64_t blocks_per_processor,
                          int64_t num_key_blocks, int max_splits = 128);
 
