@@ -125,26 +125,24 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
     tma::load_4d(sm.q() + c * Cfg::kBlockM * 128, &maps.q, sm.q_full(), 64 * c, m0, h, b);
   ++q_it;
 
+  // The key block at `row` of K (kV false) or V into the next free stage of its ring.
+  auto load_block = [&](auto is_v, int row) {
+    constexpr bool kV = decltype(is_v)::value;
+    auto& pos = kV ? v_pos : k_pos;
+    const int s = pos.stage();
+    const auto full = kV ? sm.v_full(s) : sm.k_full(s);
+    (kV ? sm.v_empty(s) : sm.k_empty(s)).wait(pos.parity() ^ 1u);
+    full.arrive_expect_tx(Cfg::kSmemKV);
+#pragma unroll
+    for (int c = 0; c < Cfg::kPanels; ++c)
+      tma::load_4d((kV ? sm.v(s) : sm.k(s)) + c * Cfg::kBlockN * 128, kV ? &maps.v : &maps.k, full,
+                   64 * c, row, h_kv, b);
+    ++pos.it;
+  };
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
     const int row = n * Cfg::kBlockN;
-    {
-      const int s = k_pos.stage();
-      sm.k_empty(s).wait(k_pos.parity() ^ 1u);
-      sm.k_full(s).arrive_expect_tx(Cfg::kSmemKV);
-#pragma unroll
-      for (int c = 0; c < Cfg::kPanels; ++c)
-        tma::load_4d(sm.k(s) + c * Cfg::kBlockN * 128, &maps.k, sm.k_full(s), 64 * c, row, h_kv, b);
-      ++k_pos.it;
-    }
-    {
-      const int s = v_pos.stage();
-      sm.v_empty(s).wait(v_pos.parity() ^ 1u);
-      sm.v_full(s).arrive_expect_tx(Cfg::kSmemKV);
-#pragma unroll
-      for (int c = 0; c < Cfg::kPanels; ++c)
-        tma::load_4d(sm.v(s) + c * Cfg::kBlockN * 128, &maps.v, sm.v_full(s), 64 * c, row, h_kv, b);
-      ++v_pos.it;
-    }
+    load_block(std::false_type{}, row);
+    load_block(std::true_type{}, row);
   }
 }
 
