@@ -6,7 +6,9 @@
 # call splits between the decode kernel and the combine kernel. Every configuration is checked
 # against the unsplit call first (within SPEC's tolerance; a mismatch is reported, not timed).
 # Usage (GPU machine, after scripts/gpu-check build): python3 bench/probes/decode_splits_probe.py
-#   build-gpu/python [--cells B:Sk,B:Sk,...] [--splits 1,8,16,...]
+#   build-gpu/python [--cells B:Sk,B:Sk,...] [--splits 1,8,16,...] [--heads Hq:Hkv]
+# --heads 4:1 reads the same K/V bytes as 32:8 with each block's keys contiguous (one kv head:
+# whole rows), where 32:8 gives a block a 256-byte slice of every 2 KiB row.
 import argparse
 import math
 import os
@@ -22,6 +24,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("hipflash_path")
 ap.add_argument("--cells", default="1:4096,1:32768,1:131072,8:32768,8:131072,32:131072")
 ap.add_argument("--splits", default="1,4,8,16,24,29,33,40,48,64,96")
+ap.add_argument("--heads", default="32:8", help="Hq:Hkv (D = 128)")
 args = ap.parse_args()
 sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
@@ -29,7 +32,8 @@ import hipflash as hf  # noqa: E402
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 timer = bench.Timer(dev, *bench.BUDGETS["quick"])
 l2 = torch.cuda.get_device_properties(0).L2_cache_size if dev == "cuda" else 0
-Hq, Hkv, D = 32, 8, 128
+Hq, Hkv = (int(x) for x in args.heads.split(":"))
+D = 128
 F = torch.nn.functional
 for spec in args.cells.split(","):
     B, Sk = (int(x) for x in spec.split(":"))
