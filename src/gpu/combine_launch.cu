@@ -1,18 +1,36 @@
 // hipflash — the one place that launches the split-K combine kernel.
+#include <atomic>
+
 #include "combine/combine_kernel.hpp"
-#include "backend.hpp"  // device_arch
 #include "gpu/launch_api.hpp"
 #include "hipflash/detail/static_switch.hpp"
 
 namespace hipflash::gpu {
 
-/// `programmatic`: launched as a programmatic dependent of the split kernel (NVIDIA sm_90+).
+/// Launched as a programmatic dependent of the split kernel where the combine kernel's code on
+/// this device waits for it: its binary was built from sm_90+ code (griddepcontrol.wait). An
+/// sm_80 build JIT-compiled for a newer GPU has no wait and launches plainly. Cached per device.
 template <class T, int kPaddedDim, bool kReturnLse>
-static void launch(const FwdParams& p, port::stream_t stream, bool programmatic) {
+static void launch(const FwdParams& p, port::stream_t stream) {
+  constexpr auto kKernel = combine::combine_kernel<T, kPaddedDim, kReturnLse>;
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;  // one thread block each
   HIPFLASH_CHECK(rows <= 0x7fffffff, "problem too large for one combine launch (", rows,
                  " rows)");
-  port::check(port::launch_kernel(combine::combine_kernel<T, kPaddedDim, kReturnLse>,
+  static std::atomic<uint64_t> known{0}, waits{0};  // bit d: device d (devices < 64)
+  int device = 0;
+  port::check(port::get_device(&device), "querying the current device");
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  bool programmatic = false;
+  if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
+    programmatic = (waits.load(std::memory_order_acquire) & bit) != 0;
+  } else {
+    programmatic = port::waits_for_prerequisite_grids(kKernel);
+    if (bit != 0) {
+      if (programmatic) waits.fetch_or(bit, std::memory_order_acq_rel);
+      known.fetch_or(bit, std::memory_order_acq_rel);
+    }
+  }
+  port::check(port::launch_kernel(kKernel,
                                   dim3(unsigned(rows)), dim3(combine::kThreads), 0, stream,
                                   programmatic, p),
               "launching the split-K combine kernel");
@@ -21,18 +39,14 @@ static void launch(const FwdParams& p, port::stream_t stream, bool programmatic)
 void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream) {
   using bf16 = port::bf16_t;
   using f16 = port::f16_t;
-  int device = 0;
-  port::check(port::get_device(&device), "querying the current device");
-  const Arch arch = device_arch(device);
-  const bool pdl = arch.vendor == Arch::nvidia && arch.version >= 90;
   HIPFLASH_BOOL_SWITCH(p.return_lse, kLse, [&] {
     const bool bf16_in = p.dtype == DType::bf16;
     if (padded_head_dim == 64) {
-      bf16_in ? launch<bf16, 64, kLse>(p, stream, pdl) : launch<f16, 64, kLse>(p, stream, pdl);
+      bf16_in ? launch<bf16, 64, kLse>(p, stream) : launch<f16, 64, kLse>(p, stream);
     } else if (padded_head_dim == 128) {
-      bf16_in ? launch<bf16, 128, kLse>(p, stream, pdl) : launch<f16, 128, kLse>(p, stream, pdl);
+      bf16_in ? launch<bf16, 128, kLse>(p, stream) : launch<f16, 128, kLse>(p, stream);
     } else if (padded_head_dim == 256) {
-      bf16_in ? launch<bf16, 256, kLse>(p, stream, pdl) : launch<f16, 256, kLse>(p, stream, pdl);
+      bf16_in ? launch<bf16, 256, kLse>(p, stream) : launch<f16, 256, kLse>(p, stream);
     } else {
       throw not_implemented("split-K combine: no instantiation for padded head dim " +
                             std::to_string(padded_head_dim));

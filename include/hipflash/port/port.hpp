@@ -211,6 +211,24 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
+/// Whether `kernel`'s code on the current device calls griddepcontrol.wait where
+/// wait_prerequisite_grids() is written: built from sm_90+ code (an sm_80 build JIT-compiled
+/// for a newer GPU is not). Only then may it be launched programmatically.
+template <class... Params>
+inline bool waits_for_prerequisite_grids(void (*kernel)(Params...)) {
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.ptxVersion >= 90 && a.binaryVersion >= 90;
+#else
+  (void)kernel;
+  return false;
+#endif
+}
+
 /// kernel<<<grid, block, smem, s>>>(args...); with `programmatic` (NVIDIA sm_90+ devices; the
 /// caller knows the device) as a programmatic dependent of the work before it in s.
 template <class... Params, class... Args>
@@ -226,6 +244,10 @@ inline error_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, s
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = attr;
+#if CUDART_VERSION < 12030
+  // Capturing a programmatic launch into a graph needs CUDA 12.3+: launch plainly there.
+  if (programmatic && stream_capturing(s)) programmatic = false;
+#endif
   cfg.numAttrs = programmatic ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 #else
