@@ -1,7 +1,6 @@
 // hipflash — the one place that launches the split-K combine kernel.
-#include <atomic>
-
 #include "combine/combine_kernel.hpp"
+#include "gpu/device_guard.hpp"
 #include "gpu/launch_api.hpp"
 #include "hipflash/detail/static_switch.hpp"
 
@@ -16,20 +15,11 @@ static void launch(const FwdParams& p, port::stream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;  // one thread block each
   HIPFLASH_CHECK(rows <= 0x7fffffff, "problem too large for one combine launch (", rows,
                  " rows)");
-  static std::atomic<uint64_t> known{0}, waits{0};  // bit d: device d (devices < 64)
+  static PerDeviceBit waits;
   int device = 0;
   port::check(port::get_device(&device), "querying the current device");
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  bool programmatic = false;
-  if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
-    programmatic = (waits.load(std::memory_order_acquire) & bit) != 0;
-  } else {
-    programmatic = port::waits_for_prerequisite_grids(kKernel);
-    if (bit != 0) {
-      if (programmatic) waits.fetch_or(bit, std::memory_order_acq_rel);
-      known.fetch_or(bit, std::memory_order_acq_rel);
-    }
-  }
+  const bool programmatic =
+      waits.get(device, [] { return port::waits_for_prerequisite_grids(kKernel); });
   port::check(port::launch_kernel(kKernel,
                                   dim3(unsigned(rows)), dim3(combine::kThreads), 0, stream,
                                   programmatic, p),

@@ -4,12 +4,12 @@
 // the kernel's dynamic shared memory (set once per device), and error checks naming the kernel.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <tuple>
 
 #include "backend.hpp"  // device_arch
+#include "gpu/device_guard.hpp"
 #include "gpu/launch_api.hpp"
 
 namespace hipflash::gpu {
@@ -19,14 +19,14 @@ namespace hipflash::gpu {
 /// it on both (a per-process flag would leave the second one at the 48 KiB default).
 template <auto kKernel>
 void set_smem_once_per_device(int bytes, const char* name) {
-  static std::atomic<uint64_t> done{0};  // bit d: set on device d; devices >= 64 set it always
+  static PerDeviceBit done;
   int device = 0;
   port::check(port::get_device(&device), "querying the current device");
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
-  port::check(port::set_max_dynamic_smem(kKernel, bytes),
-              (std::string("setting the ") + name + " kernel's shared-memory size").c_str());
-  done.fetch_or(bit, std::memory_order_acq_rel);
+  done.get(device, [&] {
+    port::check(port::set_max_dynamic_smem(kKernel, bytes),
+                (std::string("setting the ") + name + " kernel's shared-memory size").c_str());
+    return true;
+  });
 }
 
 /// The one launch path of the forward kernels. `Launch` is a kernel's launch traits:
