@@ -6,7 +6,9 @@
 # call splits between the decode kernel and the combine kernel. Every configuration is checked
 # against the unsplit call first (within SPEC's tolerance; a mismatch is reported, not timed).
 # Usage (GPU machine, after scripts/gpu-check build): python3 bench/probes/decode_splits_probe.py
-#   build-gpu/python [--cells B:Sk,B:Sk,...] [--splits 1,8,16,...] [--heads Hq:Hkv]
+#   build-gpu/python [--cells B:Sk,B:Sk,...] [--splits 1,8,16,...] [--heads Hq:Hkv] [--paged P]
+# --paged P also times every count on a paged copy of the same K/V (pages of P rows scattered by a
+# random permutation, flash_attn_with_kvcache) and prints paged / contiguous.
 # --heads 4:1 reads the same K/V bytes as 32:8 with each block's keys contiguous (one kv head:
 # whole rows), where 32:8 gives a block a 256-byte slice of every 2 KiB row.
 import argparse
@@ -25,6 +27,7 @@ ap.add_argument("hipflash_path")
 ap.add_argument("--cells", default="1:4096,1:32768,1:131072,8:32768,8:131072,32:131072")
 ap.add_argument("--splits", default="1,4,8,16,24,29,33,40,48,64,96")
 ap.add_argument("--heads", default="32:8", help="Hq:Hkv (D = 128)")
+ap.add_argument("--paged", type=int, default=0, help="page size of a paged copy to time too")
 args = ap.parse_args()
 sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
@@ -43,6 +46,18 @@ for spec in args.cells.split(","):
     sets = [[torch.randn(B, s, h, D, device=dev, dtype=torch.bfloat16, generator=g)
              for s, h in ((1, Hq), (Sk, Hkv), (Sk, Hkv))] for _ in range(nsets)]
     q0, k0, v0 = sets[0]
+    paged = []
+    if args.paged:
+        P = args.paged
+        nblk = B * Sk // P
+        for q, k, v in sets:
+            perm = torch.randperm(nblk, device=dev, generator=g)
+            table = perm.view(B, Sk // P).to(torch.int32)
+            kc = torch.empty(nblk, P, Hkv, D, device=dev, dtype=k.dtype)
+            vc = torch.empty_like(kc)
+            kc[perm] = k.reshape(nblk, P, Hkv, D)
+            vc[perm] = v.reshape(nblk, P, Hkv, D)
+            paged.append((q, kc, vc, table))
     heuristic = hf.resolve_num_splits(q0, k0)
     ref_out, ref_lse = hf.flash_attn_func(q0, k0, v0, return_lse=True, num_splits=1)
     print(f"B={B} Sk={Sk}: heuristic {heuristic} splits, {nsets} input sets, "
@@ -59,6 +74,17 @@ for spec in args.cells.split(","):
         t = timer.time(lambda i, s=s: hf.flash_attn_func(*sets[i], return_lse=True,
                                                           num_splits=s), nsets)["time_ms"]
         mark = "  <- heuristic" if s == heuristic else ""
+        if paged:
+            qp, kc, vc, table = paged[0]
+            pout, plse = hf.flash_attn_with_kvcache(qp, kc, vc, block_table=table,
+                                                    num_splits=s, return_lse=True)
+            if not (torch.equal(pout, out) and torch.equal(plse, lse)):
+                mark += "  paged MISMATCH (not bitwise the contiguous result)"
+            tp = timer.time(lambda i, s=s: hf.flash_attn_with_kvcache(
+                paged[i][0], paged[i][1], paged[i][2], block_table=paged[i][3], num_splits=s,
+                return_lse=True), nsets)["time_ms"]
+            mark = (f"  paged{args.paged} {tp * 1e3:9.2f} us  {kv_bytes / tp / 1e6:7.0f} GB/s"
+                    f"  {t / tp:.2f}x{mark}")
         print(f"  splits {s:3d}: {t * 1e3:9.2f} us  {kv_bytes / t / 1e6:7.0f} GB/s{mark}")
     if dev == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
