@@ -12,13 +12,15 @@
 // loads of the LSEs, then of the pieces they weigh). A part with LSE -inf contributes nothing:
 // its piece may be read but is never used (its out may hold anything, NaN included); a NaN LSE
 // makes every weight NaN; every part empty gives out 0 and LSE -inf. The piece-0 thread of a
-// row writes the merged LSE. Grid-stride loop over the pieces, 64-bit offsets (32-bit index
-// arithmetic where the indices fit).
+// row writes the merged LSE. Grid-stride loop over the pieces, 64-bit offsets; the item index
+// is split into (piece, head, row) with host-prepared multiplicative divisions where it fits
+// in 31 bits (MergeDivisors), 64-bit divisions otherwise.
 #pragma once
 
 #include <cstdint>
 
 #include "common/words.hpp"
+#include "hipflash/detail/fast_div.hpp"
 #include "hipflash/detail/softmax_state.hpp"
 #include "hipflash/merge_params.hpp"
 #include "hipflash/port/port.hpp"
@@ -38,8 +40,16 @@ inline constexpr int64_t kMaxBlocks = 65536;
 
 /// Merges p.parts partial results (validated; head_dim a multiple of kVec, and for 16-byte
 /// vectors aligned pointers and strides — the launcher's choice).
+/// The divisions of the item index, prepared on the host (detail::FastDiv) for the common
+/// case where every index is below 2^31 (`narrow`); otherwise the kernel divides in 64 bits.
+struct MergeDivisors {
+  bool narrow = false;
+  detail::FastDiv pieces, heads, lse_seqlen;
+};
+
 template <DType kDType, int kVec>
-__global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CONSTANT MergeParams p) {
+__global__ void __launch_bounds__(kThreads)
+    merge_kernel(const HIPFLASH_GRID_CONSTANT MergeParams p, const MergeDivisors div) {
   using detail::SoftmaxState;
   using B = Bits<kDType>;
   using W = typename B::word;
@@ -49,26 +59,23 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
   const int64_t pieces = p.head_dim >= kVec ? p.head_dim / kVec : 1;
   const int64_t items = p.rows * p.heads * pieces;
   const int64_t step = int64_t(gridDim.x) * kThreads;
-  // 32-bit divisions where every index fits (the common case): a 64-bit one costs as much as
-  // the thread's share of the memory traffic.
-  const bool narrow = items <= int64_t(UINT32_MAX) && p.lse_seqlen <= int64_t(UINT32_MAX);
   for (int64_t item = int64_t(blockIdx.x) * kThreads + threadIdx.x; item < items; item += step) {
-    int64_t c, h, t, row;
-    if (narrow) {
-      const uint32_t it = uint32_t(item), np = uint32_t(pieces), nh = uint32_t(p.heads),
-                     ns = uint32_t(p.lse_seqlen);
-      const uint32_t rh = it / np, t32 = rh / nh;
-      c = int64_t(it - rh * np) * kVec;
-      h = int64_t(rh - t32 * nh);
-      t = t32;
-      const uint32_t tb = t32 / ns;
-      row = int64_t(tb) * p.lses_batch_stride + h * p.lses_head_stride +
-            int64_t(t32 - tb * ns) * p.lses_row_stride;
+    // Piece c of (row t, head h); the offsets of its part-0 LSE (row) and merged LSE (lse_at).
+    int64_t c, h, t, row, lse_at;
+    if (div.narrow) {  // a high multiply and a shift per division (they precede every load)
+      uint32_t c32, h32, s32;
+      const uint32_t rh = div.pieces.divmod(uint32_t(item), c32);
+      const uint32_t t32 = div.heads.divmod(rh, h32);
+      const uint32_t tb = div.lse_seqlen.divmod(t32, s32);
+      c = int64_t(c32) * kVec, h = h32, t = t32;
+      row = tb * p.lses_batch_stride + h * p.lses_head_stride + s32 * p.lses_row_stride;
+      lse_at = tb * p.lse_batch_stride + h * p.lse_head_stride + s32 * p.lse_row_stride;
     } else {
       c = (item % pieces) * kVec;
       const int64_t rh = item / pieces;
       h = rh % p.heads, t = rh / p.heads;
       row = p.lses_offset(t, h);
+      lse_at = p.lse_offset(t, h);
     }
 
     // The pieces of parts [i0, i0 + kBatch): plain loads, used only after the LSEs arrive.
@@ -126,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const HIPFLASH_GRID_CON
       for (int e = 0; e < kVec; ++e) r[e] = B::from_float(acc[e]);
       store_words<W, kVec>(out + p.out_offset(t, h) + c, r);
     }
-    if (p.lse != nullptr && c == 0) p.lse[p.lse_offset(t, h)] = total.lse();
+    if (p.lse != nullptr && c == 0) p.lse[lse_at] = total.lse();
   }
 }
 

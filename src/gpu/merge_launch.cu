@@ -10,12 +10,20 @@ namespace {
 
 template <DType kDType, int kVec>
 void launch(const MergeParams& p, port::stream_t stream) {
-  const int64_t items = p.rows * p.heads * std::max<int64_t>(p.head_dim / kVec, 1);
+  const int64_t pieces = std::max<int64_t>(p.head_dim / kVec, 1);  // per (row, head)
+  const int64_t items = p.rows * p.heads * pieces;
   if (items == 0) return;
   const int64_t blocks = std::min<int64_t>((items + merge::kThreads - 1) / merge::kThreads,
                                            merge::kMaxBlocks);
+  merge::MergeDivisors div;
+  div.narrow = items < (int64_t(1) << 31) && p.lse_seqlen < (int64_t(1) << 31);
+  if (div.narrow) {
+    div.pieces = detail::FastDiv(uint32_t(pieces));
+    div.heads = detail::FastDiv(uint32_t(p.heads));
+    div.lse_seqlen = detail::FastDiv(uint32_t(p.lse_seqlen));
+  }
   merge::merge_kernel<kDType, kVec>
-      <<<dim3(unsigned(blocks)), dim3(merge::kThreads), 0, stream>>>(p);
+      <<<dim3(unsigned(blocks)), dim3(merge::kThreads), 0, stream>>>(p, div);
   port::check(port::get_last_error(), "launching the merge_attn_states kernel");
 }
 

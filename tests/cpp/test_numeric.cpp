@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
+#include "hipflash/detail/fast_div.hpp"
 #include "hipflash/detail/host_numeric.hpp"
 #include "hipflash/numeric.hpp"
 
@@ -30,6 +32,28 @@ double f16_value(uint16_t h) {
 }
 
 // ---- Widening is exact -----------------------------------------------------------------------
+
+// detail::FastDiv (the merge kernel's index divisions): exact for every dividend below 2^31.
+TEST(FastDiv, MatchesDivisionBelowTwoToThe31) {
+  using detail::FastDiv;
+  std::mt19937_64 rng(7);
+  const uint32_t top = (1u << 31) - 1;
+  auto check = [&](uint32_t d, uint32_t n) {
+    uint32_t rem = 0;
+    const uint32_t q = FastDiv(d).divmod(n, rem);
+    ASSERT_EQ(q, n / d) << n << " / " << d;
+    ASSERT_EQ(rem, n % d) << n << " % " << d;
+  };
+  for (uint32_t d = 1; d <= 300; ++d) {
+    for (uint32_t n = 0; n < 3000; ++n) check(d, n);
+    for (uint32_t n : {top, top - 1, top - d, d * 1000003u % top}) check(d, n);
+  }
+  for (int k = 0; k < 20000; ++k) {
+    const uint32_t d = 1 + uint32_t(rng() % top);
+    for (uint32_t n : {0u, d - 1, d, top, uint32_t(rng() % (uint64_t(top) + 1))}) check(d, n);
+  }
+  for (uint32_t p = 0; p < 31; ++p) check(1u << p, top);  // powers of two: a plain shift
+}
 
 TEST(Numeric, Bf16ToFloatIsTheUpperHalfOfTheFloat) {
   for (uint32_t h = 0; h <= 0xffffu; ++h)
