@@ -14,6 +14,9 @@
 #include "common/kv_source.hpp"
 #include "tensor_checks.hpp"
 
+static_assert(hipflash::common::PagedRows<float>::kMinRows == hipflash::kMinPageSize,
+              "the kernels' paged loaders group rows by the smallest page");
+
 namespace hipflash {
 namespace {
 

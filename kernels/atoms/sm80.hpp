@@ -98,21 +98,29 @@ struct TileRows : RowsAsGiven {};
 
 template <class Tile, int kRows, class T>
 struct TileRows<Tile, kRows, common::PagedRows<T>> {
-  static constexpr int kPerThread = kRows * Tile::kChunks / Tile::kThreads;
-  int32_t page[kPerThread];
+  /// A thread's chunks lie kRowStep rows apart; every page holds at least kGroup rows
+  /// (PagedRows::kMinRows), so rows [16 g, 16 g + 16) of a tile share one entry and a thread
+  /// reads kGroups entries per tile, not one per chunk.
+  static constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
+  static constexpr int kGroup = common::PagedRows<T>::kMinRows;
+  static constexpr int kGroups = kRows / kGroup;
+  static_assert(kRows % kGroup == 0 && (kGroup % kRowStep == 0 || kRowStep % kGroup == 0),
+                "a chunk's entry is known at compile time");
+  int32_t page[kGroups];
 
-  /// The pages of rows [row0, row0 + kRows) this thread will copy; rows >= len get page 0
-  /// (their copies read nothing), so no table entry past the sequence's pages is read.
+  /// The entries of rows [row0, row0 + kRows); groups at or past len get page 0 (their copies
+  /// read nothing), so no table entry past the sequence's pages is read.
   __device__ __forceinline__ void fetch(const common::PagedRows<T>& src, int64_t row0,
                                         int64_t len) {
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int64_t j = row0 + (int(threadIdx.x) + i * Tile::kThreads) / Tile::kChunks;
-      page[i] = j < len ? int32_t(src.page_of(j)) : 0;
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t j = row0 + g * kGroup;
+      page[g] = j < len ? int32_t(src.page_of(j)) : 0;
     }
   }
+  /// Row j = row0 + r of chunk i (r = thread's first row + i * kRowStep).
   __device__ __forceinline__ const T* row(const common::PagedRows<T>& src, int i, int64_t j) const {
-    return src.row_in(page[i], j);
+    return src.row_in(page[i * kRowStep / kGroup], j);
   }
 };
 
@@ -132,6 +140,35 @@ __device__ __forceinline__ void load_tile(T* smem, const Rows& src, const Resolv
     const bool valid = row0 + r < len && c * 8 < head_dim;
     const T* from = valid ? rows.row(src, i, row0 + r) + c * 8 : src.base;
     cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), from, valid);
+  }
+}
+
+/// load_tile for row0 a multiple of 16: a thread's chunks — one column, kStep rows apart — are
+/// addressed from one resolved row per run of Rows::kRunRows rows at the source's row stride
+/// (a contiguous tile is one run; a page table's 16-row groups are runs), not one resolved row
+/// per chunk, and the row predicate is a 32-bit compare. The decode kernel's key loop is
+/// issue-bound with one block per SM, so its loads use this one.
+template <class Tile, int kRows, class T, class Rows, class Resolved>
+__device__ __forceinline__ void load_tile_by_runs(T* smem, const Rows& src, const Resolved& rows,
+                                                  int64_t row0, int64_t len, int head_dim) {
+  constexpr int kStep = Tile::kThreads / Tile::kChunks;  // rows between a thread's chunks
+  constexpr int kPerThread = kRows / kStep;
+  constexpr int kRunChunks = Rows::kRunRows / kStep < 1 ? 1
+                             : Rows::kRunRows / kStep > kPerThread ? kPerThread
+                                                                   : Rows::kRunRows / kStep;
+  static_assert(Tile::kThreads % Tile::kChunks == 0 && kRows % kStep == 0, "whole chunk rows");
+  static_assert(Rows::kRunRows % kStep == 0 || kStep % Rows::kRunRows == 0, "runs align");
+  const int r0 = int(threadIdx.x) / Tile::kChunks, c = int(threadIdx.x) % Tile::kChunks;
+  const int rows_left = len - row0 < kRows ? int(len - row0) : kRows;
+  const bool column = c * 8 < head_dim;
+  const T* first = nullptr;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int r = r0 + i * kStep;
+    if (i % kRunChunks == 0) first = rows.row(src, i, row0 + r) + c * 8;
+    const bool valid = column && r < rows_left;  // else the copy reads nothing
+    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c),
+                valid ? first + (i % kRunChunks) * kStep * src.ld : src.base, valid);
   }
 }
 

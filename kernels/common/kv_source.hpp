@@ -16,6 +16,9 @@ struct ContiguousRows {
   const T* base;  ///< row 0 (of the sequence, batch and head)
   int64_t ld;     ///< elements from one row to the next
 
+  /// Rows from any 16-aligned row on that sit ld apart (every row: the source is one run).
+  static constexpr int kRunRows = 1 << 30;
+
   HIPFLASH_HD const T* row(int64_t j) const { return base + j * ld; }
 };
 
@@ -31,6 +34,11 @@ struct PagedRows {
   int64_t page_stride;   ///< elements from one page to the next
   int64_t ld;            ///< elements from one row to the next within a page
   int page_shift;        ///< log2(page size)
+
+  /// The smallest page (hipflash::kMinPageSize, checked before any launch): rows
+  /// [16 g, 16 g + 16) of a sequence always share a page, ld apart.
+  static constexpr int kMinRows = 16;
+  static constexpr int kRunRows = kMinRows;
 
   /// The page holding row j: one block-table load.
   HIPFLASH_HD int64_t page_of(int64_t j) const { return table[j >> page_shift]; }

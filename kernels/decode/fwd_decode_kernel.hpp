@@ -62,8 +62,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     if (i < num_n) {
       T* sK = sRing + (i % kStages) * Cfg::kSmemStage;
       const int64_t row0 = int64_t(n_begin + i) * kBN;
-      load_tile<Cfg, kBN>(sK, k_src, next_rows, row0, bi.len_k, hd);
-      load_tile<Cfg, kBN>(sK + Cfg::kSmemKV, v_src, next_rows, row0, bi.len_k, hd);
+      load_tile_by_runs<Cfg, kBN>(sK, k_src, next_rows, row0, bi.len_k, hd);
+      load_tile_by_runs<Cfg, kBN>(sK + Cfg::kSmemKV, v_src, next_rows, row0, bi.len_k, hd);
       if (i + 1 < num_n) next_rows.fetch(k_src, row0 + kBN, bi.len_k);
     }
     cp_async_commit();
