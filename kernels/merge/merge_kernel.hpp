@@ -14,7 +14,7 @@
 // makes every weight NaN; every part empty gives out 0 and LSE -inf. The piece-0 thread of a
 // row writes the merged LSE. Grid-stride loop over the pieces, 64-bit offsets; the item index
 // is split into (piece, head, row) with host-prepared multiplicative divisions where it fits
-// in 31 bits (MergeDivisors), 64-bit divisions otherwise.
+// in 31 bits (MergeDivisors; NVIDIA only, kHostDivisions), 64-bit divisions otherwise.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +46,13 @@ struct MergeDivisors {
   bool narrow = false;
   detail::FastDiv pieces, heads, lse_seqlen;
 };
+/// Whether the kernel has the host-divisions path: not on AMD, where its divisors' scalar
+/// registers spilled (gfx90a to gfx950, clang 15 and 22); the 64-bit divisions stay there.
+#if defined(HIPFLASH_PLATFORM_AMD)
+inline constexpr bool kHostDivisions = false;
+#else
+inline constexpr bool kHostDivisions = true;
+#endif
 
 template <DType kDType, int kVec>
 __global__ void __launch_bounds__(kThreads)
@@ -62,7 +69,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t item = int64_t(blockIdx.x) * kThreads + threadIdx.x; item < items; item += step) {
     // Piece c of (row t, head h); the offsets of its part-0 LSE (row) and merged LSE (lse_at).
     int64_t c, h, t, row, lse_at;
-    if (div.narrow) {  // a high multiply and a shift per division (they precede every load)
+    if (kHostDivisions && div.narrow) {  // a high multiply, an add and a shift per division
       uint32_t c32, h32, s32;
       const uint32_t rh = div.pieces.divmod(uint32_t(item), c32);
       const uint32_t t32 = div.heads.divmod(rh, h32);
