@@ -88,8 +88,8 @@ struct RowsAsGiven {
   __device__ __forceinline__ auto row(const Src& src, int, int64_t j) const { return src.row(j); }
 };
 
-/// The rows one thread copies in load_tile<Tile, kRows> (chunk i: row (threadIdx.x + i *
-/// kThreads) / kChunks), resolved ahead of the copy. Contiguous rows need nothing; for a paged
+/// The rows one thread copies in load_tile / load_tile_by_runs<Tile, kRows> (chunk i: row
+/// (threadIdx.x + i * kThreads) / kChunks), resolved ahead of the copy; row0 a multiple of 16. Contiguous rows need nothing; for a paged
 /// KV cache (TileRows<..., PagedRows>) `fetch` reads the block-table entries of a tile one tile
 /// early, so that the cp.async issue of that tile does not wait on dependent global loads. The
 /// K and V caches share the block table: one fetch serves both tiles of a key block.
@@ -104,8 +104,8 @@ struct TileRows<Tile, kRows, common::PagedRows<T>> {
   static constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
   static constexpr int kGroup = common::PagedRows<T>::kMinRows;
   static constexpr int kGroups = kRows / kGroup;
-  static_assert(kRows % kGroup == 0 && (kGroup % kRowStep == 0 || kRowStep % kGroup == 0),
-                "a chunk's entry is known at compile time");
+  static_assert(kRows % kGroup == 0 && kGroup % kRowStep == 0,
+                "a thread's first row lies in group 0: chunk i's group is i * kRowStep / kGroup");
   int32_t page[kGroups];
 
   /// The entries of rows [row0, row0 + kRows); groups at or past len get page 0 (their copies
@@ -153,11 +153,10 @@ __device__ __forceinline__ void load_tile_by_runs(T* smem, const Rows& src, cons
                                                   int64_t row0, int64_t len, int head_dim) {
   constexpr int kStep = Tile::kThreads / Tile::kChunks;  // rows between a thread's chunks
   constexpr int kPerThread = kRows / kStep;
-  constexpr int kRunChunks = Rows::kRunRows / kStep < 1 ? 1
-                             : Rows::kRunRows / kStep > kPerThread ? kPerThread
-                                                                   : Rows::kRunRows / kStep;
   static_assert(Tile::kThreads % Tile::kChunks == 0 && kRows % kStep == 0, "whole chunk rows");
-  static_assert(Rows::kRunRows % kStep == 0 || kStep % Rows::kRunRows == 0, "runs align");
+  static_assert(Rows::kRunRows % kStep == 0, "a thread's first row lies in the first run");
+  constexpr int kRunChunks =
+      Rows::kRunRows / kStep < kPerThread ? Rows::kRunRows / kStep : kPerThread;
   const int r0 = int(threadIdx.x) / Tile::kChunks, c = int(threadIdx.x) % Tile::kChunks;
   const int rows_left = len - row0 < kRows ? int(len - row0) : kRows;
   const bool column = c * 8 < head_dim;
