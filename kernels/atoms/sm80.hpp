@@ -89,10 +89,11 @@ struct RowsAsGiven {
 };
 
 /// The rows one thread copies in load_tile / load_tile_by_runs<Tile, kRows> (chunk i: row
-/// (threadIdx.x + i * kThreads) / kChunks), resolved ahead of the copy; row0 a multiple of 16. Contiguous rows need nothing; for a paged
-/// KV cache (TileRows<..., PagedRows>) `fetch` reads the block-table entries of a tile one tile
-/// early, so that the cp.async issue of that tile does not wait on dependent global loads. The
-/// K and V caches share the block table: one fetch serves both tiles of a key block.
+/// (threadIdx.x + i * kThreads) / kChunks), resolved ahead of the copy; row0 a multiple of 16.
+/// Contiguous rows need nothing; for a paged KV cache (TileRows<..., PagedRows>) `fetch` reads
+/// the block-table entries of a tile one tile early, so that the cp.async issue of that tile
+/// does not wait on dependent global loads. The K and V caches share the block table: one fetch
+/// serves both tiles of a key block.
 template <class Tile, int kRows, class Rows>
 struct TileRows : RowsAsGiven {};
 
