@@ -215,7 +215,7 @@ class Hipflash(Backend):
             return ""
 
 
-def _pages(x, page, perm):
+def paged_copy(x, page, perm):
     """x [B, Sk, H, D] as a paged cache [B * Sk / page, page, H, D]: page j of sequence b (its
     rows j * page ...) is stored at page perm[b * Sk / page + j]."""
     B, Sk = x.shape[0], x.shape[1]
@@ -250,8 +250,8 @@ class HipflashPaged(Hipflash):
         gen = torch.Generator().manual_seed(7919 * self.page + 31 * cell.B + blocks)
         perm = torch.randperm(cell.B * blocks, generator=gen).to(inp.q[0].device)
         table = perm.view(cell.B, blocks).to(torch.int32)
-        k_pages = [_pages(x, self.page, perm) for x in inp.k]
-        v_pages = [_pages(x, self.page, perm) for x in inp.v]
+        k_pages = [paged_copy(x, self.page, perm) for x in inp.k]
+        v_pages = [paged_copy(x, self.page, perm) for x in inp.v]
 
         def run(i, out=None):  # `out` (the check's poisoned buffer) has nowhere to go
             return hf.flash_attn_with_kvcache(inp.q[i], k_pages[i], v_pages[i], block_table=table,

@@ -21,6 +21,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import attn_bench as bench  # noqa: E402  (Timer, the benchmark's timing method)
+import attn_backends as backends  # noqa: E402  (paged_copy, the serving suite's paged cache)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("hipflash_path")
@@ -53,11 +54,8 @@ for spec in args.cells.split(","):
         for q, k, v in sets:
             perm = torch.randperm(nblk, device=dev, generator=g)
             table = perm.view(B, Sk // P).to(torch.int32)
-            kc = torch.empty(nblk, P, Hkv, D, device=dev, dtype=k.dtype)
-            vc = torch.empty_like(kc)
-            kc[perm] = k.reshape(nblk, P, Hkv, D)
-            vc[perm] = v.reshape(nblk, P, Hkv, D)
-            paged.append((q, kc, vc, table))
+            paged.append((q, backends.paged_copy(k, P, perm), backends.paged_copy(v, P, perm),
+                          table))
     heuristic = hf.resolve_num_splits(q0, k0)
     ref_out, ref_lse = hf.flash_attn_func(q0, k0, v0, return_lse=True, num_splits=1)
     print(f"B={B} Sk={Sk}: heuristic {heuristic} splits, {nsets} input sets, "

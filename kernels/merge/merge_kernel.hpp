@@ -38,8 +38,6 @@ inline constexpr int kBatch = 2;
 /// The grid-stride loop's block count cap (enough to fill any GPU several times over).
 inline constexpr int64_t kMaxBlocks = 65536;
 
-/// Merges p.parts partial results (validated; head_dim a multiple of kVec, and for 16-byte
-/// vectors aligned pointers and strides — the launcher's choice).
 /// The divisions of the item index, prepared on the host (detail::FastDiv) for the common
 /// case where every index is below 2^31 (`narrow`); otherwise the kernel divides in 64 bits.
 struct MergeDivisors {
@@ -54,6 +52,8 @@ inline constexpr bool kHostDivisions = false;
 inline constexpr bool kHostDivisions = true;
 #endif
 
+/// Merges p.parts partial results (validated; head_dim a multiple of kVec, and for 16-byte
+/// vectors aligned pointers and strides — the launcher's choice).
 template <DType kDType, int kVec>
 __global__ void __launch_bounds__(kThreads)
     merge_kernel(const HIPFLASH_GRID_CONSTANT MergeParams p, const MergeDivisors div) {

@@ -16,7 +16,8 @@ void launch(const MergeParams& p, port::stream_t stream) {
   const int64_t blocks = std::min<int64_t>((items + merge::kThreads - 1) / merge::kThreads,
                                            merge::kMaxBlocks);
   merge::MergeDivisors div;
-  div.narrow = items < (int64_t(1) << 31) && p.lse_seqlen < (int64_t(1) << 31);
+  div.narrow = merge::kHostDivisions && items < (int64_t(1) << 31) &&
+               p.lse_seqlen < (int64_t(1) << 31);
   if (div.narrow) {
     div.pieces = detail::FastDiv(uint32_t(pieces));
     div.heads = detail::FastDiv(uint32_t(p.heads));
