@@ -122,10 +122,16 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     }
     float rescale[2];
     softmax.update(S, scale_log2, rescale);
+    // Once the running maxima settle (a few blocks into a long key range) every factor is
+    // exactly 1: the warp skips its 4 * kDTiles multiplies — the loop is issue-bound — with
+    // the same O (NaN and 0 factors still multiply; under fast math a multiply by 1 would
+    // flush a subnormal accumulator to 0, which the skip keeps: both are within rounding).
+    if (!port::all_lanes(rescale[0] == 1.f && rescale[1] == 1.f)) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
+        for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
+    }
     // The C fragment of the two 8-key score tiles is the A fragment of one 16-key step.
     const uint32_t a[4] = {pack2<kDT>(S[0][0], S[0][1]), pack2<kDT>(S[1][0], S[1][1]),
                            pack2<kDT>(S[0][2], S[0][3]), pack2<kDT>(S[1][2], S[1][3])};

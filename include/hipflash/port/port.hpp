@@ -179,6 +179,8 @@ template <class T>
 __device__ __forceinline__ T shfl_xor(T v, int lane_mask) { return __shfl_xor(v, lane_mask); }
 template <class T>
 __device__ __forceinline__ T shfl(T v, int src_lane) { return __shfl(v, src_lane); }
+/// True on every lane when `pred` holds on every lane of the wave (a warp-uniform branch).
+__device__ __forceinline__ bool all_lanes(bool pred) { return __all(pred); }
 #else
 template <class T>
 __device__ __forceinline__ T shfl_xor(T v, int lane_mask) {
@@ -188,6 +190,8 @@ template <class T>
 __device__ __forceinline__ T shfl(T v, int src_lane) {
   return __shfl_sync(0xffffffffu, v, src_lane);
 }
+/// True on every lane when `pred` holds on every lane of the warp (a warp-uniform branch).
+__device__ __forceinline__ bool all_lanes(bool pred) { return __all_sync(0xffffffffu, pred); }
 #endif  // shuffles
 
 // ---- Programmatic dependent launch (NVIDIA sm_90+) ------------------------------------------
