@@ -161,14 +161,14 @@ __device__ __forceinline__ void load_tile_by_runs(T* smem, const Rows& src, cons
   const int r0 = int(threadIdx.x) / Tile::kChunks, c = int(threadIdx.x) % Tile::kChunks;
   const int rows_left = len - row0 < kRows ? int(len - row0) : kRows;
   const bool column = c * 8 < head_dim;
-  const T* first = nullptr;
+  const int64_t step = kStep * src.ld;  // from one of a thread's chunks to the next in a run
+  const T* at = nullptr;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int r = r0 + i * kStep;
-    if (i % kRunChunks == 0) first = rows.row(src, i, row0 + r) + c * 8;
+    at = i % kRunChunks == 0 ? rows.row(src, i, row0 + r) + c * 8 : at + step;
     const bool valid = column && r < rows_left;  // else the copy reads nothing
-    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c),
-                valid ? first + (i % kRunChunks) * kStep * src.ld : src.base, valid);
+    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), valid ? at : src.base, valid);
   }
 }
 
