@@ -163,6 +163,15 @@ __device__ __forceinline__ void load_tile_by_runs(T* smem, const Rows& src, cons
   const bool column = c * 8 < head_dim;
   const int64_t step = kStep * src.ld;  // from one of a thread's chunks to the next in a run
   const T* at = nullptr;
+  if (rows_left == kRows && head_dim == Tile::kChunks * 8) {  // a whole tile: no predicates
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int r = r0 + i * kStep;
+      at = i % kRunChunks == 0 ? rows.row(src, i, row0 + r) + c * 8 : at + step;
+      cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), at, true);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int r = r0 + i * kStep;
