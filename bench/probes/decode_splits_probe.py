@@ -11,6 +11,8 @@
 # random permutation, flash_attn_with_kvcache) and prints paged / contiguous.
 # --heads 4:1 reads the same K/V bytes as 32:8 with each block's keys contiguous (one kv head:
 # whole rows), where 32:8 gives a block a 256-byte slice of every 2 KiB row.
+# --kv-layout bhsd keeps K and V as [B, Hkv, Sk, D] in memory for every side (hipflash reads a
+# [B, Sk, Hkv, D] view of it, cuDNN the tensor itself): the layout the decode suite gives cuDNN.
 import argparse
 import math
 import os
@@ -29,6 +31,8 @@ ap.add_argument("--cells", default="1:4096,1:32768,1:131072,8:32768,8:131072,32:
 ap.add_argument("--splits", default="1,4,8,16,24,29,33,40,48,64,96")
 ap.add_argument("--heads", default="32:8", help="Hq:Hkv (D = 128)")
 ap.add_argument("--paged", type=int, default=0, help="page size of a paged copy to time too")
+ap.add_argument("--kv-layout", choices=("bshd", "bhsd"), default="bshd",
+                help="memory layout of K and V for every side")
 args = ap.parse_args()
 sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
@@ -46,6 +50,9 @@ for spec in args.cells.split(","):
     g = torch.Generator(device=dev).manual_seed(B * 1_000_003 + Sk)
     sets = [[torch.randn(B, s, h, D, device=dev, dtype=torch.bfloat16, generator=g)
              for s, h in ((1, Hq), (Sk, Hkv), (Sk, Hkv))] for _ in range(nsets)]
+    if args.kv_layout == "bhsd":
+        sets = [[q] + [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v)]
+                for q, k, v in sets]
     q0, k0, v0 = sets[0]
     paged = []
     if args.paged:
