@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 python3 bench/make_report.py \
   bench/results/h200-2026-11-30b/full:fa-grid,head-dims,varlen,lse-overhead,host-overhead \
-  bench/results/h200-2026-12-01b/decode \
-  bench/results/h200-2026-12-01b/serving \
+  bench/results/h200-2026-12-01c/decode \
+  bench/results/h200-2026-12-01c/serving \
   --allow-partial \
   --append bench/results/h200-2026-11-30d/train \
   --append bench/results/h200-2026-12-01b/merge \
