@@ -182,6 +182,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   auto release = [&](const Mbarrier& bar) {
     if (lane == 0) bar.arrive();
   };
+  // Q is read by the Q K^T GEMMs only: with an output staging buffer of its own, each warp
+  // frees it for the next tile's Q as soon as its last Q K^T is done (else after the epilogue).
+  auto q_read = [&] {
+    if constexpr (Cfg::kOwnStaging) release(sm.q_empty());
+  };
 
   // The consumer pieces (atoms/sm90/consumer.hpp) on this schedule's ring stages.
   auto issue_qk = [&](float(&S)[kBN / 2], uint32_t sK) {
@@ -213,6 +218,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
       wgmma::fence_operands(S);
       release(sm.k_empty(ks));
       ++k_pos.it;
+      if (n_hi == n_lo) q_read();
       float unused[2];
       softmax_step(S, n_hi, unused);
       consumer::pack_p<kDT, kBN>(S, P);
@@ -236,6 +242,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
         wgmma::fence_operands(S);
         release(sm.k_empty(ks));
         ++k_pos.it;
+        if (n - 1 == n_lo) q_read();
         float rescale[2];
         softmax_step(S, n - 1, rescale);
         wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
@@ -251,6 +258,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
         ++v_pos.it;
       }
     }
+  } else {
+    q_read();  // no key block: Q is not read at all
   }
   softmax.finalize();
 
@@ -258,21 +267,23 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   if constexpr (Traits::kSplit) {
     consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
   } else {
-    // Stage the rounded tile in shared memory over Q (every wgmma of both consumers that reads
-    // it is done after the barrier), then write 16-byte rows.
+    // Stage the rounded tile in shared memory — its own buffer (every warp done reading the
+    // last tile's after the barrier) or over Q (every wgmma of both consumers that reads Q done
+    // after it) —, then write 16-byte rows.
     named_sync<kThreads>(kEpilogue);
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    T* sO = reinterpret_cast<T*>(smem_raw + (sm.q() - smem_addr(smem_raw)));
+    T* sO = reinterpret_cast<T*>(smem_raw + (sm.base + Cfg::kOffO - smem_addr(smem_raw)));
     float* sL = reinterpret_cast<float*>(smem_raw + (sm.base + Cfg::kOffLse - smem_addr(smem_raw)));
     consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
                                                                             warp * 16 + g, t);
     named_sync<kThreads>(kEpilogue);
     consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(
         p, bi, sO, sL, m0, int(p.head_dim));
-    // The next tile's Q (an async-proxy write) may land over sO once every warp has read it.
-    fence_proxy_async();
+    // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every warp
+    // has read it.
+    if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
   }
-  release(sm.q_empty());
+  if constexpr (!Cfg::kOwnStaging) release(sm.q_empty());
 }
 
 #endif  // HIPFLASH_HAS_WGMMA

@@ -120,6 +120,23 @@ std::vector<Case> windows() {
 }
 INSTANTIATE_TEST_SUITE_P(Windows, GpuForward, ::testing::ValuesIn(windows()), case_name);
 
+/// Grids with more work tiles than a persistent kernel has blocks (Hopper's sm90_ws: one block
+/// per SM walking its tiles, the next tile's Q loaded while the last one's output is written):
+/// every tile reached once, each with its own Q, the pipeline's barrier phases carried from tile
+/// to tile. About 2-4 tiles per block on a 132-SM H200 at every head dim; causal and window
+/// cases (one block per tile there) beside them.
+std::vector<Case> persistent() {
+  return {
+      {DType::bf16, 2, 700, 700, 24, 8, 128, true, -1, -1, 1},
+      {DType::f16, 2, 700, 700, 24, 8, 128, false, -1, -1, 1},
+      {DType::bf16, 3, 520, 1000, 32, 32, 64, true, 100, 0, 1},
+      {DType::f16, 3, 520, 1000, 32, 32, 64, false, -1, -1, 1},
+      {DType::bf16, 2, 300, 333, 48, 16, 256, true, -1, -1, 1},
+      {DType::bf16, 2, 700, 700, 24, 8, 128, true, -1, -1, 2},
+  };
+}
+INSTANTIATE_TEST_SUITE_P(Persistent, GpuForward, ::testing::ValuesIn(persistent()), case_name);
+
 std::vector<Case> splits() {
   std::vector<Case> v;
   for (int s : {1, 2, 3, 5, 17, 0}) {
