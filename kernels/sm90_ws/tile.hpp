@@ -62,7 +62,8 @@ struct Tile : TileConfig<kHeadDim_, kMasked_> {
   static constexpr uint32_t kSmemO = kBlockM * kHeadDim * kElemBytes;  ///< the staged output tile
   /// Barriers: Q full / empty, then full / empty per K stage and per V stage.
   static constexpr int kNumBars = 2 + 4 * kStages;
-  static constexpr uint32_t kSmemTail = kBlockM * 4 + kNumBars * 8 + 1024;  // + alignment slack
+  /// LSE staging, barriers and the slack that aligns the base to 1024 bytes.
+  static constexpr uint32_t kSmemTail = kBlockM * 4 + kNumBars * 8 + 1024;
   /// The output tile is staged in a buffer of its own where it fits (hd64, hd128), so that Q is
   /// free — and the next tile's Q loading — once the last Q K^T is done; else (hd256) over Q.
   static constexpr bool kOwnStaging =
@@ -74,7 +75,7 @@ struct Tile : TileConfig<kHeadDim_, kMasked_> {
   static constexpr uint32_t kOffO = kOwnStaging ? kOffV + kStages * kSmemKV : 0;
   static constexpr uint32_t kOffLse = kOffV + kStages * kSmemKV + (kOwnStaging ? kSmemO : 0);
   static constexpr uint32_t kOffBars = kOffLse + kBlockM * 4;
-  static constexpr int kSmemBytes = int(kOffBars) + kNumBars * 8 + 1024;  // + alignment slack
+  static constexpr int kSmemBytes = int(kOffLse + kSmemTail);
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
   static_assert(kHeadDim % 64 == 0, "whole 128-byte panels");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a wgmma N and whole 16-key steps");

@@ -132,7 +132,9 @@ std::vector<Case> persistent() {
       {DType::bf16, 3, 520, 1000, 32, 32, 64, true, 100, 0, 1},
       {DType::f16, 3, 520, 1000, 32, 32, 64, false, -1, -1, 1},
       {DType::bf16, 2, 300, 333, 48, 16, 256, true, -1, -1, 1},
+      {DType::f16, 2, 300, 333, 48, 16, 256, false, -1, -1, 1},  // output staged over Q
       {DType::bf16, 2, 700, 700, 24, 8, 128, true, -1, -1, 2},
+      {DType::f16, 2, 700, 700, 24, 8, 128, false, -1, -1, 2},  // split partials, persistent
   };
 }
 INSTANTIATE_TEST_SUITE_P(Persistent, GpuForward, ::testing::ValuesIn(persistent()), case_name);
