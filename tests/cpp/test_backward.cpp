@@ -43,46 +43,38 @@ TEST(BackwardMask, SolvedBoundsEqualThePerElementRule) {
   constexpr int kBM = 16, kBN = 16;
   using Info = common::BlockInfo<kBM, kBN>;
   int checked = 0;
-  for (int64_t len_q : {1, 7, 16, 37})
-    for (int64_t len_k : {1, 9, 16, 40})
-      for (auto [wl, wr] : {std::pair<int64_t, int64_t>{-1, -1}, {-1, 0}, {3, -1}, {0, 0},
-                            {5, 2}, {-1, 6}, {20, 0}})
-        for (bool masked : {false, true}) {
-          if (!masked && (wl >= 0 || wr >= 0)) continue;  // unmasked calls have no window
-          FwdParams p;
-          p.batch = 1, p.heads_q = p.heads_kv = 1, p.head_dim = 64, p.num_splits = 1;
-          p.seqlen_q = len_q, p.seqlen_k = len_k;
-          p.window_left = wl, p.window_right = wr;
-          const bwd::SeqBounds seq(p, 0);
-          const Info bi(p, 0, 1, false);
-          ASSERT_EQ(bi.len_k, len_k);
-          ASSERT_EQ(bi.diag, seq.diag);
-          for (int64_t m0 = 0; m0 < len_q + kBM; m0 += kBM)
-            for (int64_t j = 0; j < len_k + kBN; ++j) {
-              int lo, hi;
-              seq.rows_seeing_key(p, j, m0, kBM, masked, lo, hi);
-              for (int col = 0; col < kBM; ++col) {
-                const bool rule = Info::key_valid(p, m0 + col, j, len_k, seq.diag, masked);
-                const bool got = masked ? col >= lo && col <= hi : lo <= hi;
-                ASSERT_EQ(got, rule) << "rows_seeing_key: len_q " << len_q << " len_k " << len_k
-                                     << " window (" << wl << ", " << wr << ") m0 " << m0
-                                     << " key " << j << " row " << m0 + col;
-                ++checked;
-              }
-            }
-          for (int64_t i = 0; i < len_q; ++i)
-            for (int64_t n0 = 0; n0 < len_k + kBN; n0 += kBN) {
-              int lo, hi;
-              bi.key_range(p, i, n0, masked, lo, hi);
-              for (int col = 0; col < kBN; ++col) {
-                const bool rule = Info::key_valid(p, i, n0 + col, len_k, seq.diag, masked);
-                ASSERT_EQ(col >= lo && col <= hi, rule)
-                    << "key_range: len_q " << len_q << " len_k " << len_k << " window (" << wl
-                    << ", " << wr << ") row " << i << " key " << n0 + col;
-                ++checked;
-              }
-            }
+  for_each_mask_case({1, 7, 16, 37}, {1, 9, 16, 40}, [&](const FwdParams& p, bool masked) {
+    const int64_t len_q = p.seqlen_q, len_k = p.seqlen_k;
+    const bwd::SeqBounds seq(p, 0);
+    const Info bi(p, 0, 1, false);
+    ASSERT_EQ(bi.len_k, len_k);
+    ASSERT_EQ(bi.diag, seq.diag);
+    for (int64_t m0 = 0; m0 < len_q + kBM; m0 += kBM)
+      for (int64_t j = 0; j < len_k + kBN; ++j) {
+        int lo, hi;
+        seq.rows_seeing_key(p, j, m0, kBM, masked, lo, hi);
+        for (int col = 0; col < kBM; ++col) {
+          const bool rule = Info::key_valid(p, m0 + col, j, len_k, seq.diag, masked);
+          const bool got = masked ? col >= lo && col <= hi : lo <= hi;
+          ASSERT_EQ(got, rule) << "rows_seeing_key: len_q " << len_q << " len_k " << len_k
+                               << " window (" << p.window_left << ", " << p.window_right
+                               << ") m0 " << m0 << " key " << j << " row " << m0 + col;
+          ++checked;
         }
+      }
+    for (int64_t i = 0; i < len_q; ++i)
+      for (int64_t n0 = 0; n0 < len_k + kBN; n0 += kBN) {
+        int lo, hi;
+        bi.key_range(p, i, n0, masked, lo, hi);
+        for (int col = 0; col < kBN; ++col) {
+          const bool rule = Info::key_valid(p, i, n0 + col, len_k, seq.diag, masked);
+          ASSERT_EQ(col >= lo && col <= hi, rule)
+              << "key_range: len_q " << len_q << " len_k " << len_k << " window ("
+              << p.window_left << ", " << p.window_right << ") row " << i << " key " << n0 + col;
+          ++checked;
+        }
+      }
+  });
   EXPECT_GT(checked, 10000);
 }
 
