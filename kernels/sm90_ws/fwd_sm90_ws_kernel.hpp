@@ -76,6 +76,8 @@ struct Smem {
   __device__ __forceinline__ uint32_t q() const { return base; }
   __device__ __forceinline__ uint32_t k(int s) const { return base + Cfg::kOffK + s * Cfg::kSmemKV; }
   __device__ __forceinline__ uint32_t v(int s) const { return base + Cfg::kOffV + s * Cfg::kSmemKV; }
+  __device__ __forceinline__ uint32_t o() const { return base + Cfg::kOffO; }  ///< staged output
+  __device__ __forceinline__ uint32_t lse() const { return base + Cfg::kOffLse; }
   __device__ __forceinline__ Mbarrier bar(int i) const { return {base + Cfg::kOffBars + 8u * i}; }
   __device__ __forceinline__ Mbarrier q_full() const { return bar(0); }
   __device__ __forceinline__ Mbarrier q_empty() const { return bar(1); }
@@ -272,8 +274,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
     // after it) —, then write 16-byte rows.
     named_sync<kThreads>(kEpilogue);
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    T* sO = reinterpret_cast<T*>(smem_raw + (sm.base + Cfg::kOffO - smem_addr(smem_raw)));
-    float* sL = reinterpret_cast<float*>(smem_raw + (sm.base + Cfg::kOffLse - smem_addr(smem_raw)));
+    T* sO = reinterpret_cast<T*>(smem_raw + (sm.o() - smem_addr(smem_raw)));
+    float* sL = reinterpret_cast<float*>(smem_raw + (sm.lse() - smem_addr(smem_raw)));
     consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
                                                                             warp * 16 + g, t);
     named_sync<kThreads>(kEpilogue);

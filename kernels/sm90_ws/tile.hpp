@@ -59,21 +59,21 @@ struct Tile : TileConfig<kHeadDim_, kMasked_> {
   static constexpr int kChunks = kHeadDim / 8;         ///< 16-byte chunks per row
   static constexpr uint32_t kSmemQ = kBlockM * kHeadDim * kElemBytes;
   static constexpr uint32_t kSmemKV = kBlockN * kHeadDim * kElemBytes;  ///< one K or V stage
-  static constexpr uint32_t kSmemO = kBlockM * kHeadDim * kElemBytes;  ///< the staged output tile
   /// Barriers: Q full / empty, then full / empty per K stage and per V stage.
   static constexpr int kNumBars = 2 + 4 * kStages;
   /// LSE staging, barriers and the slack that aligns the base to 1024 bytes.
   static constexpr uint32_t kSmemTail = kBlockM * 4 + kNumBars * 8 + 1024;
-  /// The output tile is staged in a buffer of its own where it fits (hd64, hd128), so that Q is
-  /// free — and the next tile's Q loading — once the last Q K^T is done; else (hd256) over Q.
-  static constexpr bool kOwnStaging =
-      kSmemQ + 2 * kStages * kSmemKV + kSmemO + kSmemTail <= 227 * 1024;
   // Shared-memory map (from the 1024-byte-aligned base): Q | K stages | V stages | [O] | LSE |
   // bars.
   static constexpr uint32_t kOffK = kSmemQ;
   static constexpr uint32_t kOffV = kOffK + kStages * kSmemKV;
-  static constexpr uint32_t kOffO = kOwnStaging ? kOffV + kStages * kSmemKV : 0;
-  static constexpr uint32_t kOffLse = kOffV + kStages * kSmemKV + (kOwnStaging ? kSmemO : 0);
+  static constexpr uint32_t kEndKV = kOffV + kStages * kSmemKV;
+  /// The output tile (Q's shape) is staged in a buffer of its own where it fits (hd64, hd128),
+  /// so that Q is free — and the next tile's Q loading — once the last Q K^T is done; else
+  /// (hd256) over Q.
+  static constexpr bool kOwnStaging = kEndKV + kSmemQ + kSmemTail <= 227 * 1024;
+  static constexpr uint32_t kOffO = kOwnStaging ? kEndKV : 0;
+  static constexpr uint32_t kOffLse = kOwnStaging ? kEndKV + kSmemQ : kEndKV;
   static constexpr uint32_t kOffBars = kOffLse + kBlockM * 4;
   static constexpr int kSmemBytes = int(kOffLse + kSmemTail);
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
