@@ -243,7 +243,8 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
   plan.arch = gpu::device_arch(loc.index);
   plan.sel = select_kernel(make_problem(p), plan.arch, gpu::build_caps());
   HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);
-  const gpu::TileShape tile = gpu::tile_shape(plan.sel.kind, padded_head_dim(int(p.head_dim)));
+  const gpu::TileShape tile =
+      gpu::tile_shape(plan.sel.kind, padded_head_dim(int(p.head_dim)), plan.sel.key.masked);
   plan.num_splits = resolve_splits(p, requested, tile, plan.arch.num_sms, true);
   plan.sel.key.split = plan.num_splits > 1;
   check_workspace_size(plan.num_splits);

@@ -23,7 +23,8 @@ struct TileConfig;
 #endif
 template <bool kMasked>
 struct TileConfig<64, kMasked> {
-  static constexpr int kConsumers = HIPFLASH_SM90WS_HD64_CONSUMERS, kBlockN = 128, kStages = 2;
+  static constexpr int kConsumers = kMasked ? 2 : HIPFLASH_SM90WS_HD64_CONSUMERS;
+  static constexpr int kBlockN = 128, kStages = 2;
 };
 template <bool kMasked>
 struct TileConfig<128, kMasked> {

@@ -158,17 +158,20 @@ TileShape shape_of(int blocks_per_sm) {
   return TileShape{Tile::kBlockM, Tile::kBlockN, blocks_per_sm};
 }
 
-TileShape tile_shape(KernelKind kind, int hd) {
+TileShape tile_shape(KernelKind kind, int hd, bool masked) {
   HIPFLASH_CHECK(hd == 64 || hd == 128 || hd == 256, "no kernel tile for padded head dim ", hd);
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
   if (kind == KernelKind::sm90) {
     return hd == 64 ? shape_of<sm90::Tile<64>>(sm90::Tile<64>::kMinBlocks)
                     : shape_of<sm90::Tile<128>>(sm90::Tile<128>::kMinBlocks);
   }
-  if (kind == KernelKind::sm90_ws) {
-    return hd == 64    ? shape_of<sm90ws::Tile<64>>(sm90ws::Tile<64>::kMinBlocks)
-         : hd == 128 ? shape_of<sm90ws::Tile<128>>(sm90ws::Tile<128>::kMinBlocks)
-                     : shape_of<sm90ws::Tile<256>>(sm90ws::Tile<256>::kMinBlocks);
+  if (kind == KernelKind::sm90_ws) {  // masked tiles may differ (square at hd64 and hd128)
+    auto ws = [](auto tile) { return shape_of<decltype(tile)>(decltype(tile)::kMinBlocks); };
+    if (masked)
+      return hd == 64    ? ws(sm90ws::Tile<64, true>{})
+           : hd == 128 ? ws(sm90ws::Tile<128, true>{})
+                       : ws(sm90ws::Tile<256, true>{});
+    return hd == 64 ? ws(sm90ws::Tile<64>{}) : hd == 128 ? ws(sm90ws::Tile<128>{}) : ws(sm90ws::Tile<256>{});
   }
   if (kind == KernelKind::decode) {
     // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).
