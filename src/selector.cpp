@@ -32,7 +32,8 @@ const char* kernel_kind_name(KernelKind k) {
 
 namespace {
 /// Short causal hd64 calls stay on the cp.async sm90 kernel: its 64-row blocks, four per SM,
-/// beat the warp-specialised kernel's 192-row tiles (one per SM) up to 1k rows on the H200
+/// beat the warp-specialised kernel's 192-row tiles (one per SM; measured before its masked
+/// hd64 tiles became 128 rows on two consumers — to re-measure) up to 1k rows on the H200
 /// (S=512: 206 vs 141 TFLOP/s, S=1k: 246 vs 202; from 2k on the TMA kernel leads, 295 vs 276;
 /// bench/results/h200-2026-11-30b and the 2026-11-30 record, docs/perf-notes.md).
 constexpr int64_t kSm90CpAsyncMaskedHd64Rows = 1024;

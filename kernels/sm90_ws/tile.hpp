@@ -11,14 +11,14 @@ namespace hipflash::sm90ws {
 /// 227 KiB of one block: hd64 keeps a 192-row Q tile and two 128-key stages (88 KiB), hd128 two
 /// 128-key stages (160 KiB), hd256 two 80-key stages (224 KiB). Three consumers at hd64: its
 /// GEMMs are half as long, so a third warpgroup's softmax is needed to keep the tensor cores fed.
-/// Masked (causal, window) calls keep square 128 x 128 tiles at hd128: one diagonal block per
-/// query block.
+/// Masked (causal, window) calls keep square 128 x 128 tiles at hd64 and hd128 — one diagonal
+/// block per query block — and two consumers at hd64 (three spill 92-136 bytes there).
 #ifndef HIPFLASH_SM90WS_HD128_BLOCK_N  // a tuning hook: -DHIPFLASH_SM90WS_HD128_BLOCK_N=176
 #define HIPFLASH_SM90WS_HD128_BLOCK_N 128
 #endif
 template <int kHeadDim, bool kMasked>
 struct TileConfig;
-#ifndef HIPFLASH_SM90WS_HD64_CONSUMERS  // a tuning hook: 2 or 3
+#ifndef HIPFLASH_SM90WS_HD64_CONSUMERS  // a tuning hook for unmasked hd64: 2 or 3
 #define HIPFLASH_SM90WS_HD64_CONSUMERS 3
 #endif
 template <bool kMasked>
