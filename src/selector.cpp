@@ -32,11 +32,10 @@ const char* kernel_kind_name(KernelKind k) {
 
 namespace {
 /// Short causal hd64 calls stay on the cp.async sm90 kernel: its 64-row blocks, four per SM,
-/// beat the warp-specialised kernel's 192-row tiles (one per SM; measured before its masked
-/// hd64 tiles became 128 rows on two consumers — to re-measure) up to 1k rows on the H200
-/// (S=512: 206 vs 141 TFLOP/s, S=1k: 246 vs 202; from 2k on the TMA kernel leads, 295 vs 276;
-/// bench/results/h200-2026-11-30b and the 2026-11-30 record, docs/perf-notes.md).
-constexpr int64_t kSm90CpAsyncMaskedHd64Rows = 1024;
+/// beat the warp-specialised kernel's 128-row tiles at 512 rows on the H200 (S=512: 0.81x cuDNN
+/// against 0.77x on the snake grid; at 1k the warp-specialised kernel leads, 0.83x against
+/// 0.76x: docs/perf-notes.md session 2026-12-01 (4)).
+constexpr int64_t kSm90CpAsyncMaskedHd64Rows = 512;
 }  // namespace
 
 Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps) {

@@ -13,11 +13,14 @@ namespace hipflash::common {
 
 /// Padded varlen LSE (RETURN_LSE, non-split): rows [len_q, max_seqlen_q) of this query block
 /// are -inf, so the buffer has no undefined entries. Done by the block that owns those rows.
+/// `thread` is the caller's thread index (0 .. kThreads - 1), here and below: a persistent
+/// kernel passes one read where it is used (atoms/sm90/consumer.hpp thread_index).
 template <int kBlockM, int kThreads>
 __device__ __forceinline__ void write_padded_lse_tail(const FwdParams& p, int64_t b, int64_t h,
-                                                      int64_t m0, int64_t len_q) {
+                                                      int64_t m0, int64_t len_q,
+                                                      int thread = int(threadIdx.x)) {
   if (!(p.cu_seqlens_q && p.lse_layout == LseLayout::padded)) return;
-  for (int r = int(threadIdx.x); r < kBlockM; r += kThreads) {
+  for (int r = thread; r < kBlockM; r += kThreads) {
     const int64_t row = m0 + r;
     if (row >= len_q && row < p.seqlen_q)
       p.lse[p.lse_offset(b, h, 0, row)] = detail::kNegInf;  // padded: no sequence offset
@@ -29,10 +32,11 @@ __device__ __forceinline__ void write_padded_lse_tail(const FwdParams& p, int64_
 /// True when the block is done.
 template <class Traits, int kBlockM, int kThreads>
 __device__ __forceinline__ bool block_past_sequence(const FwdParams& p, int64_t b, int64_t h,
-                                                    int64_t m0, int64_t len_q) {
+                                                    int64_t m0, int64_t len_q,
+                                                    int thread = int(threadIdx.x)) {
   if (m0 < len_q) return false;
   if constexpr (Traits::kReturnLse && !Traits::kSplit)
-    write_padded_lse_tail<kBlockM, kThreads>(p, b, h, m0, len_q);
+    write_padded_lse_tail<kBlockM, kThreads>(p, b, h, m0, len_q, thread);
   return true;
 }
 
@@ -41,11 +45,12 @@ __device__ __forceinline__ bool block_past_sequence(const FwdParams& p, int64_t 
 /// head_dim are not written. The caller synchronises the block before (staging done).
 template <int kRows, int kChunks, int kThreads, class T>
 __device__ __forceinline__ void store_staged_rows(T* gO, int64_t ld, const T* staged, int64_t m0,
-                                                  int64_t len_q, int head_dim) {
+                                                  int64_t len_q, int head_dim,
+                                                  int thread = int(threadIdx.x)) {
   constexpr int kTotal = kRows * kChunks;
 #pragma unroll
   for (int i = 0; i < kTotal / kThreads; ++i) {
-    const int idx = int(threadIdx.x) + i * kThreads;
+    const int idx = thread + i * kThreads;
     const int r = idx / kChunks, c = idx % kChunks;
     if (m0 + r < len_q && c * 8 < head_dim)
       *reinterpret_cast<uint4*>(gO + (m0 + r) * ld + c * 8) =

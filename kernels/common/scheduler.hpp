@@ -8,14 +8,20 @@
 #include <cstdint>
 
 #include "hipflash/detail/softmax_state.hpp"  // HIPFLASH_HD
+#include "hipflash/params.hpp"
 
 namespace hipflash::common {
 
 /// One thread block per work tile: the grid is the tile count, a block runs tile blockIdx.x.
 struct StaticScheduler {
   static constexpr bool kPersistent = false;
-  /// Blocks to launch for `tiles` work tiles (`slots`: resident blocks the GPU holds; unused).
-  HIPFLASH_HD static int64_t grid(int64_t tiles, int64_t /*slots*/) { return tiles; }
+  /// Blocks to launch for `tiles` work tiles of `Tile`'s shape (`slots`: resident blocks the
+  /// GPU holds; unused), num_m_blocks query blocks a (split, head, batch).
+  template <class Tile>
+  static int64_t grid(const FwdParams&, int64_t /*num_m_blocks*/, int64_t tiles,
+                      int64_t /*slots*/) {
+    return tiles;
+  }
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
   /// Calls body(tile) for every tile this block owns: exactly one.
@@ -37,7 +43,8 @@ struct StaticScheduler {
 /// its pipeline (barrier phases, prefetched stages) running from one tile into the next.
 struct PersistentScheduler {
   static constexpr bool kPersistent = true;
-  HIPFLASH_HD static int64_t grid(int64_t tiles, int64_t slots) {
+  template <class Tile>
+  static int64_t grid(const FwdParams&, int64_t /*num_m_blocks*/, int64_t tiles, int64_t slots) {
     return tiles < slots ? tiles : slots;
   }
 
@@ -46,6 +53,51 @@ struct PersistentScheduler {
   template <class Body>
   __device__ __forceinline__ static void run(int64_t tiles, Body&& body) {
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) body(tile);
+  }
+#endif  // device compiler
+};
+
+/// The snake walk's host model (SnakeScheduler below; src/scheduler_model.cpp): whether
+/// `blocks` persistent blocks walking `tiles` tiles of kBlockM x kBlockN (num_m_blocks query
+/// blocks a (split, head, batch), BlockInfo's order) finish before one block per tile would.
+bool snake_walk_pays(const FwdParams& p, int block_m, int block_n, int64_t num_m_blocks,
+                     int64_t tiles, int64_t blocks);
+
+/// Persistent blocks for tiles of unequal cost (causal, window: a query block's cost grows with
+/// its index). A fixed stride would give a block the same query block of every (split, head,
+/// batch) whenever the grid is a multiple of the query-block count; instead the tiles are
+/// dealt in their order (a (split, head, batch)'s query blocks together, heaviest first, so
+/// that the blocks at work share that head's K and V in L2) in a snake: in round r block j
+/// takes tile r * blocks + j, or r * blocks + blocks - 1 - j when r is odd, so that two rounds
+/// pair a heavy tile with a light one. Static: no atomics, nothing to reset between launches,
+/// and the producer and consumers of a block walk the same tiles by calling run alike. Where
+/// the walk would be unbalanced (snake_walk_pays) the grid is one block per tile and the walk that tile.
+struct SnakeScheduler {
+  static constexpr bool kPersistent = true;
+
+  /// Calls body(tile) for every tile block `block` of `blocks` owns, in the walk's order.
+  template <class Body>
+  HIPFLASH_HD static void walk(int64_t tiles, int64_t block, int64_t blocks, Body&& body) {
+    // From round r's tile to round r + 1's: 2 (blocks - block) - 1 after an even round,
+    // 2 block + 1 after an odd one.
+    const int64_t to_odd = 2 * (blocks - block) - 1, to_even = 2 * block + 1;
+    bool odd = false;
+    for (int64_t u = block; u < tiles; u += odd ? to_even : to_odd, odd = !odd) body(u);
+  }
+
+  template <class Tile>
+  static int64_t grid(const FwdParams& p, int64_t num_m_blocks, int64_t tiles, int64_t slots) {
+    const int64_t persistent = tiles < slots ? tiles : slots;
+    return snake_walk_pays(p, Tile::kBlockM, Tile::kBlockN, num_m_blocks, tiles, persistent)
+               ? persistent
+               : tiles;
+  }
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+  /// Calls body(tile) for every tile this block owns, in the walk's order.
+  template <class Body>
+  __device__ __forceinline__ static void run(int64_t tiles, Body&& body) {
+    walk(tiles, blockIdx.x, gridDim.x, static_cast<Body&&>(body));
   }
 #endif  // device compiler
 };

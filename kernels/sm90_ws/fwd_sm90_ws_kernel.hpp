@@ -44,17 +44,19 @@ struct TmaMaps {
   TensorMap q, k, v;
 };
 
-/// Every work tile is a (query block, split, head, batch). Unmasked tiles all cost the same: one
-/// block per SM walks them (persistent), its producer loading the next tile's Q and K while the
-/// consumers finish the last. Causal tiles differ up to Sk / kBlockN-fold in cost, and a fixed
-/// stride deals them out unevenly (docs/perf-notes.md): one block per tile, heaviest first, so
-/// the hardware hands the next tile to whichever SM is free.
+/// Every work tile is a (query block, split, head, batch); one block per SM walks them
+/// (persistent), its producer loading the next tile's Q and K while the consumers finish the
+/// last. Unmasked tiles all cost the same: a fixed stride. Causal and window tiles differ up to
+/// Sk / kBlockN-fold in cost, which a fixed stride deals out unevenly: the snake
+/// (common::SnakeScheduler), or one block per tile where its host model finds the snake
+/// unbalanced (long causal rows, varlen).
 #ifndef HIPFLASH_SM90WS_PERSISTENT  // a tuning hook: 0 launches one block per tile everywhere
 #define HIPFLASH_SM90WS_PERSISTENT 1
 #endif
 template <class Traits>
-using Scheduler = std::conditional_t<Traits::kMasked || !HIPFLASH_SM90WS_PERSISTENT,
-                                     common::StaticScheduler, common::PersistentScheduler>;
+using Scheduler = std::conditional_t<
+    !HIPFLASH_SM90WS_PERSISTENT, common::StaticScheduler,
+    std::conditional_t<Traits::kMasked, common::SnakeScheduler, common::PersistentScheduler>>;
 
 #if defined(HIPFLASH_HAS_WGMMA)
 
@@ -163,11 +165,13 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   constexpr DType kDT = Traits::kDType;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
 
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;  // consumer warps
+  const int thread = consumer::thread_index();  // not hoisted out of the tile loop
+  const int lane = thread % 32, warp = thread / 32;  // consumer warps
   const int wg = warp / 4, g = lane / 4, t = lane % 4;
   const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int64_t m0 = int64_t(bi.m_block) * kBM;
-  if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q)) return;
+  if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread))
+    return;
 
   // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h (of this warp's 16), column
   // 8i + 2t + e. Warpgroup wg's Q rows start 64 wg rows into the tile.
@@ -280,7 +284,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
                                                                             warp * 16 + g, t);
     named_sync<kThreads>(kEpilogue);
     consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(
-        p, bi, sO, sL, m0, int(p.head_dim));
+        p, bi, sO, sL, m0, int(p.head_dim), consumer::thread_index());
     // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every warp
     // has read it.
     if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
@@ -290,7 +294,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
 
 #endif  // HIPFLASH_HAS_WGMMA
 
-/// The warp-specialised sm90 forward kernel: a persistent grid, one block per SM.
+/// The warp-specialised sm90 forward kernel: a persistent grid, one block per SM (or one per
+/// tile: SnakeScheduler).
 template <class Traits>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim, Traits::kMasked>::kThreads, 1)
     fwd_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks,

@@ -48,7 +48,7 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
     port::check(port::get_device(&device), "querying the current device");
     slots = int64_t(device_arch(device).num_sms) * Tile::kMinBlocks;
   }
-  const int64_t blocks = Launch::Scheduler::grid(tiles, slots);
+  const int64_t blocks = Launch::Scheduler::template grid<Tile>(p, num_m_blocks, tiles, slots);
   HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one launch: ", blocks,
                  " thread blocks (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
   auto extra = Launch::prepare(p);

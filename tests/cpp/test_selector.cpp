@@ -120,9 +120,9 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
     EXPECT_EQ(select_kernel(dense(d), kSm90, caps).kind, KernelKind::sm90_ws) << d;
   Problem short_causal = dense(64);  // short causal hd64: the cp.async kernel's small blocks
   short_causal.masked = true;
-  short_causal.query_rows = 1024;
+  short_causal.query_rows = 512;
   EXPECT_EQ(select_kernel(short_causal, kSm90, caps).kind, KernelKind::sm90);
-  short_causal.query_rows = 1025;
+  short_causal.query_rows = 513;
   EXPECT_EQ(select_kernel(short_causal, kSm90, caps).kind, KernelKind::sm90_ws);
   short_causal.head_dim = 128;
   short_causal.query_rows = 512;

@@ -27,6 +27,17 @@ namespace hipflash::atom::sm90::consumer {
 
 using ::hipflash::atom::sm80::pack2;
 
+/// threadIdx.x, read where it is used. In a persistent kernel's tile loop the compiler hoists
+/// everything derived from threadIdx.x (fragment rows, epilogue addresses) out of the loop, and
+/// those registers then live through the key loop: ptxas spilled 32-332 bytes in the sm90_ws
+/// consumers (docs/perf-notes.md). A volatile read cannot be hoisted, so they are recomputed
+/// per tile, which costs a few instructions a tile.
+__device__ __forceinline__ int thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
 /// S = Q K^T of this warpgroup's 64 rows (Q at sQ_wg, rows kBM * 128 bytes a panel apart)
 /// against kBN keys (K at sK), over head-dim steps of 16: panel ks / 4, 32 bytes a step inside
 /// the line. Issued and committed, not waited for.
@@ -159,16 +170,18 @@ __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kH
 }
 
 /// The staged tile's rows to out (16-byte rows) and, with kLse, their LSEs (one row a thread,
-/// then the padded layout's tail): every thread of the kThreads that staged it.
+/// then the padded layout's tail): every thread of the kThreads that staged it, `thread` being
+/// its index (thread_index() in a persistent kernel).
 template <int kBM, int kChunks, int kThreads, bool kLse, class T, class Info>
 __device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi, const T* sO,
-                                             const float* sL, int64_t m0, int head_dim) {
+                                             const float* sL, int64_t m0, int head_dim,
+                                             int thread = int(threadIdx.x)) {
   common::store_staged_rows<kBM, kChunks, kThreads>(bi.template o_rows<T>(p), p.o_row_stride, sO,
-                                                    m0, bi.len_q, head_dim);
+                                                    m0, bi.len_q, head_dim, thread);
   if constexpr (kLse) {
-    const int r = int(threadIdx.x);  // one row per thread
+    const int r = thread;  // one row per thread
     if (r < kBM && m0 + r < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
-    common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+    common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread);
   }
 }
 
