@@ -123,8 +123,10 @@ INSTANTIATE_TEST_SUITE_P(Windows, GpuForward, ::testing::ValuesIn(windows()), ca
 /// Grids with more work tiles than a persistent kernel has blocks (Hopper's sm90_ws: one block
 /// per SM walking its tiles, the next tile's Q loaded while the last one's output is written):
 /// every tile reached once, each with its own Q, the pipeline's barrier phases carried from tile
-/// to tile. About 2-4 tiles per block on a 132-SM H200 at every head dim; causal and window
-/// cases (one block per tile there) beside them.
+/// to tile. About 2-4 tiles per block on a 132-SM H200 at every head dim. Causal and window
+/// cases walk the snake (common::SnakeScheduler) where its host model pays — the last six,
+/// which tests/cpp/test_scheduler.cpp checks the model still sends to the walk — and run one
+/// block per tile otherwise (the first ones).
 std::vector<Case> persistent() {
   return {
       {DType::bf16, 2, 700, 700, 24, 8, 128, true, -1, -1, 1},
@@ -135,10 +137,17 @@ std::vector<Case> persistent() {
       {DType::f16, 2, 300, 333, 48, 16, 256, false, -1, -1, 1},  // output staged over Q
       {DType::bf16, 2, 700, 700, 24, 8, 128, true, -1, -1, 2},
       {DType::f16, 2, 700, 700, 24, 8, 128, false, -1, -1, 2},  // split partials, persistent
-      // Masked hd64 takes the TMA kernel only past the selector's short-row threshold (1024).
+      // Masked hd64 takes the TMA kernel only past the selector's short-row threshold (512).
       {DType::bf16, 1, 1100, 1300, 6, 2, 64, true, -1, -1, 1},
       {DType::f16, 1, 1500, 1500, 4, 4, 64, false, 300, 0, 1},
       {DType::bf16, 1, 1100, 1300, 6, 2, 64, true, -1, -1, 3},
+      // The snake: 4-10 tiles per block.
+      {DType::bf16, 4, 1000, 1000, 16, 4, 128, true, -1, -1, 1},
+      {DType::f16, 4, 1000, 1300, 16, 16, 128, false, 200, 0, 1},  // sliding window
+      {DType::bf16, 4, 1000, 1300, 16, 2, 256, true, -1, -1, 1},
+      {DType::f16, 4, 1000, 1300, 16, 16, 256, true, -1, -1, 2},  // split partials
+      {DType::bf16, 3, 520, 1000, 32, 32, 64, false, 100, 0, 1},
+      {DType::bf16, 2, 1100, 1300, 24, 8, 64, true, -1, -1, 3},
   };
 }
 INSTANTIATE_TEST_SUITE_P(Persistent, GpuForward, ::testing::ValuesIn(persistent()), case_name);

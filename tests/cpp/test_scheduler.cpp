@@ -78,5 +78,28 @@ TEST(SnakeScheduler, ModelPicksTheWalkWhereItBalances) {
   EXPECT_FALSE(pays(causal_cell(16384, 128)));
 }
 
+/// The GPU suite's snake cases (tests/cpp/test_gpu.cu persistent(): B, Sq, Sk, Hq, D, window,
+/// splits) must reach the walk, or they would test one block per tile again.
+TEST(SnakeScheduler, GpuSuiteCasesWalkTheSnake) {
+  struct Shape {
+    int64_t b, sq, sk, hq, d, wl, wr;
+    int splits;
+  };
+  for (const Shape& c : {Shape{4, 1000, 1000, 16, 128, -1, 0, 1}, Shape{4, 1000, 1300, 16, 128, 200, 0, 1},
+                         Shape{4, 1000, 1300, 16, 256, -1, 0, 1}, Shape{4, 1000, 1300, 16, 256, -1, 0, 2},
+                         Shape{3, 520, 1000, 32, 64, 100, 0, 1}, Shape{2, 1100, 1300, 24, 64, -1, 0, 3}}) {
+    FwdParams p;
+    p.batch = c.b;
+    p.seqlen_q = c.sq;
+    p.seqlen_k = c.sk;
+    p.heads_q = p.heads_kv = c.hq;
+    p.head_dim = c.d;
+    p.window_left = c.wl;
+    p.window_right = c.wr;
+    p.num_splits = c.splits;
+    EXPECT_TRUE(pays(p, c.d == 256 ? 80 : 128)) << c.b << " x " << c.sq << " x " << c.sk << " hd" << c.d;
+  }
+}
+
 }  // namespace
 }  // namespace hipflash::test
