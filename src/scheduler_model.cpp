@@ -1,28 +1,11 @@
 // hipflash — the host model of the snake walk (kernels/common/scheduler.hpp SnakeScheduler):
 // whether a persistent grid walking causal / window tiles in a snake beats one block per tile.
-#include <stdexcept>
-#include <string>
+#include <cstdint>
 #include <vector>
 
-#include "common/block_info.hpp"
 #include "common/scheduler.hpp"
 
 namespace hipflash::common {
-namespace {
-
-/// Each (split, head, batch) group's tile costs in the tiles' order (query blocks heaviest
-/// first, then splits): its key blocks, the same in every group when the lengths are the call's.
-template <int kBlockM, int kBlockN>
-std::vector<double> key_blocks(const FwdParams& p, int64_t num_m_blocks) {
-  std::vector<double> cost(size_t(num_m_blocks * p.num_splits));
-  for (size_t t = 0; t < cost.size(); ++t) {
-    const BlockInfo<kBlockM, kBlockN> bi(p, int64_t(t), int(num_m_blocks), /*reverse_m=*/true);
-    cost[t] = double(bi.n_block_max - bi.n_block_min);
-  }
-  return cost;
-}
-
-}  // namespace
 
 /// Costs are in key blocks: a tile costs its key blocks plus its exposed prologue and epilogue —
 /// a key block's worth with one block per tile (its Q and first K/V loads and its output store
@@ -31,7 +14,7 @@ std::vector<double> key_blocks(const FwdParams& p, int64_t num_m_blocks) {
 /// 13% at causal S <= 4k and lost 1.3x at hd128 S = 16k, where a few rounds of 1 .. 128
 /// key-block tiles leave it 1.5x unbalanced; the model picks each side there. Varlen and
 /// KV-cache lengths live on the device: no model, one block per tile.
-bool snake_walk_pays(const FwdParams& p, int block_m, int block_n, int64_t num_m_blocks,
+bool snake_walk_pays(const FwdParams& p, TileKeyBlocks key_blocks, int64_t num_m_blocks,
                      int64_t tiles, int64_t blocks) {
   constexpr double kOneBlockPerTileCost = 1.0, kWalkTileCost = 0.25;
   constexpr int64_t kMaxModelTiles = int64_t(1) << 22;  // the model's host time: ~1 ns a tile
@@ -39,23 +22,18 @@ bool snake_walk_pays(const FwdParams& p, int block_m, int block_n, int64_t num_m
       tiles > kMaxModelTiles || num_m_blocks <= 0 || tiles % (num_m_blocks * p.num_splits) != 0)
     return false;
   // The last call's answer: a training or serving loop repeats its shapes.
-  const std::vector<int64_t> key{block_m,      block_n,       num_m_blocks,  tiles,
-                                 blocks,       p.seqlen_q,    p.seqlen_k,    p.num_splits,
-                                 p.window_left, p.window_right};
+  const std::vector<int64_t> key{int64_t(reinterpret_cast<uintptr_t>(key_blocks)),
+                                 num_m_blocks, tiles, blocks, p.seqlen_q, p.seqlen_k,
+                                 p.num_splits, p.window_left, p.window_right};
   thread_local std::vector<int64_t> last_key;
   thread_local bool last_pays = false;
   if (key == last_key) return last_pays;
 
-  std::vector<double> cost;
-  if (block_m == 128 && block_n == 128)
-    cost = key_blocks<128, 128>(p, num_m_blocks);
-  else if (block_m == 128 && block_n == 80)
-    cost = key_blocks<128, 80>(p, num_m_blocks);
-  else if (block_m == 192 && block_n == 128)
-    cost = key_blocks<192, 128>(p, num_m_blocks);
-  else
-    throw std::logic_error("snake_walk_pays: no cost model for " + std::to_string(block_m) +
-                           " x " + std::to_string(block_n) + " tiles");
+  // One (split, head, batch) group's tile costs in the tiles' order (query blocks heaviest
+  // first, then splits): the same in every group when the lengths are the call's.
+  std::vector<double> cost(size_t(num_m_blocks * p.num_splits));
+  for (size_t t = 0; t < cost.size(); ++t)
+    cost[t] = double(key_blocks(p, int64_t(t), int(num_m_blocks)));
   const auto period = int64_t(cost.size());
   double work = 0;  // every tile's key blocks
   for (const double c : cost) work += c * double(tiles / period);

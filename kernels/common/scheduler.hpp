@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/block_info.hpp"
 #include "hipflash/detail/softmax_state.hpp"  // HIPFLASH_HD
 #include "hipflash/params.hpp"
 
@@ -57,10 +58,19 @@ struct PersistentScheduler {
 #endif  // device compiler
 };
 
+/// The key blocks tile `tile` of a masked call visits (BlockInfo's range), on the host.
+template <int kBlockM, int kBlockN>
+int tile_key_blocks(const FwdParams& p, int64_t tile, int num_m_blocks) {
+  const BlockInfo<kBlockM, kBlockN> bi(p, tile, num_m_blocks, /*reverse_m=*/true);
+  return bi.n_block_max - bi.n_block_min;
+}
+using TileKeyBlocks = int (*)(const FwdParams&, int64_t tile, int num_m_blocks);
+
 /// The snake walk's host model (SnakeScheduler below; src/scheduler_model.cpp): whether
-/// `blocks` persistent blocks walking `tiles` tiles of kBlockM x kBlockN (num_m_blocks query
-/// blocks a (split, head, batch), BlockInfo's order) finish before one block per tile would.
-bool snake_walk_pays(const FwdParams& p, int block_m, int block_n, int64_t num_m_blocks,
+/// `blocks` persistent blocks walking `tiles` tiles (num_m_blocks query blocks a (split, head,
+/// batch), BlockInfo's order; `key_blocks` a tile's key blocks) finish before one block per
+/// tile would.
+bool snake_walk_pays(const FwdParams& p, TileKeyBlocks key_blocks, int64_t num_m_blocks,
                      int64_t tiles, int64_t blocks);
 
 /// Persistent blocks for tiles of unequal cost (causal, window: a query block's cost grows with
@@ -71,7 +81,8 @@ bool snake_walk_pays(const FwdParams& p, int block_m, int block_n, int64_t num_m
 /// takes tile r * blocks + j, or r * blocks + blocks - 1 - j when r is odd, so that two rounds
 /// pair a heavy tile with a light one. Static: no atomics, nothing to reset between launches,
 /// and the producer and consumers of a block walk the same tiles by calling run alike. Where
-/// the walk would be unbalanced (snake_walk_pays) the grid is one block per tile and the walk that tile.
+/// the walk would be unbalanced (snake_walk_pays) the grid is one block per tile, the walk that
+/// tile.
 struct SnakeScheduler {
   static constexpr bool kPersistent = true;
 
@@ -88,9 +99,8 @@ struct SnakeScheduler {
   template <class Tile>
   static int64_t grid(const FwdParams& p, int64_t num_m_blocks, int64_t tiles, int64_t slots) {
     const int64_t persistent = tiles < slots ? tiles : slots;
-    return snake_walk_pays(p, Tile::kBlockM, Tile::kBlockN, num_m_blocks, tiles, persistent)
-               ? persistent
-               : tiles;
+    constexpr TileKeyBlocks kKeyBlocks = tile_key_blocks<Tile::kBlockM, Tile::kBlockN>;
+    return snake_walk_pays(p, kKeyBlocks, num_m_blocks, tiles, persistent) ? persistent : tiles;
   }
 
 #if defined(__CUDACC__) || defined(__HIPCC__)

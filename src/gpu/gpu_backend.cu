@@ -171,7 +171,9 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
       return hd == 64    ? ws(sm90ws::Tile<64, true>{})
            : hd == 128 ? ws(sm90ws::Tile<128, true>{})
                        : ws(sm90ws::Tile<256, true>{});
-    return hd == 64 ? ws(sm90ws::Tile<64>{}) : hd == 128 ? ws(sm90ws::Tile<128>{}) : ws(sm90ws::Tile<256>{});
+    return hd == 64    ? ws(sm90ws::Tile<64>{})
+         : hd == 128 ? ws(sm90ws::Tile<128>{})
+                     : ws(sm90ws::Tile<256>{});
   }
   if (kind == KernelKind::decode) {
     // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).

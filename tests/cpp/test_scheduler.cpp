@@ -12,6 +12,7 @@ namespace {
 
 using common::SnakeScheduler;
 using common::snake_walk_pays;
+using common::tile_key_blocks;
 
 TEST(SnakeScheduler, WalkDealsEveryTileToOneBlock) {
   for (int64_t blocks : {1, 2, 7, 132})
@@ -51,16 +52,18 @@ FwdParams causal_cell(int64_t S, int64_t D) {
   return p;
 }
 
-bool pays(const FwdParams& p, int block_n = 128) {
+/// The model's answer for 128-row tiles of 128 keys (80 for hd256) on 132 SMs.
+bool pays(const FwdParams& p) {
   const int64_t m = (p.seqlen_q + 127) / 128, tiles = m * p.num_splits * p.heads_q * p.batch;
-  return snake_walk_pays(p, 128, block_n, m, tiles, tiles < 132 ? tiles : 132);
+  const auto key_blocks = p.head_dim == 256 ? tile_key_blocks<128, 80> : tile_key_blocks<128, 128>;
+  return snake_walk_pays(p, key_blocks, m, tiles, tiles < 132 ? tiles : 132);
 }
 
 TEST(SnakeScheduler, ModelPicksTheWalkWhereItBalances) {
   for (int64_t S : {512, 1024, 2048, 4096}) EXPECT_TRUE(pays(causal_cell(S, 128))) << S;
   EXPECT_FALSE(pays(causal_cell(16384, 128)));  // 2048 tiles: the walk 1.5x unbalanced
   for (int64_t S : {1024, 2048, 4096}) EXPECT_TRUE(pays(causal_cell(S, 64))) << S;
-  EXPECT_TRUE(pays(causal_cell(1024, 256), 80));
+  EXPECT_TRUE(pays(causal_cell(1024, 256)));
   // Where the lengths live on the device, and where there is nothing to walk: one per tile.
   FwdParams varlen = causal_cell(1024, 128);
   const int32_t cu[2] = {0, 1024};
@@ -85,9 +88,10 @@ TEST(SnakeScheduler, GpuSuiteCasesWalkTheSnake) {
     int64_t b, sq, sk, hq, d, wl, wr;
     int splits;
   };
-  for (const Shape& c : {Shape{4, 1000, 1000, 16, 128, -1, 0, 1}, Shape{4, 1000, 1300, 16, 128, 200, 0, 1},
-                         Shape{4, 1000, 1300, 16, 256, -1, 0, 1}, Shape{4, 1000, 1300, 16, 256, -1, 0, 2},
-                         Shape{3, 520, 1000, 32, 64, 100, 0, 1}, Shape{2, 1100, 1300, 24, 64, -1, 0, 3}}) {
+  const Shape shapes[] = {{4, 1000, 1000, 16, 128, -1, 0, 1}, {4, 1000, 1300, 16, 128, 200, 0, 1},
+                          {4, 1000, 1300, 16, 256, -1, 0, 1}, {4, 1000, 1300, 16, 256, -1, 0, 2},
+                          {3, 520, 1000, 32, 64, 100, 0, 1},  {2, 1100, 1300, 24, 64, -1, 0, 3}};
+  for (const Shape& c : shapes) {
     FwdParams p;
     p.batch = c.b;
     p.seqlen_q = c.sq;
@@ -97,7 +101,7 @@ TEST(SnakeScheduler, GpuSuiteCasesWalkTheSnake) {
     p.window_left = c.wl;
     p.window_right = c.wr;
     p.num_splits = c.splits;
-    EXPECT_TRUE(pays(p, c.d == 256 ? 80 : 128)) << c.b << " x " << c.sq << " x " << c.sk << " hd" << c.d;
+    EXPECT_TRUE(pays(p)) << c.b << " x " << c.sq << " x " << c.sk << " hd" << c.d;
   }
 }
 
