@@ -103,9 +103,10 @@ struct Smem {
   }
 };
 
-/// Named barriers (0 is __syncthreads): kEpilogue syncs the consumers; consumer warpgroup w
-/// issues its GEMMs after a sync on kTurn + w, then hands the turn to the next, round robin.
-enum NamedBarrier : int { kEpilogue = 1, kTurn = 2 };
+/// Named barriers (0 is __syncthreads): consumer warpgroup w issues its GEMMs after a sync on
+/// kTurn + w, then hands the turn to the next, round robin; kEpilogue (+ w where each
+/// warpgroup stages its own rows) syncs the epilogue's staging.
+enum NamedBarrier : int { kTurn = 1, kEpilogue = 1 + 3 };  // up to three consumers
 
 /// The producer thread: Q, then K(n) and V(n) for the tile's key blocks from last to first
 /// (the consumers' order), each into the next free stage of its ring.
@@ -164,6 +165,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   constexpr int kThreads = Cfg::kConsumerThreads;
   constexpr DType kDT = Traits::kDType;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
+  static_assert(Cfg::kConsumers <= kEpilogue - kTurn, "the turn barriers end before kEpilogue");
 
   const int thread = consumer::thread_index();  // not hoisted out of the tile loop
   const int lane = thread % 32, warp = thread / 32;  // consumer warps
@@ -273,18 +275,26 @@ __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Trai
   if constexpr (Traits::kSplit) {
     consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
   } else {
-    // Stage the rounded tile in shared memory — its own buffer (every warp done reading the
-    // last tile's after the barrier) or over Q (every wgmma of both consumers that reads Q done
-    // after it) —, then write 16-byte rows.
-    named_sync<kThreads>(kEpilogue);
+    // Stage the rounded tile in shared memory, then write 16-byte rows. In a buffer of its own,
+    // each warpgroup stages and writes its own 64 rows between barriers of its own (its warps
+    // done reading its last tile's rows; its rows staged), so that the warpgroups keep their
+    // turn-taking offset from one tile into the next. Over Q, the whole tile's consumers sync:
+    // a row of the staged tile spans Q rows of both warpgroups, which every Q K^T must be done
+    // reading.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* sO = reinterpret_cast<T*>(smem_raw + (sm.o() - smem_addr(smem_raw)));
     float* sL = reinterpret_cast<float*>(smem_raw + (sm.lse() - smem_addr(smem_raw)));
+    constexpr int kRows = Cfg::kOwnStaging ? 64 : kBM;  // rows a barrier's threads stage
+    constexpr int kStagers = Cfg::kOwnStaging ? 128 : kThreads;
+    const int first = Cfg::kOwnStaging ? 64 * wg : 0;  // their first row in the tile
+    const int bar = Cfg::kOwnStaging ? kEpilogue + wg : kEpilogue;
+    named_sync<kStagers>(bar);
     consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
                                                                             warp * 16 + g, t);
-    named_sync<kThreads>(kEpilogue);
-    consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(
-        p, bi, sO, sL, m0, int(p.head_dim), consumer::thread_index());
+    named_sync<kStagers>(bar);
+    const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * wg : 0);
+    consumer::store_staged<kRows, Cfg::kChunks, kStagers, Traits::kReturnLse>(
+        p, bi, sO + first * kHD, sL + first, m0 + first, int(p.head_dim), stager);
     // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every warp
     // has read it.
     if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
