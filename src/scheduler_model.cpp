@@ -1,5 +1,6 @@
 // hipflash — the host model of the snake walk (kernels/common/scheduler.hpp SnakeScheduler):
 // whether a persistent grid walking causal / window tiles in a snake beats one block per tile.
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -19,13 +20,15 @@ bool snake_walk_pays(const FwdParams& p, TileKeyBlocks key_blocks, int64_t num_m
   constexpr double kOneBlockPerTileCost = 1.0, kWalkTileCost = 0.25;
   constexpr int64_t kMaxModelTiles = int64_t(1) << 22;  // the model's host time: ~1 ns a tile
   if (p.cu_seqlens_q != nullptr || p.seqlens_k != nullptr || blocks >= tiles ||
-      tiles > kMaxModelTiles || num_m_blocks <= 0 || tiles % (num_m_blocks * p.num_splits) != 0)
+      tiles > kMaxModelTiles)
     return false;
   // The last call's answer: a training or serving loop repeats its shapes.
-  const std::vector<int64_t> key{int64_t(reinterpret_cast<uintptr_t>(key_blocks)),
-                                 num_m_blocks, tiles, blocks, p.seqlen_q, p.seqlen_k,
-                                 p.num_splits, p.window_left, p.window_right};
-  thread_local std::vector<int64_t> last_key;
+  // (tiles = num_m_blocks x splits x heads x batch, launch_fwd's count: heads and batch enter
+  // through it.)
+  const std::array<int64_t, 9> key{int64_t(reinterpret_cast<uintptr_t>(key_blocks)),
+                                   num_m_blocks, tiles, blocks, p.seqlen_q, p.seqlen_k,
+                                   p.num_splits, p.window_left, p.window_right};
+  thread_local std::array<int64_t, 9> last_key{};  // tiles 0: never a real call's key
   thread_local bool last_pays = false;
   if (key == last_key) return last_pays;
 

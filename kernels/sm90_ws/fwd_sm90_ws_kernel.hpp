@@ -152,7 +152,8 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 }
 
 /// One consumer warpgroup's work on one tile: its 64 query rows against the tile's key blocks,
-/// then the epilogue (both consumers together).
+/// then the epilogue (its own rows where the output has its own staging buffer, else the
+/// whole tile with the other consumers).
 template <class Traits>
 __device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Traits::kHeadDim, Traits::kMasked>>& sm,
                                         int64_t tile, int num_m_blocks, uint32_t& q_it,

@@ -124,9 +124,10 @@ INSTANTIATE_TEST_SUITE_P(Windows, GpuForward, ::testing::ValuesIn(windows()), ca
 /// per SM walking its tiles, the next tile's Q loaded while the last one's output is written):
 /// every tile reached once, each with its own Q, the pipeline's barrier phases carried from tile
 /// to tile. About 2-4 tiles per block on a 132-SM H200 at every head dim. Causal and window
-/// cases walk the snake (common::SnakeScheduler) where its host model pays — the last six,
-/// which tests/cpp/test_scheduler.cpp checks the model still sends to the walk — and run one
-/// block per tile otherwise (the first ones).
+/// cases walk the snake (common::SnakeScheduler) where its host model pays on the H200's 132
+/// SMs — the last six, which tests/cpp/test_scheduler.cpp checks the model still sends to the
+/// walk, and the 520 x 1000 window — and one block per tile otherwise (700 x 700, 300 x 333, and
+/// the single-batch hd64 cases, whose tiles fit one wave).
 std::vector<Case> persistent() {
   return {
       {DType::bf16, 2, 700, 700, 24, 8, 128, true, -1, -1, 1},
@@ -146,7 +147,7 @@ std::vector<Case> persistent() {
       {DType::f16, 4, 1000, 1300, 16, 16, 128, false, 200, 0, 1},  // sliding window
       {DType::bf16, 4, 1000, 1300, 16, 2, 256, true, -1, -1, 1},
       {DType::f16, 4, 1000, 1300, 16, 16, 256, true, -1, -1, 2},  // split partials
-      {DType::bf16, 3, 520, 1000, 32, 32, 64, false, 100, 0, 1},
+      {DType::bf16, 3, 700, 1000, 32, 8, 64, false, 150, 0, 1},  // sliding window, GQA
       {DType::bf16, 2, 1100, 1300, 24, 8, 64, true, -1, -1, 3},
   };
 }
