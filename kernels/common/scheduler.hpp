@@ -98,7 +98,7 @@ struct SnakeScheduler {
 
   template <class Tile>
   static int64_t grid(const FwdParams& p, int64_t num_m_blocks, int64_t tiles, int64_t slots) {
-    const int64_t persistent = tiles < slots ? tiles : slots;
+    const int64_t persistent = PersistentScheduler::grid<Tile>(p, num_m_blocks, tiles, slots);
     constexpr TileKeyBlocks kKeyBlocks = tile_key_blocks<Tile::kBlockM, Tile::kBlockN>;
     return snake_walk_pays(p, kKeyBlocks, num_m_blocks, tiles, persistent) ? persistent : tiles;
   }

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "backend.hpp"
@@ -166,14 +167,16 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
                     : shape_of<sm90::Tile<128>>(sm90::Tile<128>::kMinBlocks);
   }
   if (kind == KernelKind::sm90_ws) {  // masked tiles may differ (square at hd64 and hd128)
-    auto ws = [](auto tile) { return shape_of<decltype(tile)>(decltype(tile)::kMinBlocks); };
-    if (masked)
-      return hd == 64    ? ws(sm90ws::Tile<64, true>{})
-           : hd == 128 ? ws(sm90ws::Tile<128, true>{})
-                       : ws(sm90ws::Tile<256, true>{});
-    return hd == 64    ? ws(sm90ws::Tile<64>{})
-         : hd == 128 ? ws(sm90ws::Tile<128>{})
-                     : ws(sm90ws::Tile<256>{});
+    auto ws = [hd](auto is_masked) {
+      constexpr bool kMasked = decltype(is_masked)::value;
+      using T64 = sm90ws::Tile<64, kMasked>;
+      using T128 = sm90ws::Tile<128, kMasked>;
+      using T256 = sm90ws::Tile<256, kMasked>;
+      return hd == 64    ? shape_of<T64>(T64::kMinBlocks)
+           : hd == 128 ? shape_of<T128>(T128::kMinBlocks)
+                       : shape_of<T256>(T256::kMinBlocks);
+    };
+    return masked ? ws(std::true_type{}) : ws(std::false_type{});
   }
   if (kind == KernelKind::decode) {
     // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).

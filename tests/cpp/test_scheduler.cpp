@@ -41,16 +41,21 @@ TEST(SnakeScheduler, WalkDealsEveryTileToOneBlock) {
 /// 132 SMs: the walk where the H200 measured it faster (S <= 4k), one block per tile at hd128
 /// S = 16k (the walk 1.3x slower there). At S = 8k the two measured level and the model's
 /// costs are within 1%: either answer is right, so that cell is not asserted.
-FwdParams causal_cell(int64_t S, int64_t D) {
+/// A dense call's parameters as the model reads them: window (wl, wr), -1 unbounded.
+FwdParams call(int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t d, int64_t wl, int64_t wr,
+               int splits = 1) {
   FwdParams p;
-  p.batch = 16384 / S;
-  p.seqlen_q = p.seqlen_k = S;
-  p.heads_q = p.heads_kv = 2048 / D;
-  p.head_dim = D;
-  p.window_left = -1;
-  p.window_right = 0;
+  p.batch = b;
+  p.seqlen_q = sq;
+  p.seqlen_k = sk;
+  p.heads_q = p.heads_kv = hq;
+  p.head_dim = d;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.num_splits = splits;
   return p;
 }
+FwdParams causal_cell(int64_t S, int64_t D) { return call(16384 / S, S, S, 2048 / D, D, -1, 0); }
 
 /// The model's answer for 128-row tiles of 128 keys (80 for hd256) on 132 SMs.
 bool pays(const FwdParams& p) {
@@ -91,18 +96,9 @@ TEST(SnakeScheduler, GpuSuiteCasesWalkTheSnake) {
   const Shape shapes[] = {{4, 1000, 1000, 16, 128, -1, 0, 1}, {4, 1000, 1300, 16, 128, 200, 0, 1},
                           {4, 1000, 1300, 16, 256, -1, 0, 1}, {4, 1000, 1300, 16, 256, -1, 0, 2},
                           {3, 700, 1000, 32, 64, 150, 0, 1},  {2, 1100, 1300, 24, 64, -1, 0, 3}};
-  for (const Shape& c : shapes) {
-    FwdParams p;
-    p.batch = c.b;
-    p.seqlen_q = c.sq;
-    p.seqlen_k = c.sk;
-    p.heads_q = p.heads_kv = c.hq;
-    p.head_dim = c.d;
-    p.window_left = c.wl;
-    p.window_right = c.wr;
-    p.num_splits = c.splits;
-    EXPECT_TRUE(pays(p)) << c.b << " x " << c.sq << " x " << c.sk << " hd" << c.d;
-  }
+  for (const Shape& c : shapes)
+    EXPECT_TRUE(pays(call(c.b, c.sq, c.sk, c.hq, c.d, c.wl, c.wr, c.splits)))
+        << c.b << " x " << c.sq << " x " << c.sk << " hd" << c.d;
 }
 
 }  // namespace
