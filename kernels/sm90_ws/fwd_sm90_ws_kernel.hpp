@@ -151,157 +151,208 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   }
 }
 
-/// One consumer warpgroup's work on one tile: its 64 query rows against the tile's key blocks,
-/// then the epilogue (its own rows where the output has its own staging buffer, else the
-/// whole tile with the other consumers).
+/// A consumer warpgroup's registers for one tile: the output accumulator, the probabilities
+/// (P V's A operand) and the rows' softmax state.
+template <int kHD, int kBN>
+struct Accumulators {
+  float O[kHD / 2];
+  uint32_t P[kBN / 16][4];
+  common::RowSoftmax<2> softmax;
+};
+
+/// A consumer warpgroup of the block: the pieces of atoms/sm90/consumer.hpp on this schedule's
+/// rings, turns and staging. Constructed per tile (thread-derived values are not hoisted out
+/// of the tile loop: consumer::thread_index).
 template <class Traits>
-__device__ __forceinline__ void consume(const FwdParams& p, const Smem<Tile<Traits::kHeadDim, Traits::kMasked>>& sm,
-                                        int64_t tile, int num_m_blocks, uint32_t& q_it,
-                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& k_pos,
-                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& v_pos) {
+struct Consumer {
   using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
   using T = typename common::Element<Traits::kDType>::type;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
-  constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
-  constexpr int kThreads = Cfg::kConsumerThreads;
-  constexpr DType kDT = Traits::kDType;
+  using Ring = RingPos<Cfg::kStages>;
+  static constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
+  static constexpr int kThreads = Cfg::kConsumerThreads;
+  static constexpr DType kDT = Traits::kDType;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
   static_assert(Cfg::kConsumers <= kEpilogue - kTurn, "the turn barriers end before kEpilogue");
 
+  const FwdParams& p;
+  const Smem<Cfg>& sm;
+  int num_m_blocks;
+  Ring& k_pos;
+  Ring& v_pos;
   const int thread = consumer::thread_index();  // not hoisted out of the tile loop
   const int lane = thread % 32, warp = thread / 32;  // consumer warps
   const int wg = warp / 4, g = lane / 4, t = lane % 4;
-  const Info bi(p, tile, num_m_blocks, Traits::kMasked);
-  const int64_t m0 = int64_t(bi.m_block) * kBM;
-  if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread))
-    return;
 
-  // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h (of this warp's 16), column
-  // 8i + 2t + e. Warpgroup wg's Q rows start 64 wg rows into the tile.
-  float O[kHD / 2];
-#pragma unroll
-  for (int i = 0; i < kHD / 2; ++i) O[i] = 0.f;
-  common::RowSoftmax<2> softmax;
-  const float scale_log2 = p.softmax_scale * detail::kLog2e;
-  auto row_of = [&](int h) { return m0 + warp * 16 + h * 8 + g; };
-  const uint32_t sQ_wg = sm.q() + wg * 64 * 128;
-
-  auto turn_begin = [&] { named_sync<256>(kTurn + wg); };
-  auto turn_end = [&] { named_arrive<256>(kTurn + (wg + 1) % Cfg::kConsumers); };
-  auto release = [&](const Mbarrier& bar) {
+  __device__ __forceinline__ Info info(int64_t tile) const {
+    return Info(p, tile, num_m_blocks, Traits::kMasked);
+  }
+  /// The sequence row of this thread's row h (of 2) in the tile at m0: accumulators in wgmma
+  /// order, element 4i + 2h + e is row g + 8h of this warp's 16, column 8i + 2t + e.
+  __device__ __forceinline__ int64_t row_of(int64_t m0, int h) const {
+    return m0 + warp * 16 + h * 8 + g;
+  }
+  __device__ __forceinline__ void turn_begin() const { named_sync<256>(kTurn + wg); }
+  __device__ __forceinline__ void turn_end() const {
+    named_arrive<256>(kTurn + (wg + 1) % Cfg::kConsumers);
+  }
+  __device__ __forceinline__ void release(const Mbarrier& bar) const {
     if (lane == 0) bar.arrive();
-  };
-  // Q is read by the Q K^T GEMMs only: with an output staging buffer of its own, each warp
-  // frees it for the next tile's Q as soon as its last Q K^T is done (else after the epilogue).
-  auto q_read = [&] {
+  }
+  /// Q is read by the Q K^T GEMMs only: with an output staging buffer of its own, each warp
+  /// frees it for the next tile's Q as soon as its last Q K^T is done (else after the epilogue).
+  __device__ __forceinline__ void q_read() const {
     if constexpr (Cfg::kOwnStaging) release(sm.q_empty());
-  };
+  }
+  __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], uint32_t sK) const {
+    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sm.q() + wg * 64 * 128, sK);
+  }
+  /// S(n) done: K's stage back to the producer, Q too after the tile's last Q K^T.
+  __device__ __forceinline__ void qk_done(float (&S)[kBN / 2], bool last_qk) const {
+    wgmma::fence_operands(S);
+    release(sm.k_empty(k_pos.stage()));
+    ++k_pos.it;
+    if (last_qk) q_read();
+  }
+  /// P V done: O readable, V's stage back to the producer.
+  template <int N>
+  __device__ __forceinline__ void pv_done(float (&O)[N], int vs) const {
+    wgmma::fence_operands(O);
+    release(sm.v_empty(vs));
+    ++v_pos.it;
+  }
+  /// The masked online-softmax step of key block n on S (left holding the probabilities).
+  __device__ __forceinline__ void softmax_step(const Info& bi, common::RowSoftmax<2>& softmax,
+                                               float (&S)[kBN / 2], int n,
+                                               float (&rescale)[2]) const {
+    const auto rows = [&](int h) { return row_of(int64_t(bi.m_block) * kBM, h); };
+    consumer::softmax_step<Traits, kBN>(p, bi, softmax, p.softmax_scale * detail::kLog2e, S, n,
+                                        rows, t, rescale);
+  }
 
-  // The consumer pieces (atoms/sm90/consumer.hpp) on this schedule's ring stages.
-  auto issue_qk = [&](float(&S)[kBN / 2], uint32_t sK) {
-    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sQ_wg, sK);
-  };
-  auto issue_pv = [&](const uint32_t(&P)[kBN / 16][4], uint32_t sV) {
-    consumer::issue_pv<kDT, kBN, kHD>(O, P, sV);
-  };
-  auto softmax_step = [&](float(&S)[kBN / 2], int n, float(&rescale)[2]) {
-    consumer::softmax_step<Traits, kBN>(p, bi, softmax, scale_log2, S, n, row_of, t,
-                                              rescale);
-  };
+  /// The epilogue, in two halves: `stage` the rounded tile (and LSEs) in shared memory, then
+  /// `store` it as 16-byte rows (and the LSEs); a split's fp32 partials go from registers at
+  /// once. In a buffer of its own, each warpgroup stages and writes its own 64 rows between
+  /// barriers of its own (its warps done reading its last tile's rows; its rows staged), so
+  /// that the warpgroups keep their turn-taking offset from one tile into the next. Over Q, the
+  /// whole tile's consumers sync: a row of the staged tile spans Q rows of both warpgroups,
+  /// which every Q K^T must be done reading.
+  static constexpr int kStageRows = Cfg::kOwnStaging ? 64 : kBM;  // rows a barrier's threads stage
+  static constexpr int kStagers = Cfg::kOwnStaging ? 128 : kThreads;
+  __device__ __forceinline__ int stage_barrier() const {
+    return Cfg::kOwnStaging ? kEpilogue + wg : kEpilogue;
+  }
+  __device__ __forceinline__ T* staged_out() const {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    return reinterpret_cast<T*>(smem_raw + (sm.o() - smem_addr(smem_raw)));
+  }
+  __device__ __forceinline__ float* staged_lse() const {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    return reinterpret_cast<float*>(smem_raw + (sm.lse() - smem_addr(smem_raw)));
+  }
+  __device__ __forceinline__ void stage(const Info& bi, const float (&O)[kHD / 2],
+                                        common::RowSoftmax<2>& softmax) const {
+    softmax.finalize();
+    if constexpr (Traits::kSplit) {
+      const int64_t m0 = int64_t(bi.m_block) * kBM;
+      consumer::write_split<kHD>(p, bi, O, softmax, [&](int h) { return row_of(m0, h); }, t);
+    } else {
+      named_sync<kStagers>(stage_barrier());
+      consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(
+          staged_out(), staged_lse(), O, softmax, warp * 16 + g, t);
+    }
+  }
+  __device__ __forceinline__ void store(const Info& bi) const {
+    if constexpr (!Traits::kSplit) {
+      named_sync<kStagers>(stage_barrier());
+      const int first = Cfg::kOwnStaging ? 64 * wg : 0;  // the stagers' first row in the tile
+      const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * wg : 0);
+      consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse>(
+          p, bi, staged_out() + first * kHD, staged_lse() + first,
+          int64_t(bi.m_block) * kBM + first, int(p.head_dim), stager);
+      // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
+      // warp has read it.
+      if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
+    }
+    if constexpr (!Cfg::kOwnStaging) release(sm.q_empty());
+  }
+  __device__ __forceinline__ void epilogue(const Info& bi, const float (&O)[kHD / 2],
+                                           common::RowSoftmax<2>& softmax) const {
+    stage(bi, O, softmax);
+    store(bi);
+  }
 
-  sm.q_full().wait(q_it & 1u);
-  ++q_it;
-  // Software pipeline (key blocks from last to first): while P(n) V(n) runs on the tensor
-  // cores, the softmax of S(n - 1) runs on the CUDA cores.
-  const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
-  if (n_hi >= n_lo) {
-    uint32_t P[kBN / 16][4];
-    {
-      const int ks = k_pos.stage();
-      sm.k_full(ks).wait(k_pos.parity());
+  /// The tile's last P V, in a turn of its own, and waited for.
+  __device__ __forceinline__ void last_pv(Accumulators<kHD, kBN>& c) const {
+    const int vs = v_pos.stage();
+    sm.v_full(vs).wait(v_pos.parity());
+    turn_begin();
+    consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
+    turn_end();
+    wgmma::wait<0>();
+    pv_done(c.O, vs);
+  }
+
+  /// One tile: its 64 query rows of this warpgroup against the tile's key blocks, from last to
+  /// first. While P(n) V(n) runs on the tensor cores, the softmax of S(n - 1) runs on the CUDA
+  /// cores. Each block's Q K^T is issued unconditionally, so S needs no zeroing against an
+  /// undefined path (which serialises the wgmmas, C7515), and the last P V runs alone.
+  __device__ __forceinline__ void run(int64_t tile, uint32_t& q_it) const {
+    const Info bi = info(tile);
+    const int64_t m0 = int64_t(bi.m_block) * kBM;
+    if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread))
+      return;
+    const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
+    Accumulators<kHD, kBN> c;
+    if (n_hi < n_lo) {  // no key block: Q is not read at all; out 0, LSE -inf
+      sm.q_full().wait(q_it & 1u);
+      ++q_it;
+      q_read();
+#pragma unroll
+      for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
+      c.softmax = common::RowSoftmax<2>();
+      epilogue(bi, c.O, c.softmax);
+      return;
+    }
+    {  // the first key block: Q K^T alone in its turn, then its softmax
       float S[kBN / 2];
+      sm.q_full().wait(q_it & 1u);
+      ++q_it;
+      sm.k_full(k_pos.stage()).wait(k_pos.parity());
       turn_begin();
-      issue_qk(S, sm.k(ks));
+      issue_qk(S, sm.k(k_pos.stage()));
       turn_end();
       wgmma::wait<0>();
-      wgmma::fence_operands(S);
-      release(sm.k_empty(ks));
-      ++k_pos.it;
-      if (n_hi == n_lo) q_read();
-      float unused[2];
-      softmax_step(S, n_hi, unused);
-      consumer::pack_p<kDT, kBN>(S, P);
-    }
-    for (int n = n_hi; n >= n_lo; --n) {
-      // S is zeroed although its first wgmma overwrites it: on the last block it is not issued,
-      // and ptxas serialises every wgmma when an accumulator may be undefined on some path.
-      float S[kBN / 2];
+      qk_done(S, n_hi == n_lo);
 #pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) S[i] = 0.f;
-      const bool more = n > n_lo;
+      for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
+      c.softmax = common::RowSoftmax<2>();
+      float unused[2];
+      softmax_step(bi, c.softmax, S, n_hi, unused);
+      consumer::pack_p<kDT, kBN>(S, c.P);
+    }
+    for (int n = n_hi; n > n_lo; --n) {
+      float S[kBN / 2];
       const int ks = k_pos.stage(), vs = v_pos.stage();
-      if (more) sm.k_full(ks).wait(k_pos.parity());
+      sm.k_full(ks).wait(k_pos.parity());
       sm.v_full(vs).wait(v_pos.parity());
       turn_begin();
-      if (more) issue_qk(S, sm.k(ks));
-      issue_pv(P, sm.v(vs));
+      issue_qk(S, sm.k(ks));
+      consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
       turn_end();
-      if (more) {
-        wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
-        wgmma::fence_operands(S);
-        release(sm.k_empty(ks));
-        ++k_pos.it;
-        if (n - 1 == n_lo) q_read();
-        float rescale[2];
-        softmax_step(S, n - 1, rescale);
-        wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
-        wgmma::fence_operands(O);
-        release(sm.v_empty(vs));
-        ++v_pos.it;
-        consumer::rescale_o<kHD>(O, rescale);
-        consumer::pack_p<kDT, kBN>(S, P);
-      } else {
-        wgmma::wait<0>();
-        wgmma::fence_operands(O);
-        release(sm.v_empty(vs));
-        ++v_pos.it;
-      }
+      wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
+      qk_done(S, n - 1 == n_lo);
+      float rescale[2];
+      softmax_step(bi, c.softmax, S, n - 1, rescale);
+      wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
+      pv_done(c.O, vs);
+      consumer::rescale_o<kHD>(c.O, rescale);
+      consumer::pack_p<kDT, kBN>(S, c.P);
     }
-  } else {
-    q_read();  // no key block: Q is not read at all
+    last_pv(c);
+    epilogue(bi, c.O, c.softmax);
   }
-  softmax.finalize();
-
-  // ---- Epilogue ----
-  if constexpr (Traits::kSplit) {
-    consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
-  } else {
-    // Stage the rounded tile in shared memory, then write 16-byte rows. In a buffer of its own,
-    // each warpgroup stages and writes its own 64 rows between barriers of its own (its warps
-    // done reading its last tile's rows; its rows staged), so that the warpgroups keep their
-    // turn-taking offset from one tile into the next. Over Q, the whole tile's consumers sync:
-    // a row of the staged tile spans Q rows of both warpgroups, which every Q K^T must be done
-    // reading.
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    T* sO = reinterpret_cast<T*>(smem_raw + (sm.o() - smem_addr(smem_raw)));
-    float* sL = reinterpret_cast<float*>(smem_raw + (sm.lse() - smem_addr(smem_raw)));
-    constexpr int kRows = Cfg::kOwnStaging ? 64 : kBM;  // rows a barrier's threads stage
-    constexpr int kStagers = Cfg::kOwnStaging ? 128 : kThreads;
-    const int first = Cfg::kOwnStaging ? 64 * wg : 0;  // their first row in the tile
-    const int bar = Cfg::kOwnStaging ? kEpilogue + wg : kEpilogue;
-    named_sync<kStagers>(bar);
-    consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
-                                                                            warp * 16 + g, t);
-    named_sync<kStagers>(bar);
-    const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * wg : 0);
-    consumer::store_staged<kRows, Cfg::kChunks, kStagers, Traits::kReturnLse>(
-        p, bi, sO + first * kHD, sL + first, m0 + first, int(p.head_dim), stager);
-    // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every warp
-    // has read it.
-    if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
-  }
-  if constexpr (!Cfg::kOwnStaging) release(sm.q_empty());
-}
+};
 
 #endif  // HIPFLASH_HAS_WGMMA
 
@@ -341,8 +392,9 @@ __global__ void __launch_bounds__(Tile<Traits::kHeadDim, Traits::kMasked>::kThre
     setmaxnreg_inc<Cfg::kConsumerRegs>();
     // The first turn is consumer 0's: the last consumer hands it over once.
     if (warp / 4 == Cfg::kConsumers - 1) named_arrive<256>(kTurn);
+    using C = Consumer<Traits>;
     Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-      consume<Traits>(p, sm, tile, num_m_blocks, q_it, k_pos, v_pos);
+      C{p, sm, num_m_blocks, k_pos, v_pos}.run(tile, q_it);
     });
   }
 #else
