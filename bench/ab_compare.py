@@ -6,8 +6,8 @@
 Each RESULTS_DIR holds the results.json of one run. Per cell and build it prints hipflash's
 TFLOP/s (or GB/s for decode cells) with the LSE off / on; with --ref, each build's change
 against the reference build (median over the reference's runs when several share its name
-prefix, e.g. base1 and base2 for --ref base). Runs of the same build are told apart by a
-trailing number (base1, base2, tree1, ...): the summary line is the geometric mean of
+prefix, e.g. base.1 and base.2 for --ref base). Runs of the same build are told apart by a
+suffix .N (base.1, base.2, tree.1, ...): the summary line is the geometric mean of
 build / reference over the cells both ran. A hipflash row that failed its check is marked
 FAIL and left out. The peers' columns are not compared: each run times them again, and their
 spread between runs is the noise floor to read the builds' differences against (cuDNN's
@@ -44,7 +44,7 @@ def load(path: Path) -> dict[str, dict[str, float | str]]:
 
 
 def build_of(run: str) -> str:
-    return re.sub(r"\d+$", "", run) or run
+    return re.sub(r"\.\d+$", "", run)
 
 
 def main() -> int:

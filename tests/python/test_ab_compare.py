@@ -35,12 +35,12 @@ def test_change_against_the_median_of_the_reference_runs(tmp_path):
     base2 = write_run(tmp_path / "b2", {"hd128 S=1k": (110.0, 100.0, 118.0)})
     base3 = write_run(tmp_path / "b3", {"hd128 S=1k": (102.0, 92.0, 119.0)})
     tree = write_run(tmp_path / "t1", {"hd128 S=1k": (112.2, 101.2, 121.0)})
-    lines = compare(f"base1={base1}", f"base2={base2}", f"base3={base3}", f"tree1={tree}",
+    lines = compare(f"base.1={base1}", f"base.2={base2}", f"base.3={base3}", f"bn176.1={tree}",
                     "--ref", "base")
     row = line_of(lines, "hd128 S=1k")
     assert "102 / 92" in row  # the reference's median over its three runs
     assert "112 / 101 +10%" in row  # (112.2 / 102 + 101.2 / 92) / 2 = 1.10
-    assert lines[-1] == "geomean against base (LSE off and on): tree: +10.0%"
+    assert lines[-1] == "geomean against base (LSE off and on): bn176: +10.0%"
 
 
 def test_failed_check_is_marked_and_left_out_of_the_geomean(tmp_path):
