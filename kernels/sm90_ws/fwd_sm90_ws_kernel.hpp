@@ -1,13 +1,14 @@
 // hipflash — the warp-specialised Hopper forward kernel (sm_90a).
 //
 // One producer warpgroup and two or three consumer warpgroups per block:
-//  * the producer's first thread loads the 128-row Q tile once per work tile and the K and V
-//    tiles of every key block with the tensor-memory accelerator (TMA) into a ring of kStages
-//    stages each; a stage's "full" mbarrier counts the bytes landed, its "empty" mbarrier the
-//    consumer warps done with it. The producer gives its registers to the consumers.
+//  * the producer's first thread loads the Q tile (128 or 192 rows) once per work tile and the
+//    K and V tiles of every key block with the tensor-memory accelerator (TMA) into a ring of
+//    kStages stages each; a stage's "full" mbarrier counts the bytes landed, its "empty"
+//    mbarrier the consumer warps done with it. The producer gives its registers to the
+//    consumers.
 //  * each consumer warpgroup owns 64 query rows: S = Q K^T (wgmma SS) and O += P V (wgmma RS,
 //    P from registers) with the online softmax of the generic kernel (common::RowSoftmax), the
-//    softmax of key block n - 1 running while P(n) V(n) is on the tensor cores. The two
+//    softmax of key block n - 1 running while P(n) V(n) is on the tensor cores. The
 //    consumers take turns issuing their GEMMs (named barriers, round robin), so that one's
 //    softmax runs under the others' GEMMs.
 // The shared-memory tiles use the panelled 128-byte swizzle of atoms/sm90/wgmma.hpp, which is
@@ -200,14 +201,15 @@ struct Consumer {
     if (lane == 0) bar.arrive();
   }
   /// Q is read by the Q K^T GEMMs only: with an output staging buffer of its own, each warp
-  /// frees it for the next tile's Q as soon as its last Q K^T is done (else after the epilogue).
+  /// frees it for the next tile's Q as soon as its last Q K^T is done (staged over Q, store()
+  /// frees it after the epilogue instead).
   __device__ __forceinline__ void q_read() const {
     if constexpr (Cfg::kOwnStaging) release(sm.q_empty());
   }
   __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], uint32_t sK) const {
     consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sm.q() + wg * 64 * 128, sK);
   }
-  /// S(n) done: K's stage back to the producer, Q too after the tile's last Q K^T.
+  /// S(n) done: K's stage back to the producer, and after the tile's last Q K^T q_read().
   __device__ __forceinline__ void qk_done(float (&S)[kBN / 2], bool last_qk) const {
     wgmma::fence_operands(S);
     release(sm.k_empty(k_pos.stage()));
@@ -230,13 +232,14 @@ struct Consumer {
                                         rows, t, rescale);
   }
 
-  /// The epilogue, in two halves: `stage` the rounded tile (and LSEs) in shared memory, then
-  /// `store` it as 16-byte rows (and the LSEs); a split's fp32 partials go from registers at
-  /// once. In a buffer of its own, each warpgroup stages and writes its own 64 rows between
-  /// barriers of its own (its warps done reading its last tile's rows; its rows staged), so
-  /// that the warpgroups keep their turn-taking offset from one tile into the next. Over Q, the
-  /// whole tile's consumers sync: a row of the staged tile spans Q rows of both warpgroups,
-  /// which every Q K^T must be done reading.
+  /// The epilogue, in two halves: `stage` the rounded tile (and LSEs) in shared memory — or,
+  /// for a split, write its fp32 partials from registers —, then `store` the staged rows as
+  /// 16-byte rows (and the LSEs) and, staged over Q, free Q. In a buffer of its own, each
+  /// warpgroup stages and writes its own 64 rows between barriers of its own (its warps done
+  /// reading its last tile's rows; its rows staged), so that the warpgroups keep their
+  /// turn-taking offset from one tile into the next. Over Q, the whole tile's consumers sync: a
+  /// row of the staged tile spans Q rows of both warpgroups, which every Q K^T must be done
+  /// reading.
   static constexpr int kStageRows = Cfg::kOwnStaging ? 64 : kBM;  // rows a barrier's threads stage
   static constexpr int kStagers = Cfg::kOwnStaging ? 128 : kThreads;
   __device__ __forceinline__ int stage_barrier() const {
@@ -310,8 +313,7 @@ struct Consumer {
       q_read();
 #pragma unroll
       for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
-      c.softmax = common::RowSoftmax<2>();
-      epilogue(bi, c.O, c.softmax);
+      epilogue(bi, c.O, c.softmax);  // (c.softmax as constructed: l = 0, LSE -inf)
       return;
     }
     {  // the first key block: Q K^T alone in its turn, then its softmax
@@ -326,7 +328,6 @@ struct Consumer {
       qk_done(S, n_hi == n_lo);
 #pragma unroll
       for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
-      c.softmax = common::RowSoftmax<2>();
       float unused[2];
       softmax_step(bi, c.softmax, S, n_hi, unused);
       consumer::pack_p<kDT, kBN>(S, c.P);
