@@ -64,7 +64,8 @@ using Scheduler = std::conditional_t<
 using namespace ::hipflash::atom::sm90;
 using ::hipflash::atom::sm80::smem_addr;
 
-/// Where a ring's next stage is: stage `it % kStages`, phase parity `(it / kStages) & 1`.
+/// Where a ring's next stage is: stage `it % kStages`, phase parity `(it / kStages) & 1`
+/// (the K and V rings, and the Q tiles' ring of Tile::kQStages).
 template <int kStages>
 struct RingPos {
   uint32_t it = 0;
@@ -76,25 +77,28 @@ struct RingPos {
 template <class Cfg>
 struct Smem {
   uint32_t base;  ///< 1024-byte aligned shared-window address
-  __device__ __forceinline__ uint32_t q() const { return base; }
+  __device__ __forceinline__ uint32_t q(int s) const { return base + s * Cfg::kSmemQ; }
   __device__ __forceinline__ uint32_t k(int s) const { return base + Cfg::kOffK + s * Cfg::kSmemKV; }
   __device__ __forceinline__ uint32_t v(int s) const { return base + Cfg::kOffV + s * Cfg::kSmemKV; }
   __device__ __forceinline__ uint32_t o() const { return base + Cfg::kOffO; }  ///< staged output
   __device__ __forceinline__ uint32_t lse() const { return base + Cfg::kOffLse; }
   __device__ __forceinline__ Mbarrier bar(int i) const { return {base + Cfg::kOffBars + 8u * i}; }
-  __device__ __forceinline__ Mbarrier q_full() const { return bar(0); }
-  __device__ __forceinline__ Mbarrier q_empty() const { return bar(1); }
-  __device__ __forceinline__ Mbarrier k_full(int s) const { return bar(2 + s); }
-  __device__ __forceinline__ Mbarrier k_empty(int s) const { return bar(2 + Cfg::kStages + s); }
-  __device__ __forceinline__ Mbarrier v_full(int s) const { return bar(2 + 2 * Cfg::kStages + s); }
-  __device__ __forceinline__ Mbarrier v_empty(int s) const { return bar(2 + 3 * Cfg::kStages + s); }
+  static constexpr int kQ = Cfg::kQStages, kS = Cfg::kStages;
+  __device__ __forceinline__ Mbarrier q_full(int s) const { return bar(s); }
+  __device__ __forceinline__ Mbarrier q_empty(int s) const { return bar(kQ + s); }
+  __device__ __forceinline__ Mbarrier k_full(int s) const { return bar(2 * kQ + s); }
+  __device__ __forceinline__ Mbarrier k_empty(int s) const { return bar(2 * kQ + kS + s); }
+  __device__ __forceinline__ Mbarrier v_full(int s) const { return bar(2 * kQ + 2 * kS + s); }
+  __device__ __forceinline__ Mbarrier v_empty(int s) const { return bar(2 * kQ + 3 * kS + s); }
 
   /// One thread: Q / stage "full" barriers take the producer's one arrival (plus bytes); the
   /// "empty" ones one arrival per consumer warp.
   __device__ __forceinline__ void init() const {
     constexpr uint32_t kConsumerWarps = Cfg::kConsumerThreads / 32;
-    q_full().init(1);
-    q_empty().init(kConsumerWarps);
+    for (int s = 0; s < Cfg::kQStages; ++s) {
+      q_full(s).init(1);
+      q_empty(s).init(kConsumerWarps);
+    }
     for (int s = 0; s < Cfg::kStages; ++s) {
       k_full(s).init(1);
       v_full(s).init(1);
@@ -109,27 +113,32 @@ struct Smem {
 /// warpgroup stages its own rows) syncs the epilogue's staging.
 enum NamedBarrier : int { kTurn = 1, kEpilogue = 1 + 3 };  // up to three consumers
 
-/// The producer thread: Q, then K(n) and V(n) for the tile's key blocks from last to first
-/// (the consumers' order), each into the next free stage of its ring.
+template <class Traits>
+using TileOf = Tile<Traits::kHeadDim, Traits::kMasked>;
+
+/// The producer thread: Q into the next free Q stage, then K(n) and V(n) for the tile's key
+/// blocks from last to first (the consumers' order), each into the next free stage of its ring.
 template <class Traits>
 __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
-                                        const Smem<Tile<Traits::kHeadDim, Traits::kMasked>>& sm, int64_t tile,
-                                        int num_m_blocks, uint32_t& q_it,
-                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& k_pos,
-                                        RingPos<Tile<Traits::kHeadDim, Traits::kMasked>::kStages>& v_pos) {
-  using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
+                                        const Smem<TileOf<Traits>>& sm, int64_t tile,
+                                        int num_m_blocks,
+                                        RingPos<TileOf<Traits>::kQStages>& q_pos,
+                                        RingPos<TileOf<Traits>::kStages>& k_pos,
+                                        RingPos<TileOf<Traits>::kStages>& v_pos) {
+  using Cfg = TileOf<Traits>;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int m0 = bi.m_block * Cfg::kBlockM;
   if (m0 >= bi.len_q) return;  // the consumers skip it too (common::block_past_sequence)
   const int h = int(bi.h), h_kv = int(bi.h_kv), b = int(bi.b);
 
-  sm.q_empty().wait((q_it & 1u) ^ 1u);
-  sm.q_full().arrive_expect_tx(Cfg::kSmemQ);
+  const int qs = q_pos.stage();
+  sm.q_empty(qs).wait(q_pos.parity() ^ 1u);
+  sm.q_full(qs).arrive_expect_tx(Cfg::kSmemQ);
 #pragma unroll
   for (int c = 0; c < Cfg::kPanels; ++c)
-    tma::load_4d(sm.q() + c * Cfg::kBlockM * 128, &maps.q, sm.q_full(), 64 * c, m0, h, b);
-  ++q_it;
+    tma::load_4d(sm.q(qs) + c * Cfg::kBlockM * 128, &maps.q, sm.q_full(qs), 64 * c, m0, h, b);
+  ++q_pos.it;
 
   // The key block at `row` of K (kV false) or V into the next free stage of its ring.
   auto load_block = [&](auto is_v, int row) {
@@ -153,12 +162,14 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 }
 
 /// A consumer warpgroup's registers for one tile: the output accumulator, the probabilities
-/// (P V's A operand) and the rows' softmax state.
+/// (P V's A operand) and the rows' softmax state; with two Q stages (Consumer::kCarry) they
+/// also carry a tile's last P V and epilogue into the next tile: `tile` is that tile, -1 none.
 template <int kHD, int kBN>
 struct Accumulators {
   float O[kHD / 2];
   uint32_t P[kBN / 16][4];
   common::RowSoftmax<2> softmax;
+  int64_t tile = -1;
 };
 
 /// A consumer warpgroup of the block: the pieces of atoms/sm90/consumer.hpp on this schedule's
@@ -170,15 +181,21 @@ struct Consumer {
   using T = typename common::Element<Traits::kDType>::type;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   using Ring = RingPos<Cfg::kStages>;
+  using QRing = RingPos<Cfg::kQStages>;
   static constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
   static constexpr int kThreads = Cfg::kConsumerThreads;
   static constexpr DType kDT = Traits::kDType;
+  /// With two Q stages the next tile's Q has landed by the time this tile's last P V is due, so
+  /// that P V is issued in one turn with the next tile's first Q K^T (else it has a turn of its
+  /// own), and the tile's epilogue runs after that turn, under the other consumers' GEMMs.
+  static constexpr bool kCarry = Cfg::kQStages > 1;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
   static_assert(Cfg::kConsumers <= kEpilogue - kTurn, "the turn barriers end before kEpilogue");
 
   const FwdParams& p;
   const Smem<Cfg>& sm;
   int num_m_blocks;
+  QRing& q_pos;
   Ring& k_pos;
   Ring& v_pos;
   const int thread = consumer::thread_index();  // not hoisted out of the tile loop
@@ -203,18 +220,26 @@ struct Consumer {
   /// Q is read by the Q K^T GEMMs only: with an output staging buffer of its own, each warp
   /// frees it for the next tile's Q as soon as its last Q K^T is done (staged over Q, store()
   /// frees it after the epilogue instead).
-  __device__ __forceinline__ void q_read() const {
-    if constexpr (Cfg::kOwnStaging) release(sm.q_empty());
+  __device__ __forceinline__ void q_read(int qs) const {
+    if constexpr (Cfg::kOwnStaging) release(sm.q_empty(qs));
   }
-  __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], uint32_t sK) const {
-    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sm.q() + wg * 64 * 128, sK);
+  /// S = Q K^T of this warpgroup's rows of the Q tile in stage qs.
+  __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], int qs, uint32_t sK) const {
+    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sm.q(qs) + wg * 64 * 128, sK);
   }
   /// S(n) done: K's stage back to the producer, and after the tile's last Q K^T q_read().
-  __device__ __forceinline__ void qk_done(float (&S)[kBN / 2], bool last_qk) const {
+  __device__ __forceinline__ void qk_done(float (&S)[kBN / 2], bool last_qk, int qs) const {
     wgmma::fence_operands(S);
     release(sm.k_empty(k_pos.stage()));
     ++k_pos.it;
-    if (last_qk) q_read();
+    if (last_qk) q_read(qs);
+  }
+  /// This tile's Q stage, waited for.
+  __device__ __forceinline__ int wait_q() const {
+    const int qs = q_pos.stage();
+    sm.q_full(qs).wait(q_pos.parity());
+    ++q_pos.it;
+    return qs;
   }
   /// P V done: O readable, V's stage back to the producer.
   template <int N>
@@ -277,7 +302,7 @@ struct Consumer {
       // warp has read it.
       if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
     }
-    if constexpr (!Cfg::kOwnStaging) release(sm.q_empty());
+    if constexpr (!Cfg::kOwnStaging) release(sm.q_empty(0));
   }
   __device__ __forceinline__ void epilogue(const Info& bi, const float (&O)[kHD / 2],
                                            common::RowSoftmax<2>& softmax) const {
@@ -296,53 +321,92 @@ struct Consumer {
     pv_done(c.O, vs);
   }
 
+  /// The carried tile finished, if one is: its last P V, then its epilogue. After the last
+  /// tile and before a tile without key blocks.
+  __device__ __forceinline__ void flush(Accumulators<kHD, kBN>& c) const {
+    if (!kCarry || c.tile < 0) return;  // (without kCarry no tile is ever left pending)
+    last_pv(c);
+    epilogue(info(c.tile), c.O, c.softmax);
+    c.tile = -1;
+  }
+
   /// One tile: its 64 query rows of this warpgroup against the tile's key blocks, from last to
   /// first. While P(n) V(n) runs on the tensor cores, the softmax of S(n - 1) runs on the CUDA
   /// cores. Each block's Q K^T is issued unconditionally, so S needs no zeroing against an
-  /// undefined path (which serialises the wgmmas, C7515), and the last P V runs alone.
-  __device__ __forceinline__ void run(int64_t tile, uint32_t& q_it) const {
+  /// undefined path (which serialises the wgmmas, C7515). The last P V runs alone, or with
+  /// kCarry in the next tile's first turn. `acc` is the caller's where something is carried.
+  __device__ __forceinline__ void run(int64_t tile, Accumulators<kHD, kBN>& acc) const {
     const Info bi = info(tile);
     const int64_t m0 = int64_t(bi.m_block) * kBM;
     if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread))
       return;
     const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
-    Accumulators<kHD, kBN> c;
+    Accumulators<kHD, kBN> local;
+    Accumulators<kHD, kBN>& c = kCarry ? acc : local;
     if (n_hi < n_lo) {  // no key block: Q is not read at all; out 0, LSE -inf
-      sm.q_full().wait(q_it & 1u);
-      ++q_it;
-      q_read();
+      flush(c);
+      q_read(wait_q());
 #pragma unroll
       for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
-      epilogue(bi, c.O, c.softmax);  // (c.softmax as constructed: l = 0, LSE -inf)
+      if constexpr (kCarry) c.softmax = common::RowSoftmax<2>();
+      epilogue(bi, c.O, c.softmax);  // (a fresh softmax state: l = 0, LSE -inf)
       return;
     }
-    {  // the first key block: Q K^T alone in its turn, then its softmax
+    // The first key block: its Q K^T (with the carried tile's last P V in the same turn), its
+    // softmax, then the carried tile's epilogue. Two straight paths, so that ptxas sees which
+    // accumulators the wgmmas in flight own on each (C7515).
+    int qs = 0;
+    auto first_block = [&](auto carried_t) {
+      constexpr bool kCarried = decltype(carried_t)::value;
       float S[kBN / 2];
-      sm.q_full().wait(q_it & 1u);
-      ++q_it;
+      int vs = 0;
+      qs = wait_q();
       sm.k_full(k_pos.stage()).wait(k_pos.parity());
+      if constexpr (kCarried) {
+        vs = v_pos.stage();
+        sm.v_full(vs).wait(v_pos.parity());
+      }
       turn_begin();
-      issue_qk(S, sm.k(k_pos.stage()));
+      issue_qk(S, qs, sm.k(k_pos.stage()));
+      if constexpr (kCarried) consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
       turn_end();
-      wgmma::wait<0>();
-      qk_done(S, n_hi == n_lo);
+      wgmma::wait<kCarried ? 1 : 0>();  // S ready; the carried P V may still run
+      qk_done(S, n_hi == n_lo, qs);
+      common::RowSoftmax<2> fresh;
+      float unused[2];
+      if constexpr (kCarried) {
+        softmax_step(bi, fresh, S, n_hi, unused);
+        wgmma::wait<0>();  // the carried P V done: P and O free, V's stage back
+        pv_done(c.O, vs);
+        consumer::pack_p<kDT, kBN>(S, c.P);
+        epilogue(info(c.tile), c.O, c.softmax);
+        c.tile = -1;
+      }
 #pragma unroll
       for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
-      float unused[2];
-      softmax_step(bi, c.softmax, S, n_hi, unused);
-      consumer::pack_p<kDT, kBN>(S, c.P);
-    }
+      if constexpr (kCarried) {
+        c.softmax = fresh;
+      } else {
+        if constexpr (kCarry) c.softmax = fresh;
+        softmax_step(bi, c.softmax, S, n_hi, unused);
+        consumer::pack_p<kDT, kBN>(S, c.P);
+      }
+    };
+    if (kCarry && c.tile >= 0)  // the same on every consumer thread: they walk the same tiles
+      first_block(std::true_type{});
+    else
+      first_block(std::false_type{});
     for (int n = n_hi; n > n_lo; --n) {
       float S[kBN / 2];
       const int ks = k_pos.stage(), vs = v_pos.stage();
       sm.k_full(ks).wait(k_pos.parity());
       sm.v_full(vs).wait(v_pos.parity());
       turn_begin();
-      issue_qk(S, sm.k(ks));
+      issue_qk(S, qs, sm.k(ks));
       consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
       turn_end();
       wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
-      qk_done(S, n - 1 == n_lo);
+      qk_done(S, n - 1 == n_lo, qs);
       float rescale[2];
       softmax_step(bi, c.softmax, S, n - 1, rescale);
       wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
@@ -350,8 +414,12 @@ struct Consumer {
       consumer::rescale_o<kHD>(c.O, rescale);
       consumer::pack_p<kDT, kBN>(S, c.P);
     }
-    last_pv(c);
-    epilogue(bi, c.O, c.softmax);
+    if constexpr (kCarry) {
+      c.tile = tile;  // its last P V goes with the next tile's first Q K^T
+    } else {
+      last_pv(c);
+      epilogue(bi, c.O, c.softmax);
+    }
   }
 };
 
@@ -381,22 +449,24 @@ __global__ void __launch_bounds__(Tile<Traits::kHeadDim, Traits::kMasked>::kThre
 
   const int64_t tiles =
       int64_t(num_m_blocks) * p.num_splits * p.heads_q * p.batch;  // the launcher's count
-  uint32_t q_it = 0;
+  RingPos<Cfg::kQStages> q_pos;
   RingPos<Cfg::kStages> k_pos, v_pos;
   if (threadIdx.x >= Cfg::kConsumerThreads) {  // the producer warpgroup
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (warp == Cfg::kConsumerThreads / 32 && lane == 0)
       Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-        produce<Traits>(p, maps, sm, tile, num_m_blocks, q_it, k_pos, v_pos);
+        produce<Traits>(p, maps, sm, tile, num_m_blocks, q_pos, k_pos, v_pos);
       });
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
     // The first turn is consumer 0's: the last consumer hands it over once.
     if (warp / 4 == Cfg::kConsumers - 1) named_arrive<256>(kTurn);
     using C = Consumer<Traits>;
+    Accumulators<C::kHD, C::kBN> carried;  // read only with C::kCarry
     Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-      C{p, sm, num_m_blocks, k_pos, v_pos}.run(tile, q_it);
+      C{p, sm, num_m_blocks, q_pos, k_pos, v_pos}.run(tile, carried);
     });
+    if constexpr (C::kCarry) C{p, sm, num_m_blocks, q_pos, k_pos, v_pos}.flush(carried);
   }
 #else
   port::trap();  // TMA and wgmma need sm_90a; the selector picks this kernel only where built

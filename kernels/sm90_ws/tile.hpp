@@ -60,19 +60,34 @@ struct Tile : TileConfig<kHeadDim_, kMasked_> {
   static constexpr int kChunks = kHeadDim / 8;         ///< 16-byte chunks per row
   static constexpr uint32_t kSmemQ = kBlockM * kHeadDim * kElemBytes;
   static constexpr uint32_t kSmemKV = kBlockN * kHeadDim * kElemBytes;  ///< one K or V stage
-  /// Barriers: Q full / empty, then full / empty per K stage and per V stage.
-  static constexpr int kNumBars = 2 + 4 * kStages;
-  /// LSE staging, barriers and the slack that aligns the base to 1024 bytes.
-  static constexpr uint32_t kSmemTail = kBlockM * 4 + kNumBars * 8 + 1024;
-  // Shared-memory map (from the 1024-byte-aligned base): Q | K stages | V stages | [O] | LSE |
-  // bars.
-  static constexpr uint32_t kOffK = kSmemQ;
-  static constexpr uint32_t kOffV = kOffK + kStages * kSmemKV;
-  static constexpr uint32_t kEndKV = kOffV + kStages * kSmemKV;
+  /// The K and V rings; the tail with q_stages Q stages: LSE staging, the barriers (Q full /
+  /// empty per Q stage, then full / empty per K stage and per V stage) and the slack that
+  /// aligns the base to 1024 bytes.
+  static constexpr uint32_t kSmemKVRings = 2 * kStages * kSmemKV;
+  static constexpr uint32_t tail_bytes(int q_stages) {
+    return kBlockM * 4 + (2 * q_stages + 4 * kStages) * 8 + 1024;
+  }
   /// The output tile (Q's shape) is staged in a buffer of its own where it fits (hd64, hd128),
   /// so that Q is free — and the next tile's Q loading — once the last Q K^T is done; else
   /// (hd256) over Q.
-  static constexpr bool kOwnStaging = kEndKV + kSmemQ + kSmemTail <= 227 * 1024;
+  static constexpr bool kOwnStaging = 2 * kSmemQ + kSmemKVRings + tail_bytes(1) <= 227 * 1024;
+#ifndef HIPFLASH_SM90WS_Q_STAGES  // a tuning hook: 2 double-buffers Q where it fits (hd64, hd128)
+#define HIPFLASH_SM90WS_Q_STAGES 1
+#endif
+  /// Q tiles in flight: with two, the next tile's Q lands while this tile runs, and a tile's
+  /// last P V shares its turn with the next tile's first Q K^T (sm90_ws consumers).
+  static constexpr int kQStages =
+      HIPFLASH_SM90WS_Q_STAGES == 2 && kOwnStaging &&
+              3 * kSmemQ + kSmemKVRings + tail_bytes(2) <= 227 * 1024
+          ? 2
+          : 1;
+  static constexpr int kNumBars = 2 * kQStages + 4 * kStages;
+  static constexpr uint32_t kSmemTail = tail_bytes(kQStages);
+  // Shared-memory map (from the 1024-byte-aligned base): Q stages | K stages | V stages | [O] |
+  // LSE | bars.
+  static constexpr uint32_t kOffK = kQStages * kSmemQ;
+  static constexpr uint32_t kOffV = kOffK + kStages * kSmemKV;
+  static constexpr uint32_t kEndKV = kOffV + kStages * kSmemKV;
   static constexpr uint32_t kOffO = kOwnStaging ? kEndKV : 0;
   static constexpr uint32_t kOffLse = kOwnStaging ? kEndKV + kSmemQ : kEndKV;
   static constexpr uint32_t kOffBars = kOffLse + kBlockM * 4;
