@@ -93,6 +93,10 @@ struct Tile : TileConfig<kHeadDim_, kMasked_> {
   static constexpr uint32_t kOffBars = kOffLse + kBlockM * 4;
   static constexpr int kSmemBytes = int(kOffLse + kSmemTail);
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
+  static_assert(HIPFLASH_SM90WS_Q_STAGES == 1 || HIPFLASH_SM90WS_Q_STAGES == 2,
+                "HIPFLASH_SM90WS_Q_STAGES is 1 or 2");
+  static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0,
+                "every Q, K and V stage starts 1024-byte aligned (the 128-byte swizzle's period)");
   static_assert(kHeadDim % 64 == 0, "whole 128-byte panels");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a wgmma N and whole 16-key steps");
   static_assert((kBlockN * 128) % 1024 == 0, "panels keep the 1024-byte swizzle alignment");
