@@ -205,6 +205,10 @@ struct Consumer {
   __device__ __forceinline__ Info info(int64_t tile) const {
     return Info(p, tile, num_m_blocks, Traits::kMasked);
   }
+  /// The tile's first query row.
+  __device__ __forceinline__ static int64_t m0_of(const Info& bi) {
+    return int64_t(bi.m_block) * kBM;
+  }
   /// The sequence row of this thread's row h (of 2) in the tile at m0: accumulators in wgmma
   /// order, element 4i + 2h + e is row g + 8h of this warp's 16, column 8i + 2t + e.
   __device__ __forceinline__ int64_t row_of(int64_t m0, int h) const {
@@ -242,8 +246,7 @@ struct Consumer {
     return qs;
   }
   /// P V done: O readable, V's stage back to the producer.
-  template <int N>
-  __device__ __forceinline__ void pv_done(float (&O)[N], int vs) const {
+  __device__ __forceinline__ void pv_done(float (&O)[kHD / 2], int vs) const {
     wgmma::fence_operands(O);
     release(sm.v_empty(vs));
     ++v_pos.it;
@@ -252,7 +255,7 @@ struct Consumer {
   __device__ __forceinline__ void softmax_step(const Info& bi, common::RowSoftmax<2>& softmax,
                                                float (&S)[kBN / 2], int n,
                                                float (&rescale)[2]) const {
-    const auto rows = [&](int h) { return row_of(int64_t(bi.m_block) * kBM, h); };
+    const auto rows = [&](int h) { return row_of(m0_of(bi), h); };
     consumer::softmax_step<Traits, kBN>(p, bi, softmax, p.softmax_scale * detail::kLog2e, S, n,
                                         rows, t, rescale);
   }
@@ -282,7 +285,7 @@ struct Consumer {
                                         common::RowSoftmax<2>& softmax) const {
     softmax.finalize();
     if constexpr (Traits::kSplit) {
-      const int64_t m0 = int64_t(bi.m_block) * kBM;
+      const int64_t m0 = m0_of(bi);
       consumer::write_split<kHD>(p, bi, O, softmax, [&](int h) { return row_of(m0, h); }, t);
     } else {
       named_sync<kStagers>(stage_barrier());
@@ -297,7 +300,7 @@ struct Consumer {
       const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * wg : 0);
       consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse>(
           p, bi, staged_out() + first * kHD, staged_lse() + first,
-          int64_t(bi.m_block) * kBM + first, int(p.head_dim), stager);
+          m0_of(bi) + first, int(p.head_dim), stager);
       // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
       // warp has read it.
       if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
@@ -337,7 +340,7 @@ struct Consumer {
   /// kCarry in the next tile's first turn. `acc` is the caller's where something is carried.
   __device__ __forceinline__ void run(int64_t tile, Accumulators<kHD, kBN>& acc) const {
     const Info bi = info(tile);
-    const int64_t m0 = int64_t(bi.m_block) * kBM;
+    const int64_t m0 = m0_of(bi);
     if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread))
       return;
     const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
@@ -372,22 +375,21 @@ struct Consumer {
       turn_end();
       wgmma::wait<kCarried ? 1 : 0>();  // S ready; the carried P V may still run
       qk_done(S, n_hi == n_lo, qs);
-      common::RowSoftmax<2> fresh;
       float unused[2];
       if constexpr (kCarried) {
+        common::RowSoftmax<2> fresh;  // the carried tile's state is its epilogue's until then
         softmax_step(bi, fresh, S, n_hi, unused);
         wgmma::wait<0>();  // the carried P V done: P and O free, V's stage back
         pv_done(c.O, vs);
         consumer::pack_p<kDT, kBN>(S, c.P);
         epilogue(info(c.tile), c.O, c.softmax);
         c.tile = -1;
+        c.softmax = fresh;
       }
 #pragma unroll
       for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
-      if constexpr (kCarried) {
-        c.softmax = fresh;
-      } else {
-        if constexpr (kCarry) c.softmax = fresh;
+      if constexpr (!kCarried) {
+        if constexpr (kCarry) c.softmax = common::RowSoftmax<2>();  // the last tile's, else
         softmax_step(bi, c.softmax, S, n_hi, unused);
         consumer::pack_p<kDT, kBN>(S, c.P);
       }

@@ -200,17 +200,16 @@ struct Varlen {
   }
 };
 
-/// One dense case of the numerics grids (CPU and GPU suites). Windows: -1 unbounded; causal
-/// folds in as right = 0.
 /// The cases of the mask-bookkeeping tests (tests of BlockInfo and the backward's bounds against
 /// the per-element rule): one batch and head of FwdParams for every (len_q, len_k), window —
 /// none, one side, both, a left bound one or ten keys back, wider than the sequences — and mask
 /// flag (unmasked calls have no window); body(p, masked).
 template <class Body>
-void for_each_mask_case(std::initializer_list<int64_t> lens_q, std::initializer_list<int64_t> lens_k,
-                        Body&& body) {
-  const std::pair<int64_t, int64_t> windows[] = {{-1, -1}, {-1, 0}, {3, -1},  {0, 0},  {5, 2},
-                                                 {-1, 6},  {20, 0}, {1, -1},  {10, -1}, {1000, 1000}};
+void for_each_mask_case(std::initializer_list<int64_t> lens_q,
+                        std::initializer_list<int64_t> lens_k, Body&& body) {
+  const std::pair<int64_t, int64_t> windows[] = {{-1, -1}, {-1, 0}, {3, -1}, {0, 0},
+                                                 {5, 2},   {-1, 6}, {20, 0}, {1, -1},
+                                                 {10, -1}, {1000, 1000}};
   for (int64_t len_q : lens_q)
     for (int64_t len_k : lens_k)
       for (auto [wl, wr] : windows)
@@ -224,6 +223,8 @@ void for_each_mask_case(std::initializer_list<int64_t> lens_q, std::initializer_
         }
 }
 
+/// One dense case of the numerics grids (CPU and GPU suites). Windows: -1 unbounded; causal
+/// folds in as right = 0.
 struct Case {
   DType dtype = DType::bf16;
   int64_t b = 1, sq = 1, sk = 1, hq = 1, hkv = 1, d = 64;
