@@ -10,6 +10,7 @@
 #include "backend.hpp"
 #include "hipflash/detail/selector.hpp"
 #include "hipflash/forward.hpp"
+#include "sm90_ws/tile.hpp"  // long_row_tile: the sm90_ws tile a call runs on (its name)
 #include "tensor_checks.hpp"
 
 namespace hipflash {
@@ -24,6 +25,7 @@ struct LastKernel {
   KernelKind kind{};
   KernelKey key{};
   Arch arch{};
+  bool long_rows = false;  ///< sm90_ws on its long-row tile (sm90ws::long_row_tile)
 };
 thread_local LastKernel t_last_kernel;
 
@@ -261,7 +263,11 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
     cpu::run_forward(p);
     return;
   }
-  t_last_kernel = {LastKernel::gpu, plan.sel.kind, plan.sel.key, plan.arch};
+  const KernelKey& key = plan.sel.key;
+  t_last_kernel = {LastKernel::gpu, plan.sel.kind, key, plan.arch,
+                   plan.sel.kind == KernelKind::sm90_ws &&
+                       sm90ws::long_row_tile(key.head_dim, key.masked, key.split, p.seqlen_q,
+                                             p.seqlen_k, p.window_left, p.window_right)};
   if (p.batch == 0 || p.seqlen_q == 0) return;
   gpu::run_forward(p, plan.sel, loc.index, stream, ws);
 }
@@ -286,7 +292,8 @@ std::string last_kernel_name() {
     case LastKernel::cpu: return "cpu_reference";
     case LastKernel::gpu: break;
   }
-  return std::string("fwd_") + kernel_kind_name(k.kind) + "_" + k.key.name() + "_" + k.arch.name();
+  return std::string("fwd_") + kernel_kind_name(k.kind) + "_" + k.key.name() +
+         (k.long_rows ? "_longrows_" : "_") + k.arch.name();
 }
 std::string build_info() { return gpu::build_info(); }
 bool gpu_available() {

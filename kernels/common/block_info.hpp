@@ -35,6 +35,24 @@ struct SeqBounds {
   }
 };
 
+/// A block's mask held in a few ints (BlockInfo::row_mask): key blocks [full_lo, full_hi] need
+/// no per-element mask for these rows, and row h's valid keys are [lo[h], hi[h]] (sequence
+/// columns). Ints: a sequence's rows and keys are int-indexed in every kernel.
+template <int kBlockN, int N>
+struct RowMask {
+  int full_lo, full_hi;
+  int lo[N], hi[N];
+
+  HIPFLASH_HD bool needs_mask(int n) const { return n < full_lo || n > full_hi; }
+  /// Row h's valid keys in key block n as columns [l, r] relative to the block, clamped to
+  /// [-1, kBlockN] (empty when l > r): BlockInfo::key_range's result.
+  HIPFLASH_HD void key_range(int h, int n, int& l, int& r) const {
+    const int a = lo[h] - n * kBlockN, b = hi[h] - n * kBlockN;
+    l = a < -1 ? -1 : a > kBlockN ? kBlockN : a;
+    r = b < -1 ? -1 : b > kBlockN ? kBlockN : b;
+  }
+};
+
 template <int kBlockM, int kBlockN>
 struct BlockInfo : SeqBounds {
   int64_t b, h, h_kv;
@@ -96,6 +114,13 @@ struct BlockInfo : SeqBounds {
     lo = int(l < -1 ? -1 : l > kBlockN ? kBlockN : l);
     hi = int(h < -1 ? -1 : h > kBlockN ? kBlockN : h);
   }
+
+  /// The mask of kRows rows from row i0 (the tile's, or one warpgroup's share of it) in a few
+  /// ints, for key loops short of registers: a RowMask<kBlockN, N> for the thread's rows
+  /// row_of(0 .. N - 1). The same rule as needs_mask / key_range.
+  template <int kRows, int N, class RowOf>
+  HIPFLASH_HD auto row_mask(const FwdParams& p, int64_t i0, bool masked,
+                            const RowOf& row_of) const;
 
   /// Row 0 of this block's (batch, head) — of its sequence, for varlen — in q, k, v and out.
   template <class T>
@@ -173,5 +198,43 @@ struct BlockInfo : SeqBounds {
     return true;
   }
 };
+
+template <int kBlockM, int kBlockN>
+template <int kRows, int N, class RowOf>
+HIPFLASH_HD auto BlockInfo<kBlockM, kBlockN>::row_mask(const FwdParams& p, int64_t i0,
+                                                        bool masked, const RowOf& row_of) const {
+  // Floor and ceiling of x / kBlockN for either sign (the window's edges may lie before key 0).
+  const auto floor_div = [](int64_t x) {
+    return x >= 0 ? x / kBlockN : -((-x + kBlockN - 1) / kBlockN);
+  };
+  const auto clamp = [](int64_t x) {
+    return int(x < -(int64_t(1) << 30) ? -(1 << 30) : x > (int64_t(1) << 30) ? 1 << 30 : x);
+  };
+  RowMask<kBlockN, N> m;
+  // needs_mask(n) is false exactly for n0 + kBlockN <= len_k and, masked, inside both window
+  // edges for every row of [i0, i0 + kRows): a range of blocks.
+  int64_t hi = len_k / kBlockN - 1, lo = 0;
+  if (masked && p.window_right >= 0) {
+    const int64_t h = floor_div(i0 + diag + p.window_right - kBlockN + 1);
+    hi = h < hi ? h : hi;
+  }
+  if (masked && p.window_left >= 0) {
+    const int64_t l = -floor_div(-(i0 + kRows - 1 + diag - p.window_left));  // ceiling
+    lo = l > lo ? l : lo;
+  }
+  m.full_lo = clamp(lo);
+  m.full_hi = clamp(hi);
+  for (int h = 0; h < N; ++h) {
+    const int64_t i = row_of(h);
+    int64_t l = 0, r = len_k - 1;
+    if (masked && p.window_left >= 0 && i + diag - p.window_left > l)
+      l = i + diag - p.window_left;
+    if (masked && p.window_right >= 0 && i + diag + p.window_right < r)
+      r = i + diag + p.window_right;
+    m.lo[h] = clamp(l);
+    m.hi[h] = clamp(r);
+  }
+  return m;
+}
 
 }  // namespace hipflash::common

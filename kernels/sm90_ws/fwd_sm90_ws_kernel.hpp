@@ -113,9 +113,6 @@ struct Smem {
 /// warpgroup stages its own rows) syncs the epilogue's staging.
 enum NamedBarrier : int { kTurn = 1, kEpilogue = 1 + 3 };  // up to three consumers
 
-template <class Traits>
-using TileOf = Tile<Traits::kHeadDim, Traits::kMasked>;
-
 /// The producer thread: Q into the next free Q stage, then K(n) and V(n) for the tile's key
 /// blocks from last to first (the consumers' order), each into the next free stage of its ring.
 template <class Traits>
@@ -177,7 +174,7 @@ struct Accumulators {
 /// of the tile loop: consumer::thread_index).
 template <class Traits>
 struct Consumer {
-  using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
+  using Cfg = TileOf<Traits>;
   using T = typename common::Element<Traits::kDType>::type;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   using Ring = RingPos<Cfg::kStages>;
@@ -198,9 +195,16 @@ struct Consumer {
   QRing& q_pos;
   Ring& k_pos;
   Ring& v_pos;
-  const int thread = consumer::thread_index();  // not hoisted out of the tile loop
-  const int lane = thread % 32, warp = thread / 32;  // consumer warps
-  const int wg = warp / 4, g = lane / 4, t = lane % 4;
+  /// The long-row tile's masked consumers have 160 registers, not 240: they hold the mask in a
+  /// few ints (common::RowMask) and only the thread's lane, warpgroup and column quad, so that
+  /// ptxas keeps the key loop spill-free (BlockInfo and the whole thread place held through it
+  /// spilled 96-124 bytes). Every other kernel keeps the place and BlockInfo's per-block mask.
+  static constexpr bool kLean = Traits::kMasked && Cfg::kConsumers == 3;
+  using Place = std::conditional_t<kLean, consumer::LeanThreadPlace, consumer::ThreadPlace>;
+  const Place place;  // read per tile: not hoisted out of the tile loop
+  const int lane = place.lane, wg = place.wg, t = place.t;
+  __device__ __forceinline__ int warp() const { return place.warp(); }
+  __device__ __forceinline__ int g() const { return place.g(); }
 
   __device__ __forceinline__ Info info(int64_t tile) const {
     return Info(p, tile, num_m_blocks, Traits::kMasked);
@@ -212,7 +216,7 @@ struct Consumer {
   /// The sequence row of this thread's row h (of 2) in the tile at m0: accumulators in wgmma
   /// order, element 4i + 2h + e is row g + 8h of this warp's 16, column 8i + 2t + e.
   __device__ __forceinline__ int64_t row_of(int64_t m0, int h) const {
-    return m0 + warp * 16 + h * 8 + g;
+    return m0 + warp() * 16 + h * 8 + g();
   }
   __device__ __forceinline__ void turn_begin() const { named_sync<256>(kTurn + wg); }
   __device__ __forceinline__ void turn_end() const {
@@ -251,13 +255,32 @@ struct Consumer {
     release(sm.v_empty(vs));
     ++v_pos.it;
   }
+  /// The lean consumers' mask: this warpgroup's 64 rows' RowMask, solved once per tile (the
+  /// others read BlockInfo's per-block test; for them the mask is empty).
+  struct NoMask {};
+  using LeanMask = std::conditional_t<kLean, common::RowMask<kBN, 2>, NoMask>;
+  __device__ __forceinline__ LeanMask lean_mask_of(const Info& bi) const {
+    if constexpr (kLean) {
+      const int64_t m0 = m0_of(bi);
+      return bi.template row_mask<64, 2>(p, m0 + 64 * wg, Traits::kMasked,
+                                         [&](int h) { return row_of(m0, h); });
+    } else {
+      return {};
+    }
+  }
   /// The masked online-softmax step of key block n on S (left holding the probabilities).
-  __device__ __forceinline__ void softmax_step(const Info& bi, common::RowSoftmax<2>& softmax,
+  __device__ __forceinline__ void softmax_step(const Info& bi, const LeanMask& lean,
+                                               common::RowSoftmax<2>& softmax,
                                                float (&S)[kBN / 2], int n,
                                                float (&rescale)[2]) const {
-    const auto rows = [&](int h) { return row_of(m0_of(bi), h); };
-    consumer::softmax_step<Traits, kBN>(p, bi, softmax, p.softmax_scale * detail::kLog2e, S, n,
-                                        rows, t, rescale);
+    if constexpr (kLean) {
+      consumer::softmax_step<kBN>(lean, softmax, p.softmax_scale * detail::kLog2e, S, n, t,
+                                  rescale);
+    } else {
+      const auto rows = [&](int h) { return row_of(m0_of(bi), h); };
+      consumer::softmax_step<Traits, kBN>(p, bi, softmax, p.softmax_scale * detail::kLog2e, S, n,
+                                          rows, t, rescale);
+    }
   }
 
   /// The epilogue, in two halves: `stage` the rounded tile (and LSEs) in shared memory — or,
@@ -290,7 +313,7 @@ struct Consumer {
     } else {
       named_sync<kStagers>(stage_barrier());
       consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(
-          staged_out(), staged_lse(), O, softmax, warp * 16 + g, t);
+          staged_out(), staged_lse(), O, softmax, warp() * 16 + g(), t);
     }
   }
   __device__ __forceinline__ void store(const Info& bi) const {
@@ -341,9 +364,11 @@ struct Consumer {
   __device__ __forceinline__ void run(int64_t tile, Accumulators<kHD, kBN>& acc) const {
     const Info bi = info(tile);
     const int64_t m0 = m0_of(bi);
-    if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread))
+    if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q,
+                                                           place.thread()))
       return;
     const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
+    const LeanMask lean = lean_mask_of(bi);
     Accumulators<kHD, kBN> local;
     Accumulators<kHD, kBN>& c = kCarry ? acc : local;
     if (n_hi < n_lo) {  // no key block: Q is not read at all; out 0, LSE -inf
@@ -378,7 +403,7 @@ struct Consumer {
       float unused[2];
       if constexpr (kCarried) {
         common::RowSoftmax<2> fresh;  // the carried tile's state is its epilogue's until then
-        softmax_step(bi, fresh, S, n_hi, unused);
+        softmax_step(bi, lean, fresh, S, n_hi, unused);
         wgmma::wait<0>();  // the carried P V done: P and O free, V's stage back
         pv_done(c.O, vs);
         consumer::pack_p<kDT, kBN>(S, c.P);
@@ -390,7 +415,7 @@ struct Consumer {
       for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
       if constexpr (!kCarried) {
         if constexpr (kCarry) c.softmax = common::RowSoftmax<2>();  // the last tile's, else
-        softmax_step(bi, c.softmax, S, n_hi, unused);
+        softmax_step(bi, lean, c.softmax, S, n_hi, unused);
         consumer::pack_p<kDT, kBN>(S, c.P);
       }
     };
@@ -410,7 +435,7 @@ struct Consumer {
       wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
       qk_done(S, n - 1 == n_lo, qs);
       float rescale[2];
-      softmax_step(bi, c.softmax, S, n - 1, rescale);
+      softmax_step(bi, lean, c.softmax, S, n - 1, rescale);
       wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
       pv_done(c.O, vs);
       consumer::rescale_o<kHD>(c.O, rescale);
@@ -430,11 +455,11 @@ struct Consumer {
 /// The warp-specialised sm90 forward kernel: a persistent grid, one block per SM (or one per
 /// tile: SnakeScheduler).
 template <class Traits>
-__global__ void __launch_bounds__(Tile<Traits::kHeadDim, Traits::kMasked>::kThreads, 1)
+__global__ void __launch_bounds__(TileOf<Traits>::kThreads, 1)
     fwd_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks,
                        const HIPFLASH_GRID_CONSTANT TmaMaps maps) {
 #if defined(HIPFLASH_HAS_WGMMA)
-  using Cfg = Tile<Traits::kHeadDim, Traits::kMasked>;
+  using Cfg = TileOf<Traits>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Smem<Cfg> sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace hipflash::sm90ws {
 
@@ -12,38 +13,59 @@ namespace hipflash::sm90ws {
 /// 128-key stages (160 KiB), hd256 two 80-key stages (224 KiB). Three consumers at hd64: its
 /// GEMMs are half as long, so a third warpgroup's softmax is needed to keep the tensor cores fed.
 /// Masked (causal, window) calls keep square 128 x 128 tiles at hd64 and hd128 — one diagonal
-/// block per query block — and two consumers at hd64 (three spill 92-136 bytes there).
+/// block per query block, and no 192-row tile two-thirds empty at the end of a short sequence —
+/// except hd64 calls with long rows (kLongRows: the launcher's choice, long_row_tile), which
+/// take the three consumers of unmasked calls.
 #ifndef HIPFLASH_SM90WS_HD128_BLOCK_N  // a tuning hook: -DHIPFLASH_SM90WS_HD128_BLOCK_N=176
 #define HIPFLASH_SM90WS_HD128_BLOCK_N 128
 #endif
-template <int kHeadDim, bool kMasked>
+template <int kHeadDim, bool kMasked, bool kLongRows>
 struct TileConfig;
 #ifndef HIPFLASH_SM90WS_HD64_CONSUMERS  // a tuning hook for unmasked hd64: 2 or 3
 #define HIPFLASH_SM90WS_HD64_CONSUMERS 3
 #endif
-template <bool kMasked>
-struct TileConfig<64, kMasked> {
-  static constexpr int kConsumers = kMasked ? 2 : HIPFLASH_SM90WS_HD64_CONSUMERS;
+template <bool kMasked, bool kLongRows>
+struct TileConfig<64, kMasked, kLongRows> {
+  static constexpr int kConsumers = kMasked && !kLongRows ? 2 : HIPFLASH_SM90WS_HD64_CONSUMERS;
   static constexpr int kBlockN = 128, kStages = 2;
 };
-template <bool kMasked>
-struct TileConfig<128, kMasked> {
+template <bool kMasked, bool kLongRows>
+struct TileConfig<128, kMasked, kLongRows> {
   static constexpr int kConsumers = 2, kStages = 2;
   static constexpr int kBlockN = kMasked ? 128 : HIPFLASH_SM90WS_HD128_BLOCK_N;
 };
-template <bool kMasked>
-struct TileConfig<256, kMasked> {
+template <bool kMasked, bool kLongRows>
+struct TileConfig<256, kMasked, kLongRows> {
   static constexpr int kConsumers = 2, kBlockN = 80, kStages = 2;
 };
+
+#ifndef HIPFLASH_SM90WS_LONG_ROW_KEYS  // a tuning hook: the keys a row must see on average
+#define HIPFLASH_SM90WS_LONG_ROW_KEYS 4096
+#endif
+/// Whether a call of the sm90_ws kernel runs on the long-row tile: masked hd64, not split, its
+/// rows seeing HIPFLASH_SM90WS_LONG_ROW_KEYS keys or more on average — a causal row
+/// sk - sq / 2 (bottom-right aligned), a window at most its width — and sequences long enough
+/// (4k rows) that the last, partly empty 192-row tile costs under 3% of the rows. Measured on
+/// the H200 (docs/perf-notes.md session 2026-12-01 (6)): three consumers lose 16% at S = 1k
+/// causal, are level at 4k and 7% faster at 16k. A pure function of the call: the launcher
+/// runs on it and last_kernel_name() reports it.
+inline bool long_row_tile(int head_dim, bool masked, bool split, int64_t seqlen_q,
+                          int64_t seqlen_k, int64_t window_left, int64_t window_right) {
+  if (head_dim != 64 || !masked || split || seqlen_q < 4096) return false;
+  const int64_t right = window_right > 0 ? window_right : 0;
+  int64_t keys = seqlen_k - seqlen_q / 2 + right;
+  if (window_left >= 0 && window_left + 1 + right < keys) keys = window_left + 1 + right;
+  return keys >= HIPFLASH_SM90WS_LONG_ROW_KEYS;
+}
 
 /// A block is kConsumers + 1 warpgroups: the consumers (threads 0 .. 128 kConsumers - 1), each
 /// owning 64 query rows (one wgmma M) of the query tile, and one producer whose first thread
 /// issues every TMA load. Register reallocation gives the consumers what the producer does not
 /// need: 240 each with two consumers, 160 with three (ptxas budgets a block with a producer
 /// *warp* like one with a producer warpgroup, so the warpgroup costs nothing).
-template <int kHeadDim_, bool kMasked_ = false>
-struct Tile : TileConfig<kHeadDim_, kMasked_> {
-  using Base = TileConfig<kHeadDim_, kMasked_>;
+template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false>
+struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
+  using Base = TileConfig<kHeadDim_, kMasked_, kLongRows_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumers = Base::kConsumers;
   static constexpr int kBlockM = 64 * kConsumers;
@@ -101,5 +123,23 @@ struct Tile : TileConfig<kHeadDim_, kMasked_> {
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a wgmma N and whole 16-key steps");
   static_assert((kBlockN * 128) % 1024 == 0, "panels keep the 1024-byte swizzle alignment");
 };
+
+/// A kernel's traits on the long-row tile: Base's, with kLongRows (the launcher's choice).
+template <class Base>
+struct LongRows : Base {
+  static constexpr bool kLongRows = true;
+};
+template <class Traits, class = void>
+inline constexpr bool kLongRowsOf = false;
+template <class Traits>
+inline constexpr bool kLongRowsOf<Traits, std::void_t<decltype(Traits::kLongRows)>> =
+    Traits::kLongRows;
+/// The tile a kernel of these traits runs.
+template <class Traits>
+using TileOf = Tile<Traits::kHeadDim, Traits::kMasked, kLongRowsOf<Traits>>;
+/// Whether these traits have a long-row variant (the instantiations long_row_tile can pick).
+template <class Traits>
+inline constexpr bool kHasLongRowTile = Traits::kHeadDim == 64 && Traits::kMasked &&
+                                        !Traits::kSplit && !kLongRowsOf<Traits>;
 
 }  // namespace hipflash::sm90ws

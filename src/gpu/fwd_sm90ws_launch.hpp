@@ -70,7 +70,7 @@ inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim,
 /// The warp-specialised sm90 kernel's launch traits: a persistent grid and the tensor maps.
 template <class Traits>
 struct Sm90WsLaunch {
-  using Tile = sm90ws::Tile<Traits::kHeadDim, Traits::kMasked>;
+  using Tile = sm90ws::TileOf<Traits>;
   using Scheduler = sm90ws::Scheduler<Traits>;
   static constexpr auto kKernel = sm90ws::fwd_sm90_ws_kernel<Traits>;
   static constexpr const char* kName = "sm90_ws";
@@ -86,8 +86,14 @@ struct Sm90WsLaunch {
   }
 };
 
+/// Masked hd64 calls with long rows run on the three-consumer tile (sm90ws::long_row_tile).
 template <class Traits>
 void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream) {
+  if constexpr (sm90ws::kHasLongRowTile<Traits>) {
+    if (sm90ws::long_row_tile(Traits::kHeadDim, Traits::kMasked, Traits::kSplit, p.seqlen_q,
+                              p.seqlen_k, p.window_left, p.window_right))
+      return launch_fwd<Sm90WsLaunch<sm90ws::LongRows<Traits>>>(p, stream);
+  }
   launch_fwd<Sm90WsLaunch<Traits>>(p, stream);
 }
 

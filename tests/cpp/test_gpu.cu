@@ -149,6 +149,11 @@ std::vector<Case> persistent() {
       {DType::f16, 4, 1000, 1300, 16, 16, 256, true, -1, -1, 2},  // split partials
       {DType::bf16, 3, 700, 1000, 32, 8, 64, false, 150, 0, 1},  // sliding window, GQA
       {DType::bf16, 2, 1100, 1300, 24, 8, 64, true, -1, -1, 3},
+      // Masked hd64 with long rows: the three-consumer tile (sm90ws::long_row_tile), its last
+      // 192-row tile partly empty; causal, a causal sliding window, a right window alone.
+      {DType::bf16, 1, 8200, 8300, 4, 2, 64, true, -1, -1, 1},
+      {DType::f16, 1, 4500, 9000, 4, 4, 64, false, 5000, 0, 1},
+      {DType::bf16, 1, 4100, 9000, 2, 1, 64, false, -1, 64, 1},
   };
 }
 INSTANTIATE_TEST_SUITE_P(Persistent, GpuForward, ::testing::ValuesIn(persistent()), case_name);
@@ -227,6 +232,20 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
     run_gpu(t);
     EXPECT_EQ(last_kernel_name().rfind(kind, 0), 0u) << last_kernel_name() << " for Sq=" << sq;
   }
+}
+
+TEST_F(Gpu, LongRowTileIsNamed) {
+  // Masked hd64 calls with long rows run the sm90_ws kernel's three-consumer tile, and say so;
+  // short ones (and every split) keep the square tile.
+  Dense t = make({DType::bf16, 1, 8200, 8300, 4, 2, 64, true, -1, -1, 1});
+  run_gpu(t);
+  const std::string name = last_kernel_name();
+  if (name.rfind("fwd_sm90_ws_", 0) != 0) GTEST_SKIP() << "not the sm90_ws kernel here: " << name;
+  EXPECT_NE(name.find("_longrows_"), std::string::npos) << name;
+  EXPECT_REF_OK(check_rows(t)) << " kernel " << name;
+  Dense s = make({DType::bf16, 1, 2048, 2048, 4, 2, 64, true, -1, -1, 1});
+  run_gpu(s);
+  EXPECT_EQ(last_kernel_name().find("_longrows_"), std::string::npos) << last_kernel_name();
 }
 
 // ---- Split count, determinism ------------------------------------------------------------------

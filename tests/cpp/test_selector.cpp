@@ -4,6 +4,7 @@
 #include <string>
 
 #include "hipflash/detail/selector.hpp"
+#include "sm90_ws/tile.hpp"
 
 namespace hipflash {
 namespace {
@@ -143,6 +144,23 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
   decode.query_rows = 4;
   EXPECT_EQ(select_kernel(decode, kSm90, caps).kind, KernelKind::decode);
   EXPECT_STREQ(kernel_kind_name(KernelKind::sm90_ws), "sm90_ws");
+}
+
+TEST(Selector, LongRowTileOnlyForLongMaskedHd64Rows) {
+  // sm90ws::long_row_tile (the launcher's tile and the kernel's name): masked hd64, one split,
+  // 4k rows or more, rows seeing 4096 keys on average. On the FA grid: causal 8k and 16k.
+  using sm90ws::long_row_tile;
+  for (int64_t s : {512, 1024, 2048, 4096})
+    EXPECT_FALSE(long_row_tile(64, true, false, s, s, -1, 0));
+  for (int64_t s : {8192, 16384}) EXPECT_TRUE(long_row_tile(64, true, false, s, s, -1, 0));
+  EXPECT_FALSE(long_row_tile(64, false, false, 16384, 16384, -1, -1));  // unmasked: 3 already
+  EXPECT_FALSE(long_row_tile(128, true, false, 16384, 16384, -1, 0));
+  EXPECT_FALSE(long_row_tile(64, true, true, 16384, 16384, -1, 0));     // split
+  EXPECT_FALSE(long_row_tile(64, true, false, 16384, 16384, 1000, 0));  // short window
+  EXPECT_TRUE(long_row_tile(64, true, false, 16384, 16384, 5000, 0));
+  EXPECT_TRUE(long_row_tile(64, true, false, 4096, 9000, -1, 0));   // keys 6952
+  EXPECT_FALSE(long_row_tile(64, true, false, 2048, 65536, -1, 0));  // short sequences
+  EXPECT_TRUE(long_row_tile(64, true, false, 4100, 9000, -1, 64));   // a right window alone
 }
 
 TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {

@@ -38,6 +38,26 @@ __device__ __forceinline__ int thread_index() {
   return t;
 }
 
+/// A consumer thread's place, read once per tile: its index, lane, warp, warpgroup, and the
+/// fragment row group g and column quad t (wgmma order).
+struct ThreadPlace {
+  const int thread_ = thread_index();
+  const int lane = thread_ % 32, warp_ = thread_ / 32;
+  const int wg = warp_ / 4, g_ = lane / 4, t = lane % 4;
+  __device__ __forceinline__ int thread() const { return thread_; }
+  __device__ __forceinline__ int warp() const { return warp_; }
+  __device__ __forceinline__ int g() const { return g_; }
+};
+/// The same place for a consumer short of registers: lane, warpgroup and column quad held, the
+/// rest read again where used.
+struct LeanThreadPlace {
+  const int lane = thread_index() % 32, wg = thread_index() / 128;
+  const int t = lane % 4;
+  __device__ __forceinline__ static int thread() { return thread_index(); }
+  __device__ __forceinline__ static int warp() { return thread_index() / 32; }
+  __device__ __forceinline__ static int g() { return thread_index() % 32 / 4; }
+};
+
 /// S = Q K^T of this warpgroup's 64 rows (Q at sQ_wg, rows kBM * 128 bytes a panel apart)
 /// against kBN keys (K at sK), over head-dim steps of 16: panel ks / 4, 32 bytes a step inside
 /// the line. Issued and committed, not waited for.
@@ -65,13 +85,13 @@ __device__ __forceinline__ void issue_pv(float (&O)[kHD / 2], const uint32_t (&P
   wgmma::commit();
 }
 
-/// The scores S of key block n -> the masked online-softmax step (BlockInfo's mask, in the
-/// blocks that need one); S is left holding the probabilities, `rescale` O's factor per row.
-template <class Traits, int kBN, class Info, class RowOf>
-__device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
-                                             common::RowSoftmax<2>& softmax, float scale_log2,
-                                             float (&S)[kBN / 2], int n, const RowOf& row_of,
-                                             int t, float (&rescale)[2]) {
+/// The scores S of key block n -> the masked online-softmax step (the mask's per-element test
+/// in the blocks that need one); S is left holding the probabilities, `rescale` O's factor per
+/// row. A Mask has needs_mask(n) and key_range(h, n, lo, hi) (common::RowMask's).
+template <int kBN, class Mask>
+__device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftmax<2>& softmax,
+                                             float scale_log2, float (&S)[kBN / 2], int n, int t,
+                                             float (&rescale)[2]) {
   float sc[2][kBN / 4];  // [row h][column 2i + e]
 #pragma unroll
   for (int i = 0; i < kBN / 8; ++i)
@@ -80,11 +100,11 @@ __device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
       sc[h][2 * i] = S[4 * i + 2 * h];
       sc[h][2 * i + 1] = S[4 * i + 2 * h + 1];
     }
-  if (bi.needs_mask(p, n, Traits::kMasked)) {
+  if (mask.needs_mask(n)) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       int lo, hi;
-      bi.key_range(p, row_of(h), int64_t(n) * kBN, Traits::kMasked, lo, hi);
+      mask.key_range(h, n, lo, hi);
 #pragma unroll
       for (int c = 0; c < kBN / 4; ++c) {
         const int col = (c / 2) * 8 + 2 * t + c % 2;
@@ -100,6 +120,24 @@ __device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
       S[4 * i + 2 * h] = sc[h][2 * i];
       S[4 * i + 2 * h + 1] = sc[h][2 * i + 1];
     }
+}
+
+/// The same step with BlockInfo's mask evaluated per key block for the rows row_of(0 / 1).
+template <class Traits, int kBN, class Info, class RowOf>
+__device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
+                                             common::RowSoftmax<2>& softmax, float scale_log2,
+                                             float (&S)[kBN / 2], int n, const RowOf& row_of,
+                                             int t, float (&rescale)[2]) {
+  struct InfoMask {
+    const FwdParams& p;
+    const Info& bi;
+    const RowOf& row_of;
+    __device__ bool needs_mask(int n) const { return bi.needs_mask(p, n, Traits::kMasked); }
+    __device__ void key_range(int h, int n, int& lo, int& hi) const {
+      bi.key_range(p, row_of(h), int64_t(n) * kBN, Traits::kMasked, lo, hi);
+    }
+  };
+  softmax_step<kBN>(InfoMask{p, bi, row_of}, softmax, scale_log2, S, n, t, rescale);
 }
 
 /// Probabilities -> P V's A fragments: the C fragment of two 8-key score tiles (wgmma order

@@ -1,0 +1,57 @@
+// common::RowMask (BlockInfo::row_mask): the sm90_ws consumers' mask in a few ints, solved once
+// per tile for one warpgroup's rows. Its full-block range and per-row key ranges must give the
+// per-element rule of BlockInfo::key_valid (SPEC §3), and must mask no fewer elements than
+// BlockInfo's own per-tile test, over lengths, windows on either side or both, and row ranges
+// inside, across and past the sequence.
+#include <gtest/gtest.h>
+
+#include "common/block_info.hpp"
+#include "test_util.hpp"
+
+namespace hipflash::test {
+namespace {
+
+TEST(RowMask, SolvedBoundsEqualThePerElementRule) {
+  constexpr int kBM = 32, kRows = 16, kBN = 16, kN = 2;
+  using Info = common::BlockInfo<kBM, kBN>;
+  int checked = 0, full_blocks = 0;
+  for_each_mask_case({1, 7, 16, 37, 70}, {1, 9, 16, 40, 75}, [&](const FwdParams& p,
+                                                                 bool masked) {
+    const int64_t len_q = p.seqlen_q, len_k = p.seqlen_k;
+    const int num_m_blocks = int((len_q + kBM - 1) / kBM);
+    for (int m = 0; m < num_m_blocks; ++m) {
+      const Info bi(p, m, num_m_blocks, false);
+      const int64_t m0 = int64_t(bi.m_block) * kBM;
+      // Each half of the tile (a "warpgroup" of kRows rows), its rows in pairs as a thread
+      // holds them (rows r and r + 8).
+      for (int64_t i0 = m0; i0 < m0 + kBM; i0 += kRows)
+        for (int r = 0; r < 8; ++r) {
+          const auto row_of = [&](int h) { return i0 + r + 8 * h; };
+          const auto mask = bi.row_mask<kRows, kN>(p, i0, masked, row_of);
+          for (int n = 0; n * kBN < len_k + kBN; ++n) {
+            // A block the tile's own test calls full is full for its rows too.
+            if (!bi.needs_mask(p, n, masked)) ASSERT_FALSE(mask.needs_mask(n));
+            if (!mask.needs_mask(n)) ++full_blocks;
+            for (int h = 0; h < kN; ++h) {
+              int lo, hi;
+              mask.key_range(h, n, lo, hi);
+              for (int col = 0; col < kBN; ++col) {
+                const int64_t j = int64_t(n) * kBN + col;
+                const bool rule = Info::key_valid(p, row_of(h), j, len_k, bi.diag, masked);
+                const bool got = mask.needs_mask(n) ? col >= lo && col <= hi : true;
+                ASSERT_EQ(got, rule) << "len_q " << len_q << " len_k " << len_k << " window ("
+                                     << p.window_left << ", " << p.window_right << ") row "
+                                     << row_of(h) << " key " << j << " block " << n;
+                ++checked;
+              }
+            }
+          }
+        }
+    }
+  });
+  EXPECT_GT(checked, 100000);
+  EXPECT_GT(full_blocks, 1000);
+}
+
+}  // namespace
+}  // namespace hipflash::test
