@@ -74,10 +74,16 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream);
 /// Whether `stream` is capturing a CUDA/HIP graph (no synchronous copy may run on it then).
 bool stream_capturing(Stream stream);
 
+/// What a forward launch chose beyond the selection, for last_kernel_name(): whether the
+/// sm90_ws kernel ran its long-row tile (sm90ws::long_row_tile, decided at launch).
+struct Launched {
+  bool long_rows = false;
+};
+
 /// Launches the selected forward (and, for num_splits > 1, the combine) on `stream`.
 /// `params` are validated; the split workspace is allocated here when `ws` is too small.
-void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream,
-                 Workspace ws);
+Launched run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream,
+                     Workspace ws);
 
 /// Launches the backward passes for `params` (validated; the grads' checks done) on `stream`:
 /// alignment checked first, the fp32 workspace taken from `ws` or allocated on the stream.

@@ -10,7 +10,6 @@
 #include "backend.hpp"
 #include "hipflash/detail/selector.hpp"
 #include "hipflash/forward.hpp"
-#include "sm90_ws/tile.hpp"  // long_row_tile: the sm90_ws tile a call runs on (its name)
 #include "tensor_checks.hpp"
 
 namespace hipflash {
@@ -25,7 +24,7 @@ struct LastKernel {
   KernelKind kind{};
   KernelKey key{};
   Arch arch{};
-  bool long_rows = false;  ///< sm90_ws on its long-row tile (sm90ws::long_row_tile)
+  bool long_rows = false;  ///< sm90_ws ran its long-row tile (gpu::Launched)
 };
 thread_local LastKernel t_last_kernel;
 
@@ -263,13 +262,9 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
     cpu::run_forward(p);
     return;
   }
-  const KernelKey& key = plan.sel.key;
-  t_last_kernel = {LastKernel::gpu, plan.sel.kind, key, plan.arch,
-                   plan.sel.kind == KernelKind::sm90_ws &&
-                       sm90ws::long_row_tile(key.head_dim, key.masked, key.split, p.seqlen_q,
-                                             p.seqlen_k, p.window_left, p.window_right)};
+  t_last_kernel = {LastKernel::gpu, plan.sel.kind, plan.sel.key, plan.arch};
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  gpu::run_forward(p, plan.sel, loc.index, stream, ws);
+  t_last_kernel.long_rows = gpu::run_forward(p, plan.sel, loc.index, stream, ws).long_rows;
 }
 
 Location resolve_location_of(Location loc) {

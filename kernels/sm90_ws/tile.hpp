@@ -39,25 +39,6 @@ struct TileConfig<256, kMasked, kLongRows> {
   static constexpr int kConsumers = 2, kBlockN = 80, kStages = 2;
 };
 
-#ifndef HIPFLASH_SM90WS_LONG_ROW_KEYS  // a tuning hook: the keys a row must see on average
-#define HIPFLASH_SM90WS_LONG_ROW_KEYS 4096
-#endif
-/// Whether a call of the sm90_ws kernel runs on the long-row tile: masked hd64, not split, its
-/// rows seeing HIPFLASH_SM90WS_LONG_ROW_KEYS keys or more on average — a causal row
-/// sk - sq / 2 (bottom-right aligned), a window at most its width — and sequences long enough
-/// (4k rows) that the last, partly empty 192-row tile costs under 3% of the rows. Measured on
-/// the H200 (docs/perf-notes.md session 2026-12-01 (6)): three consumers lose 16% at S = 1k
-/// causal, are level at 4k and 7% faster at 16k. A pure function of the call: the launcher
-/// runs on it and last_kernel_name() reports it.
-inline bool long_row_tile(int head_dim, bool masked, bool split, int64_t seqlen_q,
-                          int64_t seqlen_k, int64_t window_left, int64_t window_right) {
-  if (head_dim != 64 || !masked || split || seqlen_q < 4096) return false;
-  const int64_t right = window_right > 0 ? window_right : 0;
-  int64_t keys = seqlen_k - seqlen_q / 2 + right;
-  if (window_left >= 0 && window_left + 1 + right < keys) keys = window_left + 1 + right;
-  return keys >= HIPFLASH_SM90WS_LONG_ROW_KEYS;
-}
-
 /// A block is kConsumers + 1 warpgroups: the consumers (threads 0 .. 128 kConsumers - 1), each
 /// owning 64 query rows (one wgmma M) of the query tile, and one producer whose first thread
 /// issues every TMA load. Register reallocation gives the consumers what the producer does not
@@ -123,6 +104,29 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a wgmma N and whole 16-key steps");
   static_assert((kBlockN * 128) % 1024 == 0, "panels keep the 1024-byte swizzle alignment");
 };
+
+#ifndef HIPFLASH_SM90WS_LONG_ROW_KEYS  // a tuning hook: the keys a row must see on average
+#define HIPFLASH_SM90WS_LONG_ROW_KEYS 4096
+#endif
+/// Whether a call of the sm90_ws kernel runs on the long-row tile: masked hd64, not split, its
+/// rows seeing HIPFLASH_SM90WS_LONG_ROW_KEYS keys or more on average — a causal row
+/// sk - sq / 2 (bottom-right aligned), a window at most its width —, sequences long enough
+/// (4k rows) that the last, partly empty 192-row tile costs under 3% of the rows, and 192-row
+/// tiles enough for two per multiprocessor (`heads` = batch x query heads), so that no SM the
+/// 128-row tiles would have used sits idle. Measured on the H200 (docs/perf-notes.md session
+/// 2026-12-01 (6)): three consumers lose 16% at S = 1k causal, are level at 4k and 6-7% faster
+/// at 8k and 16k. A pure function of the call; the launcher decides with it.
+inline bool long_row_tile(int head_dim, bool masked, bool split, int64_t seqlen_q,
+                          int64_t seqlen_k, int64_t window_left, int64_t window_right,
+                          int64_t heads, int64_t num_sms) {
+  if (head_dim != 64 || !masked || split || seqlen_q < 4096) return false;
+  constexpr int64_t kRows = Tile<64, true, true>::kBlockM;
+  if ((seqlen_q + kRows - 1) / kRows * heads < 2 * num_sms) return false;
+  const int64_t right = window_right > 0 ? window_right : 0;
+  int64_t keys = seqlen_k - seqlen_q / 2 + right;
+  if (window_left >= 0 && window_left + 1 + right < keys) keys = window_left + 1 + right;
+  return keys >= HIPFLASH_SM90WS_LONG_ROW_KEYS;
+}
 
 /// A kernel's traits on the long-row tile: Base's, with kLongRows (the launcher's choice).
 template <class Base>

@@ -86,13 +86,19 @@ struct Sm90WsLaunch {
   }
 };
 
-/// Masked hd64 calls with long rows run on the three-consumer tile (sm90ws::long_row_tile).
+/// Masked hd64 calls with long rows run on the three-consumer tile (sm90ws::long_row_tile);
+/// the launch says so (note_long_row_tile) for the kernel's name.
 template <class Traits>
 void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream) {
   if constexpr (sm90ws::kHasLongRowTile<Traits>) {
+    int device = 0;
+    port::check(port::get_device(&device), "querying the current device");
     if (sm90ws::long_row_tile(Traits::kHeadDim, Traits::kMasked, Traits::kSplit, p.seqlen_q,
-                              p.seqlen_k, p.window_left, p.window_right))
+                              p.seqlen_k, p.window_left, p.window_right,
+                              p.batch * p.heads_q, device_arch(device).num_sms)) {
+      note_long_row_tile();
       return launch_fwd<Sm90WsLaunch<sm90ws::LongRows<Traits>>>(p, stream);
+    }
   }
   launch_fwd<Sm90WsLaunch<Traits>>(p, stream);
 }

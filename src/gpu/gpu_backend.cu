@@ -211,9 +211,15 @@ void check_operand_alignment(const FwdParams& p) {
   check_vector_alignment(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride, "out");
 }
 
-void run_forward(const FwdParams& params, const Selection& sel, int device, Stream stream_arg,
-                 Workspace ws) {
+namespace {
+thread_local bool t_long_row_tile = false;  // set by the sm90_ws launcher for run_forward
+}  // namespace
+void note_long_row_tile() { t_long_row_tile = true; }
+
+Launched run_forward(const FwdParams& params, const Selection& sel, int device,
+                     Stream stream_arg, Workspace ws) {
   auto stream = static_cast<port::stream_t>(stream_arg);
+  t_long_row_tile = false;
   FwdParams p = params;
   check_operand_alignment(p);
 
@@ -276,6 +282,7 @@ void run_forward(const FwdParams& params, const Selection& sel, int device, Stre
     });
   });
   if (p.num_splits > 1) launch_combine(p, hd, stream);
+  return Launched{t_long_row_tile};
 }
 
 void run_backward(const BwdParams& params, int device, Stream stream_arg, Workspace ws,

@@ -17,7 +17,7 @@ Arch device_arch(int) { no_gpu(); }
 int pointer_device(const void*) { return -1; }
 void copy_to_host(void*, const void*, size_t, Stream) { no_gpu(); }
 bool stream_capturing(Stream) { return false; }
-void run_forward(const FwdParams&, const Selection&, int, Stream, Workspace) { no_gpu(); }
+Launched run_forward(const FwdParams&, const Selection&, int, Stream, Workspace) { no_gpu(); }
 TileShape tile_shape(KernelKind, int, bool) { return TileShape{}; }
 void run_merge(const MergeParams&, int, Stream) { no_gpu(); }
 void run_kvcache_append(const FwdParams&, const TensorRef&, const TensorRef&, int, Stream) {

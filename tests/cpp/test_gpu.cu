@@ -149,11 +149,14 @@ std::vector<Case> persistent() {
       {DType::f16, 4, 1000, 1300, 16, 16, 256, true, -1, -1, 2},  // split partials
       {DType::bf16, 3, 700, 1000, 32, 8, 64, false, 150, 0, 1},  // sliding window, GQA
       {DType::bf16, 2, 1100, 1300, 24, 8, 64, true, -1, -1, 3},
-      // Masked hd64 with long rows: the three-consumer tile (sm90ws::long_row_tile), its last
-      // 192-row tile partly empty; causal, a causal sliding window, a right window alone.
-      {DType::bf16, 1, 8200, 8300, 4, 2, 64, true, -1, -1, 1},
-      {DType::f16, 1, 4500, 9000, 4, 4, 64, false, 5000, 0, 1},
-      {DType::bf16, 1, 4100, 9000, 2, 1, 64, false, -1, 64, 1},
+      // Masked hd64 with long rows: the three-consumer tile (sm90ws::long_row_tile: enough
+      // heads for two tiles per SM of a 132-SM H200), its last 192-row tile partly empty;
+      // causal, a causal sliding window, a right window alone, more rows than keys (the first
+      // rows see none).
+      {DType::bf16, 1, 8200, 8300, 8, 2, 64, true, -1, -1, 1},
+      {DType::f16, 1, 4500, 9000, 12, 4, 64, false, 5000, 0, 1},
+      {DType::bf16, 1, 4100, 9000, 12, 1, 64, false, -1, 64, 1},
+      {DType::f16, 1, 10000, 9200, 6, 2, 64, true, -1, -1, 1},
   };
 }
 INSTANTIATE_TEST_SUITE_P(Persistent, GpuForward, ::testing::ValuesIn(persistent()), case_name);
@@ -235,9 +238,9 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
 }
 
 TEST_F(Gpu, LongRowTileIsNamed) {
-  // Masked hd64 calls with long rows run the sm90_ws kernel's three-consumer tile, and say so;
-  // short ones (and every split) keep the square tile.
-  Dense t = make({DType::bf16, 1, 8200, 8300, 4, 2, 64, true, -1, -1, 1});
+  // Masked hd64 calls with long rows run the sm90_ws kernel's three-consumer tile, and the
+  // launch says so (the name is what the launcher ran); short ones keep the square tile.
+  Dense t = make({DType::bf16, 1, 8200, 8300, 8, 2, 64, true, -1, -1, 1});
   run_gpu(t);
   const std::string name = last_kernel_name();
   if (name.rfind("fwd_sm90_ws_", 0) != 0) GTEST_SKIP() << "not the sm90_ws kernel here: " << name;

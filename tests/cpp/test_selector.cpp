@@ -147,20 +147,27 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
 }
 
 TEST(Selector, LongRowTileOnlyForLongMaskedHd64Rows) {
-  // sm90ws::long_row_tile (the launcher's tile and the kernel's name): masked hd64, one split,
-  // 4k rows or more, rows seeing 4096 keys on average. On the FA grid: causal 8k and 16k.
-  using sm90ws::long_row_tile;
+  // sm90ws::long_row_tile (the sm90_ws launcher's tile): masked hd64, one split, 4k rows or
+  // more, rows seeing 4096 keys on average, two 192-row tiles per SM. On the FA grid (32 heads,
+  // B * S = 16k, 132 SMs): causal 8k and 16k.
+  const auto pick = [](int hd, bool masked, bool split, int64_t sq, int64_t sk, int64_t wl,
+                       int64_t wr, int64_t heads = 32) {
+    return sm90ws::long_row_tile(hd, masked, split, sq, sk, wl, wr, heads, 132);
+  };
   for (int64_t s : {512, 1024, 2048, 4096})
-    EXPECT_FALSE(long_row_tile(64, true, false, s, s, -1, 0));
-  for (int64_t s : {8192, 16384}) EXPECT_TRUE(long_row_tile(64, true, false, s, s, -1, 0));
-  EXPECT_FALSE(long_row_tile(64, false, false, 16384, 16384, -1, -1));  // unmasked: 3 already
-  EXPECT_FALSE(long_row_tile(128, true, false, 16384, 16384, -1, 0));
-  EXPECT_FALSE(long_row_tile(64, true, true, 16384, 16384, -1, 0));     // split
-  EXPECT_FALSE(long_row_tile(64, true, false, 16384, 16384, 1000, 0));  // short window
-  EXPECT_TRUE(long_row_tile(64, true, false, 16384, 16384, 5000, 0));
-  EXPECT_TRUE(long_row_tile(64, true, false, 4096, 9000, -1, 0));   // keys 6952
-  EXPECT_FALSE(long_row_tile(64, true, false, 2048, 65536, -1, 0));  // short sequences
-  EXPECT_TRUE(long_row_tile(64, true, false, 4100, 9000, -1, 64));   // a right window alone
+    EXPECT_FALSE(pick(64, true, false, s, s, -1, 0));
+  for (int64_t s : {8192, 16384}) EXPECT_TRUE(pick(64, true, false, s, s, -1, 0));
+  EXPECT_FALSE(pick(64, false, false, 16384, 16384, -1, -1));  // unmasked: three already
+  EXPECT_FALSE(pick(128, true, false, 16384, 16384, -1, 0));
+  EXPECT_FALSE(pick(64, true, true, 16384, 16384, -1, 0));     // split
+  EXPECT_FALSE(pick(64, true, false, 16384, 16384, 1000, 0));  // a short window
+  EXPECT_TRUE(pick(64, true, false, 16384, 16384, 5000, 0));
+  EXPECT_TRUE(pick(64, true, false, 4096, 9000, -1, 0));    // keys 6952
+  EXPECT_FALSE(pick(64, true, false, 2048, 65536, -1, 0));  // short sequences
+  EXPECT_TRUE(pick(64, true, false, 4100, 9000, -1, 64));   // a right window alone
+  // Too few tiles to fill the SMs twice over: 43 tiles a head at 8k.
+  EXPECT_FALSE(pick(64, true, false, 8192, 8192, -1, 0, 6));
+  EXPECT_TRUE(pick(64, true, false, 8192, 8192, -1, 0, 7));
 }
 
 TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
