@@ -35,7 +35,10 @@ namespace {
 /// beat the warp-specialised kernel's 128-row tiles at 512 rows on the H200 (S=512: 0.81x cuDNN
 /// against 0.77x on the snake grid; at 1k the warp-specialised kernel leads, 0.83x against
 /// 0.76x: docs/perf-notes.md session 2026-12-01 (4)).
-constexpr int64_t kSm90CpAsyncMaskedHd64Rows = 512;
+#ifndef HIPFLASH_SM90_CPASYNC_MASKED_HD64_ROWS  // a tuning hook (scripts/gpu-ab variants)
+#define HIPFLASH_SM90_CPASYNC_MASKED_HD64_ROWS 512
+#endif
+constexpr int64_t kSm90CpAsyncMaskedHd64Rows = HIPFLASH_SM90_CPASYNC_MASKED_HD64_ROWS;
 }  // namespace
 
 Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps) {
