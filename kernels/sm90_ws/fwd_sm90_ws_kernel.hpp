@@ -202,7 +202,6 @@ struct Consumer {
   static constexpr bool kLean = Traits::kMasked && Cfg::kConsumers == 3;
   using Place = std::conditional_t<kLean, consumer::LeanThreadPlace, consumer::ThreadPlace>;
   const Place place;  // read per tile: not hoisted out of the tile loop
-  const int lane = place.lane, wg = place.wg, t = place.t;
   __device__ __forceinline__ int warp() const { return place.warp(); }
   __device__ __forceinline__ int g() const { return place.g(); }
 #ifndef HIPFLASH_SM90WS_HALF_DIAGONAL_PV  // a tuning hook: 1 halves the diagonal block's P V
@@ -217,7 +216,7 @@ struct Consumer {
       !kCarry && !kLean;
   static constexpr int kHalfKeys = kHalfDiagonalPv ? kBN / 2 : kBN;
   __device__ __forceinline__ bool sees_first_half_only(const Info& bi, int n) const {
-    const int64_t i_last = m0_of(bi) + 64 * wg + 63;  // the warpgroup's last row
+    const int64_t i_last = m0_of(bi) + 64 * place.wg + 63;  // the warpgroup's last row
     int64_t last = bi.len_k - 1;                      // the last key any of its rows sees
     if (p.window_right >= 0 && i_last + bi.diag + p.window_right < last)
       last = i_last + bi.diag + p.window_right;
@@ -236,12 +235,12 @@ struct Consumer {
   __device__ __forceinline__ int64_t row_of(int64_t m0, int h) const {
     return m0 + warp() * 16 + h * 8 + g();
   }
-  __device__ __forceinline__ void turn_begin() const { named_sync<256>(kTurn + wg); }
+  __device__ __forceinline__ void turn_begin() const { named_sync<256>(kTurn + place.wg); }
   __device__ __forceinline__ void turn_end() const {
-    named_arrive<256>(kTurn + (wg + 1) % Cfg::kConsumers);
+    named_arrive<256>(kTurn + (place.wg + 1) % Cfg::kConsumers);
   }
   __device__ __forceinline__ void release(const Mbarrier& bar) const {
-    if (lane == 0) bar.arrive();
+    if (place.lane == 0) bar.arrive();
   }
   /// Q is read by the Q K^T GEMMs only: with an output staging buffer of its own, each warp
   /// frees it for the next tile's Q as soon as its last Q K^T is done (staged over Q, store()
@@ -251,7 +250,7 @@ struct Consumer {
   }
   /// S = Q K^T of this warpgroup's rows of the Q tile in stage qs.
   __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], int qs, uint32_t sK) const {
-    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sm.q(qs) + wg * 64 * 128, sK);
+    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sm.q(qs) + place.wg * 64 * 128, sK);
   }
   /// S(n) done: K's stage back to the producer, and after the tile's last Q K^T q_read().
   __device__ __forceinline__ void qk_done(float (&S)[kBN / 2], bool last_qk, int qs) const {
@@ -280,7 +279,7 @@ struct Consumer {
   __device__ __forceinline__ LeanMask lean_mask_of(const Info& bi) const {
     if constexpr (kLean) {
       const int64_t m0 = m0_of(bi);
-      return bi.template row_mask<64, 2>(p, m0 + 64 * wg, Traits::kMasked,
+      return bi.template row_mask<64, 2>(p, m0 + 64 * place.wg, Traits::kMasked,
                                          [&](int h) { return row_of(m0, h); });
     } else {
       return {};
@@ -292,12 +291,12 @@ struct Consumer {
                                                float (&S)[kBN / 2], int n,
                                                float (&rescale)[2]) const {
     if constexpr (kLean) {
-      consumer::softmax_step<kBN>(lean, softmax, p.softmax_scale * detail::kLog2e, S, n, t,
-                                  rescale);
+      consumer::softmax_step<kBN>(lean, softmax, p.softmax_scale * detail::kLog2e, S, n,
+                                  place.t, rescale);
     } else {
       const auto rows = [&](int h) { return row_of(m0_of(bi), h); };
       consumer::softmax_step<Traits, kBN>(p, bi, softmax, p.softmax_scale * detail::kLog2e, S, n,
-                                          rows, t, rescale);
+                                          rows, place.t, rescale);
     }
   }
 
@@ -312,7 +311,7 @@ struct Consumer {
   static constexpr int kStageRows = Cfg::kOwnStaging ? 64 : kBM;  // rows a barrier's threads stage
   static constexpr int kStagers = Cfg::kOwnStaging ? 128 : kThreads;
   __device__ __forceinline__ int stage_barrier() const {
-    return Cfg::kOwnStaging ? kEpilogue + wg : kEpilogue;
+    return Cfg::kOwnStaging ? kEpilogue + place.wg : kEpilogue;
   }
   __device__ __forceinline__ T* staged_out() const {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -327,18 +326,19 @@ struct Consumer {
     softmax.finalize();
     if constexpr (Traits::kSplit) {
       const int64_t m0 = m0_of(bi);
-      consumer::write_split<kHD>(p, bi, O, softmax, [&](int h) { return row_of(m0, h); }, t);
+      consumer::write_split<kHD>(p, bi, O, softmax, [&](int h) { return row_of(m0, h); },
+                                 place.t);
     } else {
       named_sync<kStagers>(stage_barrier());
       consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(
-          staged_out(), staged_lse(), O, softmax, warp() * 16 + g(), t);
+          staged_out(), staged_lse(), O, softmax, warp() * 16 + g(), place.t);
     }
   }
   __device__ __forceinline__ void store(const Info& bi) const {
     if constexpr (!Traits::kSplit) {
       named_sync<kStagers>(stage_barrier());
-      const int first = Cfg::kOwnStaging ? 64 * wg : 0;  // the stagers' first row in the tile
-      const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * wg : 0);
+      const int first = Cfg::kOwnStaging ? 64 * place.wg : 0;  // the stagers' first tile row
+      const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
       consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse>(
           p, bi, staged_out() + first * kHD, staged_lse() + first,
           m0_of(bi) + first, int(p.head_dim), stager);
