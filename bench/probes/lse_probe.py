@@ -1,7 +1,8 @@
 # hipflash — development probe (not a benchmark of record): where does LSE-on time go?
 # 1) interleaved event timing, LSE off/on alternating, sleep pre-fill; 2) torch.profiler per-kernel
 # device durations for each mode.
-# Usage: python3 bench/probes/lse_probe.py BUILD_DIR/python
+# Usage: python3 bench/probes/lse_probe.py BUILD_DIR/python [CELL_REGEX]
+import re
 import statistics
 import sys
 
@@ -20,7 +21,15 @@ cells = [
     ("decode B=8 Sk=16k", 8, 1, 16384, 32, 8, 128, False),
     ("fa hd64 S=512", 32, 512, 512, 32, 32, 64, False),
     ("fa hd128 S=512", 32, 512, 512, 16, 16, 128, False),
+    ("fa hd64 S=512 causal", 32, 512, 512, 32, 32, 64, True),
+    ("fa hd64 S=1k causal", 16, 1024, 1024, 32, 32, 64, True),
+    ("fa hd128 S=512 causal", 32, 512, 512, 16, 16, 128, True),
+    ("fa hd128 S=2k causal", 8, 2048, 2048, 16, 16, 128, True),
+    ("fa hd96 S=1k causal", 16, 1024, 1024, 21, 21, 96, True),
+    ("fa hd256 S=1k causal", 16, 1024, 1024, 8, 8, 256, True),
 ]
+if len(sys.argv) > 2:
+    cells = [c for c in cells if re.search(sys.argv[2], c[0])]
 cyc = None
 def calib():
     global cyc
