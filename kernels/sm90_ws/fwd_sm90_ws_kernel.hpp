@@ -204,24 +204,6 @@ struct Consumer {
   const Place place;  // read per tile: not hoisted out of the tile loop
   __device__ __forceinline__ int warp() const { return place.warp(); }
   __device__ __forceinline__ int g() const { return place.g(); }
-#ifndef HIPFLASH_SM90WS_HALF_DIAGONAL_PV  // a tuning hook: 1 halves the diagonal block's P V
-#define HIPFLASH_SM90WS_HALF_DIAGONAL_PV 0
-#endif
-  /// A warpgroup whose 64 rows see none of the last kBN / 2 keys of the tile's first key block
-  /// (the causal diagonal: warpgroup 0 of a tile aligned with its key blocks) runs that block's
-  /// P V over its first half only: P is zero past it. (Halving its Q K^T as well makes ptxas
-  /// serialise the wgmmas, C7511: docs/perf-notes.md session 2026-12-01 (6).)
-  static constexpr bool kHalfDiagonalPv =
-      HIPFLASH_SM90WS_HALF_DIAGONAL_PV && Traits::kMasked && !Traits::kSplit && kBN == 128 &&
-      !kCarry && !kLean;
-  static constexpr int kHalfKeys = kHalfDiagonalPv ? kBN / 2 : kBN;
-  __device__ __forceinline__ bool sees_first_half_only(const Info& bi, int n) const {
-    const int64_t i_last = m0_of(bi) + 64 * place.wg + 63;  // the warpgroup's last row
-    int64_t last = bi.len_k - 1;                      // the last key any of its rows sees
-    if (p.window_right >= 0 && i_last + bi.diag + p.window_right < last)
-      last = i_last + bi.diag + p.window_right;
-    return last < int64_t(n) * kBN + kBN / 2;
-  }
 
   __device__ __forceinline__ Info info(int64_t tile) const {
     return Info(p, tile, num_m_blocks, Traits::kMasked);
@@ -354,13 +336,12 @@ struct Consumer {
     store(bi);
   }
 
-  /// The tile's last P V, in a turn of its own, and waited for (over the block's first kKeys).
-  template <int kKeys = kBN>
+  /// The tile's last P V, in a turn of its own, and waited for.
   __device__ __forceinline__ void last_pv(Accumulators<kHD, kBN>& c) const {
     const int vs = v_pos.stage();
     sm.v_full(vs).wait(v_pos.parity());
     turn_begin();
-    consumer::issue_pv<kDT, kBN, kHD, kKeys>(c.O, c.P, sm.v(vs));
+    consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
     turn_end();
     wgmma::wait<0>();
     pv_done(c.O, vs);
@@ -403,7 +384,6 @@ struct Consumer {
     // softmax, then the carried tile's epilogue. Two straight paths, so that ptxas sees which
     // accumulators the wgmmas in flight own on each (C7515).
     int qs = 0;
-    [[maybe_unused]] const bool half_pv = kHalfDiagonalPv && sees_first_half_only(bi, n_hi);
     auto first_block = [&](auto carried_t) {
       constexpr bool kCarried = decltype(carried_t)::value;
       float S[kBN / 2];
@@ -450,10 +430,7 @@ struct Consumer {
       sm.v_full(vs).wait(v_pos.parity());
       turn_begin();
       issue_qk(S, qs, sm.k(ks));
-      if (kHalfDiagonalPv && half_pv && n == n_hi)
-        consumer::issue_pv<kDT, kBN, kHD, kHalfKeys>(c.O, c.P, sm.v(vs));
-      else
-        consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
+      consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
       turn_end();
       wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
       qk_done(S, n - 1 == n_lo, qs);
@@ -467,10 +444,7 @@ struct Consumer {
     if constexpr (kCarry) {
       c.tile = tile;  // its last P V goes with the next tile's first Q K^T
     } else {
-      if (kHalfDiagonalPv && half_pv && n_hi == n_lo)
-        last_pv<kHalfKeys>(c);
-      else
-        last_pv(c);
+      last_pv(c);
       epilogue(bi, c.O, c.softmax);
     }
   }

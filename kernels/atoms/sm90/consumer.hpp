@@ -73,16 +73,14 @@ __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], uint32_t sQ_wg, ui
   wgmma::commit();
 }
 
-/// O += P V over key steps of 16 (2048 bytes of V rows a step; panels kBN * 128 bytes apart),
-/// over the block's first kKeys keys (kKeys < kBN where P is zero past them). Issued and
-/// committed, not waited for.
-template <DType kDT, int kBN, int kHD, int kKeys = kBN>
+/// O += P V over key steps of 16 (2048 bytes of V rows a step; panels kBN * 128 bytes apart).
+/// Issued and committed, not waited for.
+template <DType kDT, int kBN, int kHD>
 __device__ __forceinline__ void issue_pv(float (&O)[kHD / 2], const uint32_t (&P)[kBN / 16][4],
                                          uint32_t sV) {
-  static_assert(kKeys <= kBN && kKeys % 16 == 0, "a prefix of the block, whole key steps");
   wgmma::fence();
 #pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk)
+  for (int kk = 0; kk < kBN / 16; ++kk)
     wgmma::Op<kDT, kHD>::rs(O, P[kk], wgmma::desc_mn_major(sV + kk * 16 * 128, kBN * 128), 1);
   wgmma::commit();
 }
