@@ -792,6 +792,9 @@ def main(argv=None):
         "pre-filled with a sleep kernel so host launch overhead is excluded"
         % (budget[0], budget[2], budget[3], budget[1])
         if device == "cuda" else "CPU perf_counter (runner test only)")
+    if device == "cuda" and any(c.suite == "fa-grid" for c in cells):
+        meta["matmul"] = (f"{matmul_rate(timer):.1f} TFLOP/s (bf16 C = A B, {MATMUL_N}^3, random "
+                          "inputs, timed as the cells are, before them)")
     if any(c.suite == HOST or c.suite in rep.WALL_CLOCK_SUITES for c in cells):
         repeats, n, ncalls = HOST_LOOPS[device]
         sync = "torch.cuda.synchronize()" if device == "cuda" else "nothing (CPU)"
@@ -919,6 +922,23 @@ def run_merge_suite(args, device):
                     f"{r['of_copy'] * 100:.1f}% |\n")
     print(f"wrote {out_dir}/results.json, results.md")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+MATMUL_N = 8192
+
+
+def matmul_rate(timer):
+    """The bf16 matrix-product rate of this GPU in this run (issue 9 measures the attention
+    kernels against it): C = A B at 8192^3 on random data (zeros run faster), timed as every
+    cell is (timer), over two input sets; TFLOP/s of the median."""
+    n = MATMUL_N
+    sets = [(torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+             torch.randn(n, n, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    st = timer.time(lambda i: torch.matmul(*sets[i], out=out), len(sets))
+    del sets, out
+    torch.cuda.empty_cache()
+    return 2.0 * n ** 3 / (st["time_ms"] * 1e-3) / 1e12
 
 
 def _warm_gpu(ms=600.0):

@@ -459,6 +459,7 @@ def meta_lines(meta):
             ("cudnn", "cuDNN"), ("triton", "Triton"), ("hipflash", "hipflash build"),
             ("commit", "Commit"), ("date", "Date (UTC)"), ("suite", "Suite"),
             ("dtype", "dtype"), ("timing", "Timing"), ("host_timing", "Host timing"),
+            ("matmul", "bf16 matmul rate"),
             ("wall_s", "Run time (s)")]
     lines = []
     for k, name in keys:
