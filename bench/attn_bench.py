@@ -793,8 +793,12 @@ def main(argv=None):
         % (budget[0], budget[2], budget[3], budget[1])
         if device == "cuda" else "CPU perf_counter (runner test only)")
     if device == "cuda" and any(c.suite == "fa-grid" for c in cells):
-        meta["matmul"] = (f"{matmul_rate(timer):.1f} TFLOP/s (bf16 C = A B, {MATMUL_N}^3, random "
-                          "inputs, timed as the cells are, before them)")
+        try:
+            meta["matmul_tflops"] = round(matmul_rate(timer), 1)
+            meta["matmul"] = (f"{meta['matmul_tflops']:.1f} TFLOP/s (bf16 C = A B, {MATMUL_N}^3, "
+                              "random inputs, timed as the cells are, before them)")
+        except Exception as e:  # the run goes on without the rate; the report says it lacks it
+            meta["matmul"] = f"not measured ({_err(e)})"
     if any(c.suite == HOST or c.suite in rep.WALL_CLOCK_SUITES for c in cells):
         repeats, n, ncalls = HOST_LOOPS[device]
         sync = "torch.cuda.synchronize()" if device == "cuda" else "nothing (CPU)"

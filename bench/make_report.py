@@ -63,11 +63,9 @@ TARGETS = [("fa-grid", "torch-flash"), ("decode", "fa2-native")]
 
 
 def _matmul_tflops(meta):
-    """The run's measured bf16 matmul rate (meta "matmul": "<TFLOP/s> TFLOP/s (...)"), or None."""
-    try:
-        return float(str(meta.get("matmul", "")).split()[0])
-    except (ValueError, IndexError):
-        return None
+    """The run's measured bf16 matmul rate (meta "matmul_tflops"), or None."""
+    v = meta.get("matmul_tflops")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
 def matmul_target_lines(rows, meta):
