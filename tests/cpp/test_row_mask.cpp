@@ -11,8 +11,10 @@
 namespace hipflash::test {
 namespace {
 
-TEST(RowMask, SolvedBoundsEqualThePerElementRule) {
-  constexpr int kBM = 32, kRows = 16, kBN = 16, kN = 2;
+// kBN: a power of two as at hd64 / hd128, and one that is not, as hd256's 80-key blocks.
+template <int kBN>
+void check_row_mask() {
+  constexpr int kBM = 32, kRows = 16, kN = 2;
   using Info = common::BlockInfo<kBM, kBN>;
   int checked = 0, full_blocks = 0;
   for_each_mask_case({1, 7, 16, 37, 70}, {1, 9, 16, 40, 75}, [&](const FwdParams& p,
@@ -27,7 +29,7 @@ TEST(RowMask, SolvedBoundsEqualThePerElementRule) {
       for (int64_t i0 = m0; i0 < m0 + kBM; i0 += kRows)
         for (int r = 0; r < 8; ++r) {
           const auto row_of = [&](int h) { return i0 + r + 8 * h; };
-          const auto mask = bi.row_mask<kRows, kN>(p, i0, masked, row_of);
+          const auto mask = bi.template row_mask<kRows, kN>(p, i0, masked, row_of);
           for (int n = 0; n * kBN < len_k + kBN; ++n) {
             // A block the tile's own test calls full is full for its rows too.
             if (!bi.needs_mask(p, n, masked)) ASSERT_FALSE(mask.needs_mask(n));
@@ -52,6 +54,9 @@ TEST(RowMask, SolvedBoundsEqualThePerElementRule) {
   EXPECT_GT(checked, 100000);
   EXPECT_GT(full_blocks, 1000);
 }
+
+TEST(RowMask, SolvedBoundsEqualThePerElementRule) { check_row_mask<16>(); }
+TEST(RowMask, SolvedBoundsEqualThePerElementRuleOddBlock) { check_row_mask<20>(); }
 
 }  // namespace
 }  // namespace hipflash::test
