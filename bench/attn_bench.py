@@ -947,7 +947,7 @@ def matmul_rate(timer):
 
 def _warm_gpu(ms=600.0):
     """Bring the clocks up before the first cell (about half a second of bf16 matmuls)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     t0 = time.time()
     while (time.time() - t0) * 1e3 < ms:

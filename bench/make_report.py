@@ -88,14 +88,21 @@ def matmul_target_lines(rows, meta):
             + f"; {'met' if low[1] >= 0.8 * mm else 'not met'}.", ""]
 
 
-def fa_grid_lse_lines(rows):
-    """Issue 9: what returning the LSE costs over the fa-grid cells (hipflash+lse's median time
-    / hipflash's, target <= 1%). Lines, or []."""
-    costs = [(o, rep._cell_label(bb)) for _, bb in rep.cells_of(rows, "fa-grid")
+def _lse_costs(rows, suite):
+    """[(hipflash+lse's median time / hipflash's - 1, cell label)] over a suite's cells, and
+    their geomean (None without cells)."""
+    costs = [(o, rep._cell_label(bb)) for _, bb in rep.cells_of(rows, suite)
              if (o := rep.lse_overheads(bb).get(rep.HF_LSE)) is not None]
+    geo = rep.geomean([1.0 + o for o, _ in costs]) - 1.0 if costs else None
+    return costs, geo
+
+
+def fa_grid_lse_lines(rows):
+    """Issue 9: what returning the LSE costs over the fa-grid cells (target <= 1%). Lines, or
+    []."""
+    costs, geo = _lse_costs(rows, "fa-grid")
     if not costs:
         return []
-    geo = rep.geomean([1.0 + o for o, _ in costs]) - 1.0
     worst = max(costs)
     met = sum(1 for o, _ in costs if o <= 0.01)
     return [f"**fa-grid: LSE on against off** (hipflash+lse / hipflash, median times; target "
@@ -126,12 +133,10 @@ def targets_markdown(rows, meta=None):
         out.append("")
     out += matmul_target_lines(rows, meta or {})
     out += fa_grid_lse_lines(rows)
-    overheads = [o for _, bb in rep.cells_of(rows, "lse-overhead")
-                 if (o := rep.lse_overheads(bb).get(rep.HF_LSE)) is not None]
+    overheads, geo = _lse_costs(rows, "lse-overhead")
     if overheads:
-        geo = rep.geomean([1.0 + o for o in overheads]) - 1.0
         out += [f"**LSE overhead** (target <= 1%): {100 * geo:+.1f}% geomean over the "
-                f"{len(overheads)} lse-overhead cells, worst {100 * max(overheads):+.1f}%.", ""]
+                f"{len(overheads)} lse-overhead cells, worst {100 * max(overheads)[0]:+.1f}%.", ""]
     out += host_targets_markdown(rows)
     if not out:
         return ""
