@@ -195,17 +195,13 @@ struct Consumer {
   QRing& q_pos;
   Ring& k_pos;
   Ring& v_pos;
-  /// The long-row tile's masked consumers have 160 registers, not 240: they hold the mask in a
-  /// few ints (common::RowMask) and only the thread's lane, warpgroup and column quad, so that
-  /// ptxas keeps the key loop spill-free (BlockInfo and the whole thread place held through it
-  /// spilled 96-124 bytes). Every other kernel keeps the place and BlockInfo's per-block mask
-  /// (hd256's masked kernels spill 60-100 bytes with them; the tuning hook below makes them
-  /// lean too, spill-free: docs/perf-notes.md session 2026-12-01 (7)).
-#ifndef HIPFLASH_SM90WS_LEAN_HD256  // a tuning hook: 1 gives masked hd256 the lean consumer
-#define HIPFLASH_SM90WS_LEAN_HD256 0
-#endif
-  static constexpr bool kLean =
-      Traits::kMasked && (Cfg::kConsumers == 3 || (HIPFLASH_SM90WS_LEAN_HD256 && kHD == 256));
+  /// The masked consumers of the long-row tile (160 registers, not 240) and of hd256 are lean:
+  /// they hold the mask in a few ints (common::RowMask) and only the thread's lane, warpgroup
+  /// and column quad, so that ptxas keeps the key loop spill-free (BlockInfo and the whole
+  /// thread place held through it spilled 96-124 bytes at the long-row tile, 60-100 at hd256;
+  /// lean hd256 measured +2-4% at causal 1k / 4k: docs/perf-notes.md session 2026-12-01 (8)).
+  /// The others keep the place and BlockInfo's per-block mask.
+  static constexpr bool kLean = Traits::kMasked && (Cfg::kConsumers == 3 || kHD == 256);
   using Place = std::conditional_t<kLean, consumer::LeanThreadPlace, consumer::ThreadPlace>;
   const Place place;  // read per tile: not hoisted out of the tile loop
   __device__ __forceinline__ int warp() const { return place.warp(); }

@@ -13,11 +13,16 @@ namespace hipflash::sm90ws {
 /// 128-key stages (160 KiB), hd256 two 80-key stages (224 KiB). Three consumers at hd64: its
 /// GEMMs are half as long, so a third warpgroup's softmax is needed to keep the tensor cores fed.
 /// Masked (causal, window) calls keep square 128 x 128 tiles at hd64 and hd128 — one diagonal
-/// block per query block, and no 192-row tile two-thirds empty at the end of a short sequence —
-/// except hd64 calls with long rows (kLongRows: the launcher's choice, long_row_tile), which
-/// take the three consumers of unmasked calls.
-#ifndef HIPFLASH_SM90WS_HD128_BLOCK_N  // a tuning hook: -DHIPFLASH_SM90WS_HD128_BLOCK_N=176
+/// block per query block, and no 192-row tile two-thirds empty at the end of a short sequence.
+/// Calls with long rows (kLongRows: the launcher's choice, long_row_tile) take a tile of their
+/// own: masked hd64 the three consumers of unmasked calls, unmasked hd128 176-key blocks (half
+/// again as much GEMM per softmax step; their K / V ring leaves no room to stage the output
+/// apart from Q, which short rows pay for).
+#ifndef HIPFLASH_SM90WS_HD128_BLOCK_N  // a tuning hook: unmasked hd128's key block, short rows
 #define HIPFLASH_SM90WS_HD128_BLOCK_N 128
+#endif
+#ifndef HIPFLASH_SM90WS_HD128_LONG_BLOCK_N  // a tuning hook: unmasked hd128's, long rows
+#define HIPFLASH_SM90WS_HD128_LONG_BLOCK_N 176
 #endif
 template <int kHeadDim, bool kMasked, bool kLongRows>
 struct TileConfig;
@@ -32,7 +37,9 @@ struct TileConfig<64, kMasked, kLongRows> {
 template <bool kMasked, bool kLongRows>
 struct TileConfig<128, kMasked, kLongRows> {
   static constexpr int kConsumers = 2, kStages = 2;
-  static constexpr int kBlockN = kMasked ? 128 : HIPFLASH_SM90WS_HD128_BLOCK_N;
+  static constexpr int kBlockN = kMasked      ? 128
+                                 : kLongRows ? HIPFLASH_SM90WS_HD128_LONG_BLOCK_N
+                                             : HIPFLASH_SM90WS_HD128_BLOCK_N;
 };
 template <bool kMasked, bool kLongRows>
 struct TileConfig<256, kMasked, kLongRows> {
@@ -105,21 +112,28 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static_assert((kBlockN * 128) % 1024 == 0, "panels keep the 1024-byte swizzle alignment");
 };
 
-#ifndef HIPFLASH_SM90WS_LONG_ROW_KEYS  // a tuning hook: the keys a row must see on average
+#ifndef HIPFLASH_SM90WS_LONG_ROW_KEYS  // a tuning hook: the keys a masked hd64 row must see
 #define HIPFLASH_SM90WS_LONG_ROW_KEYS 4096
 #endif
-/// Whether a call of the sm90_ws kernel runs on the long-row tile: masked hd64, not split, its
+#ifndef HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS  // a tuning hook: the keys an unmasked hd128 row must see
+#define HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS 8192
+#endif
+/// Whether a call of the sm90_ws kernel runs on the long-row tile. Never split. Masked hd64:
 /// rows seeing HIPFLASH_SM90WS_LONG_ROW_KEYS keys or more on average — a causal row
 /// sk - sq / 2 (bottom-right aligned), a window at most its width —, sequences long enough
 /// (4k rows) that the last, partly empty 192-row tile costs under 3% of the rows, and 192-row
 /// tiles enough for two per multiprocessor (`heads` = batch x query heads), so that no SM the
 /// 128-row tiles would have used sits idle. Measured on the H200 (docs/perf-notes.md session
 /// 2026-12-01 (6)): three consumers lose 16% at S = 1k causal, are level at 4k and 6-7% faster
-/// at 8k and 16k. A pure function of the call; the launcher decides with it.
+/// at 8k and 16k. Unmasked hd128 (and hd96, padded to it): HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS
+/// keys or more (the 176-key blocks, session 2026-12-01 (8): -15% at S = 512, -5% at 1k, level
+/// at 4k, +3-4% at 16k). A pure function of the call; the launcher decides with it.
 inline bool long_row_tile(int head_dim, bool masked, bool split, int64_t seqlen_q,
                           int64_t seqlen_k, int64_t window_left, int64_t window_right,
                           int64_t heads, int64_t num_sms) {
-  if (head_dim != 64 || !masked || split || seqlen_q < 4096) return false;
+  if (split) return false;
+  if (head_dim == 128) return !masked && seqlen_k >= HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS;
+  if (head_dim != 64 || !masked || seqlen_q < 4096) return false;
   constexpr int64_t kRows = Tile<64, true, true>::kBlockM;
   if ((seqlen_q + kRows - 1) / kRows * heads < 2 * num_sms) return false;
   const int64_t right = window_right > 0 ? window_right : 0;
@@ -143,7 +157,8 @@ template <class Traits>
 using TileOf = Tile<Traits::kHeadDim, Traits::kMasked, kLongRowsOf<Traits>>;
 /// Whether these traits have a long-row variant (the instantiations long_row_tile can pick).
 template <class Traits>
-inline constexpr bool kHasLongRowTile = Traits::kHeadDim == 64 && Traits::kMasked &&
-                                        !Traits::kSplit && !kLongRowsOf<Traits>;
+inline constexpr bool kHasLongRowTile =
+    ((Traits::kHeadDim == 64 && Traits::kMasked) || (Traits::kHeadDim == 128 && !Traits::kMasked)) &&
+    !Traits::kSplit && !kLongRowsOf<Traits>;
 
 }  // namespace hipflash::sm90ws

@@ -157,6 +157,11 @@ std::vector<Case> persistent() {
       {DType::f16, 1, 4500, 9000, 12, 4, 64, false, 5000, 0, 1},
       {DType::bf16, 1, 4100, 9000, 12, 1, 64, false, -1, 64, 1},
       {DType::f16, 1, 10000, 9200, 6, 2, 64, true, -1, -1, 1},
+      // Unmasked hd128 with long rows: the 176-key tile (8192 keys or more), the last key
+      // block partly empty; hd96 padded to it; GQA; fewer query rows than one tile.
+      {DType::bf16, 1, 1000, 8300, 8, 2, 128, false, -1, -1, 1},
+      {DType::f16, 2, 300, 8192, 4, 4, 96, false, -1, -1, 1},
+      {DType::bf16, 1, 50, 9000, 3, 1, 128, false, -1, -1, 1},
   };
 }
 INSTANTIATE_TEST_SUITE_P(Persistent, GpuForward, ::testing::ValuesIn(persistent()), case_name);
@@ -248,6 +253,14 @@ TEST_F(Gpu, LongRowTileIsNamed) {
   EXPECT_REF_OK(check_rows(t)) << " kernel " << name;
   Dense s = make({DType::bf16, 1, 2048, 2048, 4, 2, 64, true, -1, -1, 1});
   run_gpu(s);
+  EXPECT_EQ(last_kernel_name().find("_longrows_"), std::string::npos) << last_kernel_name();
+  // Unmasked hd128 from 8192 keys: the 176-key tile.
+  Dense u = make({DType::f16, 1, 700, 8200, 4, 2, 128, false, -1, -1, 1});
+  run_gpu(u);
+  EXPECT_NE(last_kernel_name().find("_longrows_"), std::string::npos) << last_kernel_name();
+  EXPECT_REF_OK(check_rows(u)) << " kernel " << last_kernel_name();
+  Dense v = make({DType::f16, 1, 700, 4096, 4, 2, 128, false, -1, -1, 1});
+  run_gpu(v);
   EXPECT_EQ(last_kernel_name().find("_longrows_"), std::string::npos) << last_kernel_name();
 }
 

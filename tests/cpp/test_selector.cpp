@@ -146,10 +146,11 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::sm90_ws), "sm90_ws");
 }
 
-TEST(Selector, LongRowTileOnlyForLongMaskedHd64Rows) {
-  // sm90ws::long_row_tile (the sm90_ws launcher's tile): masked hd64, one split, 4k rows or
-  // more, rows seeing 4096 keys on average, two 192-row tiles per SM. On the FA grid (32 heads,
-  // B * S = 16k, 132 SMs): causal 8k and 16k.
+TEST(Selector, LongRowTileOnlyForLongRows) {
+  // sm90ws::long_row_tile (the sm90_ws launcher's tile), never split. Masked hd64: 4k rows or
+  // more, rows seeing 4096 keys on average, two 192-row tiles per SM; on the FA grid (32 heads,
+  // B * S = 16k, 132 SMs) causal 8k and 16k. Unmasked hd128 (the padded head dim: hd96 too):
+  // 8k keys or more, whatever the query rows.
   const auto pick = [](int hd, bool masked, bool split, int64_t sq, int64_t sk, int64_t wl,
                        int64_t wr, int64_t heads = 32) {
     return sm90ws::long_row_tile(hd, masked, split, sq, sk, wl, wr, heads, 132);
@@ -158,7 +159,13 @@ TEST(Selector, LongRowTileOnlyForLongMaskedHd64Rows) {
     EXPECT_FALSE(pick(64, true, false, s, s, -1, 0));
   for (int64_t s : {8192, 16384}) EXPECT_TRUE(pick(64, true, false, s, s, -1, 0));
   EXPECT_FALSE(pick(64, false, false, 16384, 16384, -1, -1));  // unmasked: three already
-  EXPECT_FALSE(pick(128, true, false, 16384, 16384, -1, 0));
+  EXPECT_FALSE(pick(128, true, false, 16384, 16384, -1, 0));   // masked hd128
+  for (int64_t s : {512, 1024, 2048, 4096}) EXPECT_FALSE(pick(128, false, false, s, s, -1, -1));
+  for (int64_t s : {8192, 16384}) EXPECT_TRUE(pick(128, false, false, s, s, -1, -1, 16));
+  EXPECT_TRUE(pick(128, false, false, 64, 8192, -1, -1, 1));   // few rows, long rows
+  EXPECT_FALSE(pick(128, false, false, 8192, 8191, -1, -1));
+  EXPECT_FALSE(pick(128, false, true, 16384, 16384, -1, -1));  // split
+  EXPECT_FALSE(pick(256, false, false, 16384, 16384, -1, -1));
   EXPECT_FALSE(pick(64, true, true, 16384, 16384, -1, 0));     // split
   EXPECT_FALSE(pick(64, true, false, 16384, 16384, 1000, 0));  // a short window
   EXPECT_TRUE(pick(64, true, false, 16384, 16384, 5000, 0));
