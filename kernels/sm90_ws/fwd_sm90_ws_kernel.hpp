@@ -13,7 +13,8 @@
 //    softmax runs under the others' GEMMs.
 // The shared-memory tiles use the panelled 128-byte swizzle of atoms/sm90/wgmma.hpp, which is
 // the TMA's SWIZZLE_128B layout of [rows x 64] boxes. Masks, split-K and the LSE follow the
-// other schedules (common/block_info.hpp, common/epilogue.hpp).
+// other schedules (common/block_info.hpp, common/epilogue.hpp). Dense calls only (the
+// selector's rule, checked by the launcher): no varlen sequence bounds, no padded LSE rows.
 #pragma once
 
 #include <type_traits>
@@ -323,7 +324,7 @@ struct Consumer {
       named_sync<kStagers>(stage_barrier());
       const int first = Cfg::kOwnStaging ? 64 * place.wg : 0;  // the stagers' first tile row
       const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
-      consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse>(
+      consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse, false>(
           p, bi, staged_out() + first * kHD, staged_lse() + first,
           m0_of(bi) + first, int(p.head_dim), stager);
       // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
@@ -366,9 +367,7 @@ struct Consumer {
   __device__ __forceinline__ void run(int64_t tile, Accumulators<kHD, kBN>& acc) const {
     const Info bi = info(tile);
     const int64_t m0 = m0_of(bi);
-    if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q,
-                                                           place.thread()))
-      return;
+    if (m0 >= bi.len_q) return;  // (never: dense calls only, no padded LSE rows to write)
     const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
     const LeanMask lean = lean_mask_of(bi);
     Accumulators<kHD, kBN> local;

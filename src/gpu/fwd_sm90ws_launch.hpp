@@ -90,6 +90,8 @@ struct Sm90WsLaunch {
 /// the launch says so (note_long_row_tile) for the kernel's name.
 template <class Traits>
 void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream) {
+  HIPFLASH_CHECK_AS(runtime_error, !p.is_varlen() && !p.is_kvcache(),
+                    "the sm90_ws kernel takes dense calls only (the selector's rule)");
   if constexpr (sm90ws::kHasLongRowTile<Traits>) {
     int device = 0;
     port::check(port::get_device(&device), "querying the current device");

@@ -189,7 +189,10 @@ __device__ __forceinline__ void write_split(const FwdParams& p, const Info& bi,
 
 /// The warp's rows of O, normalised and rounded, into the staged tile sO (swizzled rows of
 /// kChunks 16-byte chunks; the warp's rows start at srow0 = 16 warp + g), and with kLse their
-/// LSEs into sL. The caller syncs before (the tile's smem is free) and after (all staged).
+/// LSEs into sL — by every lane of the row's quad, the same value to the same word: a store
+/// by one lane would be a divergent branch, whose reconvergence and exposed lg2 latency cost
+/// 1-2% of a short-row kernel (docs/perf-notes.md session 2026-12-01 (8)). The caller syncs
+/// before (the tile's smem is free) and after (all staged).
 template <DType kDT, bool kLse, int kChunks, int kHD, class T>
 __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kHD / 2],
                                            const common::RowSoftmax<2>& softmax, int srow0,
@@ -198,19 +201,18 @@ __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kH
   for (int h = 0; h < 2; ++h) {
     const float inv = softmax.inv_sum(h);
     const int srow = srow0 + h * 8;
+    if constexpr (kLse) sL[srow] = softmax.lse(h);
 #pragma unroll
     for (int i = 0; i < kHD / 8; ++i)
       *reinterpret_cast<uint32_t*>(sO + common::swizzle<kChunks>(srow, i) + 2 * t) =
           pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
-    if constexpr (kLse)
-      if (t == 0) sL[srow] = softmax.lse(h);
   }
 }
 
 /// The staged tile's rows to out (16-byte rows) and, with kLse, their LSEs (one row a thread,
-/// then the padded layout's tail): every thread of the kThreads that staged it, `thread` being
-/// its index (thread_index() in a persistent kernel).
-template <int kBM, int kChunks, int kThreads, bool kLse, class T, class Info>
+/// then, with kVarlen, the padded layout's tail): every thread of the kThreads that staged it,
+/// `thread` being its index (thread_index() in a persistent kernel).
+template <int kBM, int kChunks, int kThreads, bool kLse, bool kVarlen = true, class T, class Info>
 __device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi, const T* sO,
                                              const float* sL, int64_t m0, int head_dim,
                                              int thread = int(threadIdx.x)) {
@@ -219,7 +221,8 @@ __device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi,
   if constexpr (kLse) {
     const int r = thread;  // one row per thread
     if (r < kBM && m0 + r < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
-    common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread);
+    if constexpr (kVarlen)
+      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread);
   }
 }
 
