@@ -88,6 +88,56 @@ def matmul_target_lines(rows, meta):
             + f"; {'met' if low[1] >= 0.8 * mm else 'not met'}.", ""]
 
 
+def _lse_ratios(rows, suite, peers, where=lambda r: True):
+    """[(label, hipflash+lse / the best of `peers` (names))] over a suite's cells where both
+    ran (cell filter `where` on the cell's first row)."""
+    metric = rep.suite_metric(suite)
+    out = []
+    for _, bb in rep.cells_of(rows, suite):
+        if not where(next(iter(bb.values()))):
+            continue
+        hf = rep.value(bb.get(rep.HF_LSE), metric)
+        pr = max((v for p in peers if (v := rep.value(bb.get(p), metric))), default=None)
+        if hf and pr:
+            out.append((rep._cell_label(bb), hf / pr))
+    return out
+
+
+def peer_target_lines(rows):
+    """Issue 9's other ratios, hipflash with LSE: against torch-cudnn over the fa-grid
+    (geomean >= 1.00x and no cell below 0.90x; the goal beyond it >= 1.05x in every cell), and
+    against torch-flash at head dims 96 and 256 (>= 1.00x). Lines, or []."""
+    out = []
+    grid = _lse_ratios(rows, "fa-grid", ["torch-cudnn"])
+    if grid:
+        geo = rep.geomean([r for _, r in grid])
+        low = [f"{c} {r:.2f}x" for c, r in grid if r < 0.9]
+        met = geo >= 1.0 and not low
+        out += [f"**fa-grid: hipflash with LSE vs torch-cudnn** (TFLOP/s; target geomean >= "
+                f"1.00x, no cell below 0.90x): geomean {geo:.2f}x over {len(grid)} cells, "
+                f"{len(low)} below 0.90x" + (f" ({', '.join(low)})" if low else "")
+                + f", {sum(1 for _, r in grid if r >= 1.05)} at 1.05x or more; "
+                f"{'met' if met else 'not met'}.", ""]
+    dims = _lse_ratios(rows, "head-dims", ["torch-flash"], lambda r: int(r["D"]) in (96, 256))
+    if dims:
+        low = min(dims, key=lambda c: c[1])
+        met = sum(1 for _, r in dims if r >= 1.0)
+        out += [f"**head dims 96 and 256: hipflash with LSE vs torch-flash** (TFLOP/s; target "
+                f">= 1.00x in every cell): {met} of {len(dims)} cells met, lowest {low[1]:.2f}x "
+                f"({low[0]}).", ""]
+    # Issue 12: decode at least as fast as cuDNN in every cell (the faster of SDPA's cuDNN
+    # backend and cuDNN with native GQA).
+    dec = _lse_ratios(rows, "decode", ["torch-cudnn", "cudnn-sdpa-gqa"])
+    if dec:
+        low = min(dec, key=lambda c: c[1])
+        met = sum(1 for _, r in dec if r >= 1.0)
+        out += [f"**decode: hipflash with LSE vs cuDNN** (GB/s, the faster of torch-cudnn and "
+                f"cudnn-sdpa-gqa; target >= 1.00x in every cell): {met} of {len(dec)} cells "
+                f"met, geomean {rep.geomean([r for _, r in dec]):.2f}x, lowest {low[1]:.2f}x "
+                f"({low[0]}).", ""]
+    return out
+
+
 def _lse_costs(rows, suite):
     """[(hipflash+lse's median time / hipflash's - 1, cell label)] over a suite's cells, and
     their geomean (None without cells)."""
@@ -131,6 +181,7 @@ def targets_markdown(rows, meta=None):
                 f"| cell | hipflash+lse | {peer} | ratio |", "|---|---:|---:|---:|"]
         out += [f"| {c[0]} | {c[1]:.1f} | {c[2]:.1f} | {c[3]:.3f}x |" for c in cells]
         out.append("")
+    out += peer_target_lines(rows)
     out += matmul_target_lines(rows, meta or {})
     out += fa_grid_lse_lines(rows)
     overheads, geo = _lse_costs(rows, "lse-overhead")

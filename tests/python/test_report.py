@@ -1,0 +1,53 @@
+"""bench/make_report.py: the issues' target lines of docs/benchmarks.md, from synthetic rows
+whose ratios are known (no torch, no GPU)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import make_report  # noqa: E402
+
+
+def cell(suite, label, values, D=128, metric="tflops"):
+    """Rows of one cell: {backend: value}; None is a failed check (status ok, never a figure)."""
+    rows = []
+    for backend, v in values.items():
+        rows.append({"suite": suite, "cell": f"{suite}:{label}", "label": label, "D": D,
+                     "causal": False, "Sq": 1024, "backend": backend,
+                     "status": "ok" if v is not None else "FAIL", metric: v})
+    return rows
+
+
+def test_cudnn_line_geomean_and_cells_below_the_floor():
+    rows = (cell("fa-grid", "hd64 S=512", {"hipflash+lse": 80.0, "torch-cudnn": 100.0})
+            + cell("fa-grid", "hd64 S=1k", {"hipflash+lse": 125.0, "torch-cudnn": 100.0})
+            + cell("fa-grid", "hd64 S=2k", {"hipflash+lse": None, "torch-cudnn": 100.0}))
+    lines = make_report.peer_target_lines(rows)
+    line = next(x for x in lines if "vs torch-cudnn" in x)
+    # sqrt(0.8 * 1.25) = 1.00; the failed cell counts nowhere; 0.80x is below the floor.
+    assert "geomean 1.00x over 2 cells" in line
+    assert "1 below 0.90x (hd64 S=512 0.80x)" in line
+    assert "1 at 1.05x or more" in line
+    assert line.endswith("not met.")
+
+
+def test_cudnn_line_met_and_head_dims_against_flash():
+    rows = (cell("fa-grid", "hd128 S=4k", {"hipflash+lse": 95.0, "torch-cudnn": 100.0})
+            + cell("fa-grid", "hd128 S=8k", {"hipflash+lse": 110.0, "torch-cudnn": 100.0})
+            + cell("head-dims", "hd96 S=1k", {"hipflash+lse": 90.0, "torch-flash": 100.0}, D=96)
+            + cell("head-dims", "hd256 S=1k", {"hipflash+lse": 130.0, "torch-flash": 100.0},
+                   D=256))
+    lines = make_report.peer_target_lines(rows)
+    assert next(x for x in lines if "vs torch-cudnn" in x).endswith("; met.")
+    dims = next(x for x in lines if "head dims 96 and 256" in x)
+    assert "1 of 2 cells met, lowest 0.90x (hd96 S=1k)" in dims
+
+
+def test_decode_line_takes_the_faster_cudnn():
+    rows = (cell("decode", "B=1 Sk=4k", {"hipflash+lse": 100.0, "torch-cudnn": 90.0,
+                                         "cudnn-sdpa-gqa": 125.0}, metric="gbps")
+            + cell("decode", "B=8 Sk=4k", {"hipflash+lse": 100.0, "torch-cudnn": 80.0,
+                                           "cudnn-sdpa-gqa": None}, metric="gbps"))
+    line = next(x for x in make_report.peer_target_lines(rows) if x.startswith("**decode"))
+    assert "1 of 2 cells met" in line and "lowest 0.80x (B=1 Sk=4k)" in line
+    assert "geomean 1.00x" in line  # sqrt(0.8 * 1.25)
