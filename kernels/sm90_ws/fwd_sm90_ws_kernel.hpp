@@ -220,9 +220,11 @@ struct Consumer {
   __device__ __forceinline__ int64_t row_of(int64_t m0, int h) const {
     return m0 + warp() * 16 + h * 8 + g();
   }
-  __device__ __forceinline__ void turn_begin() const { named_sync<256>(kTurn + place.wg); }
+  __device__ __forceinline__ void turn_begin() const {
+    if constexpr (Cfg::kConsumers > 1) named_sync<256>(kTurn + place.wg);
+  }
   __device__ __forceinline__ void turn_end() const {
-    named_arrive<256>(kTurn + (place.wg + 1) % Cfg::kConsumers);
+    if constexpr (Cfg::kConsumers > 1) named_arrive<256>(kTurn + (place.wg + 1) % Cfg::kConsumers);
   }
   __device__ __forceinline__ void release(const Mbarrier& bar) const {
     if (place.lane == 0) bar.arrive();
@@ -453,10 +455,10 @@ struct Consumer {
 
 #endif  // HIPFLASH_HAS_WGMMA
 
-/// The warp-specialised sm90 forward kernel: a persistent grid, one block per SM (or one per
-/// tile: SnakeScheduler).
+/// The warp-specialised sm90 forward kernel: a persistent grid, kMinBlocks blocks per SM (or one
+/// per tile: SnakeScheduler).
 template <class Traits>
-__global__ void __launch_bounds__(TileOf<Traits>::kThreads, 1)
+__global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMinBlocks)
     fwd_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks,
                        const HIPFLASH_GRID_CONSTANT TmaMaps maps) {
 #if defined(HIPFLASH_HAS_WGMMA)
@@ -488,7 +490,8 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, 1)
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
     // The first turn is consumer 0's: the last consumer hands it over once.
-    if (warp / 4 == Cfg::kConsumers - 1) named_arrive<256>(kTurn);
+    if constexpr (Cfg::kConsumers > 1)
+      if (warp / 4 == Cfg::kConsumers - 1) named_arrive<256>(kTurn);
     using C = Consumer<Traits>;
     Accumulators<C::kHD, C::kBN> carried;  // read only with C::kCarry
     Scheduler<Traits>::run(tiles, [&](int64_t tile) {

@@ -29,9 +29,13 @@ struct TileConfig;
 #ifndef HIPFLASH_SM90WS_HD64_CONSUMERS  // a tuning hook for unmasked hd64: 2 or 3
 #define HIPFLASH_SM90WS_HD64_CONSUMERS 3
 #endif
+#ifndef HIPFLASH_SM90WS_HD64_MASKED_CONSUMERS  // a tuning hook for masked hd64: 1 or 2
+#define HIPFLASH_SM90WS_HD64_MASKED_CONSUMERS 2
+#endif
 template <bool kMasked, bool kLongRows>
 struct TileConfig<64, kMasked, kLongRows> {
-  static constexpr int kConsumers = kMasked && !kLongRows ? 2 : HIPFLASH_SM90WS_HD64_CONSUMERS;
+  static constexpr int kConsumers =
+      kMasked && !kLongRows ? HIPFLASH_SM90WS_HD64_MASKED_CONSUMERS : HIPFLASH_SM90WS_HD64_CONSUMERS;
   static constexpr int kBlockN = 128, kStages = 2;
 };
 template <bool kMasked, bool kLongRows>
@@ -50,7 +54,9 @@ struct TileConfig<256, kMasked, kLongRows> {
 /// owning 64 query rows (one wgmma M) of the query tile, and one producer whose first thread
 /// issues every TMA load. Register reallocation gives the consumers what the producer does not
 /// need: 240 each with two consumers, 160 with three (ptxas budgets a block with a producer
-/// *warp* like one with a producer warpgroup, so the warpgroup costs nothing).
+/// *warp* like one with a producer warpgroup, so the warpgroup costs nothing). A block of one
+/// consumer (64-row tiles; the masked-hd64 hook) shares its SM with a second block, so that one
+/// block's tile prologue and epilogue run under the other's GEMMs: 232 registers each.
 template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false>
 struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   using Base = TileConfig<kHeadDim_, kMasked_, kLongRows_>;
@@ -61,10 +67,11 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static constexpr int kStages = Base::kStages;
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kThreads = kConsumerThreads + 128;
-  static constexpr int kMinBlocks = 1;
-  // 128 x 24 + 256 x 240 = 64,512 and 128 x 32 + 384 x 160 = 65,536 of the 65,536 registers.
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kMinBlocks = kConsumers == 1 ? 2 : 1;  ///< blocks resident per SM
+  // 128 x 24 + 256 x 240 = 64,512 and 128 x 32 + 384 x 160 = 65,536 of the 65,536 registers;
+  // one consumer: 2 x (128 x 24 + 128 x 232) = 65,536 (from 128 each at launch).
+  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 24;
+  static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : kConsumers == 2 ? 240 : 160;
   static constexpr int kElemBytes = 2;                 ///< bf16 / f16 inputs and outputs
   static constexpr int kPanels = kHeadDim / 64;        ///< 128-byte-wide panels of a tile
   static constexpr int kChunks = kHeadDim / 8;         ///< 16-byte chunks per row
@@ -103,6 +110,8 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static constexpr uint32_t kOffBars = kOffLse + kBlockM * 4;
   static constexpr int kSmemBytes = int(kOffLse + kSmemTail);
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
+  static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024,
+                "kMinBlocks blocks' shared memory (and the 1 KiB each reserves) on one SM");
   static_assert(HIPFLASH_SM90WS_Q_STAGES == 1 || HIPFLASH_SM90WS_Q_STAGES == 2,
                 "HIPFLASH_SM90WS_Q_STAGES is 1 or 2");
   static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0,
