@@ -1,6 +1,6 @@
 # hipflash — development probe (not a benchmark of record): the bf16 8192^3 matrix-product rate
 # that issue 9's "80% of the matmul rate" target is set against, timed several ways in one
-# process, with the SM clock and power the driver reports around each: the benchmark's own way
+# process, with the SM clock and power the driver reports after each: the benchmark's own way
 # (attn_bench.matmul_rate: events per call behind a sleep kernel), calls back to back between
 # two events (as a GEMM profiler times them), the same with out= and with all-zero inputs.
 # perf-notes session 2026-12-01 (8): the benchmark measured 687 TFLOP/s where KINDS.md saw

@@ -1,7 +1,8 @@
 // hipflash — the warp-specialised Hopper forward kernel (sm_90a).
 //
-// One producer warpgroup and two or three consumer warpgroups per block:
-//  * the producer's first thread loads the Q tile (128 or 192 rows) once per work tile and the
+// One producer warpgroup and two or three consumer warpgroups per block (one, with two blocks
+// per SM, under the masked-hd64 tuning hook of tile.hpp):
+//  * the producer's first thread loads the Q tile (64 rows per consumer) once per work tile and the
 //    K and V tiles of every key block with the tensor-memory accelerator (TMA) into a ring of
 //    kStages stages each; a stage's "full" mbarrier counts the bytes landed, its "empty"
 //    mbarrier the consumer warps done with it. The producer gives its registers to the
@@ -46,12 +47,13 @@ struct TmaMaps {
   TensorMap q, k, v;
 };
 
-/// Every work tile is a (query block, split, head, batch); one block per SM walks them
+/// Every work tile is a (query block, split, head, batch); one block per SM (Tile::kMinBlocks)
+/// walks them
 /// (persistent), its producer loading the next tile's Q and K while the consumers finish the
 /// last. Unmasked tiles all cost the same: a fixed stride. Causal and window tiles differ up to
 /// Sk / kBlockN-fold in cost, which a fixed stride deals out unevenly: the snake
 /// (common::SnakeScheduler), or one block per tile where its host model finds the snake
-/// unbalanced (long causal rows, varlen).
+/// unbalanced (long causal rows).
 #ifndef HIPFLASH_SM90WS_PERSISTENT  // a tuning hook: 0 launches one block per tile everywhere
 #define HIPFLASH_SM90WS_PERSISTENT 1
 #endif
@@ -127,7 +129,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   const Info bi(p, tile, num_m_blocks, Traits::kMasked);
   const int m0 = bi.m_block * Cfg::kBlockM;
-  if (m0 >= bi.len_q) return;  // the consumers skip it too (common::block_past_sequence)
+  if (m0 >= bi.len_q) return;  // the consumers skip it too (Consumer::run; never: dense only)
   const int h = int(bi.h), h_kv = int(bi.h_kv), b = int(bi.b);
 
   const int qs = q_pos.stage();

@@ -37,6 +37,7 @@ struct TileConfig<64, kMasked, kLongRows> {
   static constexpr int kConsumers =
       kMasked && !kLongRows ? HIPFLASH_SM90WS_HD64_MASKED_CONSUMERS : HIPFLASH_SM90WS_HD64_CONSUMERS;
   static constexpr int kBlockN = 128, kStages = 2;
+  static_assert(kConsumers >= 1 && kConsumers <= 3, "hd64 tuning hooks: 1 to 3 consumers");
 };
 template <bool kMasked, bool kLongRows>
 struct TileConfig<128, kMasked, kLongRows> {
@@ -84,9 +85,9 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static constexpr uint32_t tail_bytes(int q_stages) {
     return kBlockM * 4 + (2 * q_stages + 4 * kStages) * 8 + 1024;
   }
-  /// The output tile (Q's shape) is staged in a buffer of its own where it fits (hd64, hd128),
-  /// so that Q is free — and the next tile's Q loading — once the last Q K^T is done; else
-  /// (hd256) over Q.
+  /// The output tile (Q's shape) is staged in a buffer of its own where it fits (hd64, hd128
+  /// with 128-key blocks), so that Q is free — and the next tile's Q loading — once the last
+  /// Q K^T is done; else (hd256, hd128's 176-key long-row tile) over Q.
   static constexpr bool kOwnStaging = 2 * kSmemQ + kSmemKVRings + tail_bytes(1) <= 227 * 1024;
 #ifndef HIPFLASH_SM90WS_Q_STAGES  // a tuning hook: 2 double-buffers Q where it fits (hd64, hd128)
 #define HIPFLASH_SM90WS_Q_STAGES 1

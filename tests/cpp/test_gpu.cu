@@ -243,8 +243,9 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
 }
 
 TEST_F(Gpu, LongRowTileIsNamed) {
-  // Masked hd64 calls with long rows run the sm90_ws kernel's three-consumer tile, and the
-  // launch says so (the name is what the launcher ran); short ones keep the square tile.
+  // Calls with long rows run the sm90_ws kernel's long-row tile (masked hd64: three consumers;
+  // unmasked hd128: 176-key blocks), and the launch says so (the name is what the launcher
+  // ran); short ones keep the default tile.
   Dense t = make({DType::bf16, 1, 8200, 8300, 8, 2, 64, true, -1, -1, 1});
   run_gpu(t);
   const std::string name = last_kernel_name();

@@ -1,5 +1,5 @@
 """bench/make_report.py: the issues' target lines of docs/benchmarks.md, from synthetic rows
-whose ratios are known (no torch, no GPU)."""
+whose ratios are known (the report itself needs no torch and no GPU)."""
 import sys
 from pathlib import Path
 
