@@ -88,9 +88,9 @@ def matmul_target_lines(rows, meta):
             + f"; {'met' if low[1] >= 0.8 * mm else 'not met'}.", ""]
 
 
-def _lse_ratios(rows, suite, peers, where=lambda r: True):
-    """[(label, hipflash+lse / the best of `peers` (names))] over a suite's cells where both
-    ran (cell filter `where` on the cell's first row)."""
+def _lse_cells(rows, suite, peers, where=lambda r: True):
+    """[(label, hipflash+lse, the best of `peers` (names), their ratio)] over a suite's cells
+    where both ran, in the suite's metric (cell filter `where` on the cell's first row)."""
     metric = rep.suite_metric(suite)
     out = []
     for _, bb in rep.cells_of(rows, suite):
@@ -99,8 +99,13 @@ def _lse_ratios(rows, suite, peers, where=lambda r: True):
         hf = rep.value(bb.get(rep.HF_LSE), metric)
         pr = max((v for p in peers if (v := rep.value(bb.get(p), metric))), default=None)
         if hf and pr:
-            out.append((rep._cell_label(bb), hf / pr))
+            out.append((rep._cell_label(bb), hf, pr, hf / pr))
     return out
+
+
+def _lse_ratios(rows, suite, peers, where=lambda r: True):
+    """[(label, hipflash+lse / the best of `peers`)]: _lse_cells without the values."""
+    return [(c, r) for c, _, _, r in _lse_cells(rows, suite, peers, where)]
 
 
 def peer_target_lines(rows):
@@ -166,11 +171,7 @@ def targets_markdown(rows, meta=None):
     out = []
     for suite, peer in TARGETS:
         metric = rep.suite_metric(suite)
-        cells = []
-        for _, bb in rep.cells_of(rows, suite):
-            hf, pr = rep.value(bb.get(rep.HF_LSE), metric), rep.value(bb.get(peer), metric)
-            if hf and pr:
-                cells.append((rep._cell_label(bb), hf, pr, hf / pr))
+        cells = _lse_cells(rows, suite, [peer])
         if not cells:
             continue
         met = sum(1 for c in cells if c[3] >= 1.0)

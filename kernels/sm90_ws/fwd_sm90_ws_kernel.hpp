@@ -48,9 +48,8 @@ struct TmaMaps {
 };
 
 /// Every work tile is a (query block, split, head, batch); one block per SM (Tile::kMinBlocks)
-/// walks them
-/// (persistent), its producer loading the next tile's Q and K while the consumers finish the
-/// last. Unmasked tiles all cost the same: a fixed stride. Causal and window tiles differ up to
+/// walks them (persistent), its producer loading the next tile's Q and K while the consumers
+/// finish the last. Unmasked tiles all cost the same: a fixed stride. Causal and window tiles differ up to
 /// Sk / kBlockN-fold in cost, which a fixed stride deals out unevenly: the snake
 /// (common::SnakeScheduler), or one block per tile where its host model finds the snake
 /// unbalanced (long causal rows).
