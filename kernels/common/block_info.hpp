@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/kv_source.hpp"
+#include "hipflash/detail/fast_div.hpp"
 #include "hipflash/params.hpp"  // HIPFLASH_HD: host and device (the host tests use it too)
 
 namespace hipflash::common {
@@ -53,6 +54,20 @@ struct RowMask {
   }
 };
 
+/// The divisions that decode a work tile's index into (query block, split, head, batch) and
+/// the KV head, prepared on the host (detail::FastDiv): exact for tile indices below 2^31,
+/// which the launchers that pass them check.
+struct TileDivisors {
+  detail::FastDiv m_blocks, splits, heads_q, group;
+
+  TileDivisors() = default;
+  TileDivisors(const FwdParams& p, int64_t num_m_blocks)
+      : m_blocks(uint32_t(num_m_blocks)),
+        splits(uint32_t(p.num_splits)),
+        heads_q(uint32_t(p.heads_q)),
+        group(uint32_t(p.heads_q / p.heads_kv)) {}
+};
+
 template <int kBlockM, int kBlockN>
 struct BlockInfo : SeqBounds {
   int64_t b, h, h_kv;
@@ -64,13 +79,33 @@ struct BlockInfo : SeqBounds {
   HIPFLASH_HD BlockInfo(const FwdParams& p, int64_t linear, int num_m_blocks,
                                        bool reverse_m) {
     m_block = int(linear % num_m_blocks);
-    if (reverse_m) m_block = num_m_blocks - 1 - m_block;  // heavy causal blocks first
     int64_t rest = linear / num_m_blocks;
     split = int(rest % p.num_splits);
     rest /= p.num_splits;
     h = rest % p.heads_q;
     b = rest / p.heads_q;
     h_kv = h / (p.heads_q / p.heads_kv);
+    bound(p, num_m_blocks, reverse_m);
+  }
+  /// The same tile decoded by the host's divisors (TileDivisors: a few multiplies, for kernels
+  /// that decode a tile per loop iteration).
+  HIPFLASH_HD BlockInfo(const FwdParams& p, int64_t linear, const TileDivisors& div,
+                        bool reverse_m) {
+    uint32_t m = 0, s = 0, hq = 0;
+    uint32_t rest = div.m_blocks.divmod(uint32_t(linear), m);
+    rest = div.splits.divmod(rest, s);
+    b = div.heads_q.divmod(rest, hq);
+    m_block = int(m);
+    split = int(s);
+    h = hq;
+    h_kv = div.group.div(hq);
+    bound(p, int(div.m_blocks.divisor), reverse_m);
+  }
+
+ private:
+  /// From (batch, head, query block, split): the sequence bounds and the key blocks.
+  HIPFLASH_HD void bound(const FwdParams& p, int num_m_blocks, bool reverse_m) {
+    if (reverse_m) m_block = num_m_blocks - 1 - m_block;  // heavy causal blocks first
     static_cast<SeqBounds&>(*this) = SeqBounds(p, b);
     // Keys any row of this block may see (SPEC §3 window, bottom-right aligned).
     const int64_t m0 = int64_t(m_block) * kBlockM;
@@ -90,6 +125,8 @@ struct BlockInfo : SeqBounds {
     }
     if (n_block_max < n_block_min) n_block_max = n_block_min;
   }
+
+ public:
 
   /// Whether key block n needs per-element masking for this query block.
   HIPFLASH_HD bool needs_mask(const FwdParams& p, int n, bool masked) const {

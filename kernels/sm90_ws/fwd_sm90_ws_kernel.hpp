@@ -120,13 +120,13 @@ enum NamedBarrier : int { kTurn = 1, kEpilogue = 1 + 3 };  // up to three consum
 template <class Traits>
 __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
                                         const Smem<TileOf<Traits>>& sm, int64_t tile,
-                                        int num_m_blocks,
+                                        const common::TileDivisors& div,
                                         RingPos<TileOf<Traits>::kQStages>& q_pos,
                                         RingPos<TileOf<Traits>::kStages>& k_pos,
                                         RingPos<TileOf<Traits>::kStages>& v_pos) {
   using Cfg = TileOf<Traits>;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
-  const Info bi(p, tile, num_m_blocks, Traits::kMasked);
+  const Info bi(p, tile, div, Traits::kMasked);
   const int m0 = bi.m_block * Cfg::kBlockM;
   if (m0 >= bi.len_q) return;  // the consumers skip it too (Consumer::run; never: dense only)
   const int h = int(bi.h), h_kv = int(bi.h_kv), b = int(bi.b);
@@ -193,7 +193,7 @@ struct Consumer {
 
   const FwdParams& p;
   const Smem<Cfg>& sm;
-  int num_m_blocks;
+  const common::TileDivisors& div;
   QRing& q_pos;
   Ring& k_pos;
   Ring& v_pos;
@@ -210,7 +210,7 @@ struct Consumer {
   __device__ __forceinline__ int g() const { return place.g(); }
 
   __device__ __forceinline__ Info info(int64_t tile) const {
-    return Info(p, tile, num_m_blocks, Traits::kMasked);
+    return Info(p, tile, div, Traits::kMasked);
   }
   /// The tile's first query row.
   __device__ __forceinline__ static int64_t m0_of(const Info& bi) {
@@ -461,7 +461,8 @@ struct Consumer {
 template <class Traits>
 __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMinBlocks)
     fwd_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks,
-                       const HIPFLASH_GRID_CONSTANT TmaMaps maps) {
+                       const HIPFLASH_GRID_CONSTANT TmaMaps maps,
+                       const HIPFLASH_GRID_CONSTANT common::TileDivisors div) {
 #if defined(HIPFLASH_HAS_WGMMA)
   using Cfg = TileOf<Traits>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -486,7 +487,7 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (warp == Cfg::kConsumerThreads / 32 && lane == 0)
       Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-        produce<Traits>(p, maps, sm, tile, num_m_blocks, q_pos, k_pos, v_pos);
+        produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos);
       });
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
@@ -496,9 +497,9 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
     using C = Consumer<Traits>;
     Accumulators<C::kHD, C::kBN> carried;  // read only with C::kCarry
     Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-      C{p, sm, num_m_blocks, q_pos, k_pos, v_pos}.run(tile, carried);
+      C{p, sm, div, q_pos, k_pos, v_pos}.run(tile, carried);
     });
-    if constexpr (C::kCarry) C{p, sm, num_m_blocks, q_pos, k_pos, v_pos}.flush(carried);
+    if constexpr (C::kCarry) C{p, sm, div, q_pos, k_pos, v_pos}.flush(carried);
   }
 #else
   port::trap();  // TMA and wgmma need sm_90a; the selector picks this kernel only where built

@@ -67,14 +67,20 @@ inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim,
 
 }  // namespace tma_host
 
-/// The warp-specialised sm90 kernel's launch traits: a persistent grid and the tensor maps.
+/// The warp-specialised sm90 kernel's launch traits: a persistent grid, the tensor maps and
+/// the divisors that decode its tile indices.
 template <class Traits>
 struct Sm90WsLaunch {
   using Tile = sm90ws::TileOf<Traits>;
   using Scheduler = sm90ws::Scheduler<Traits>;
   static constexpr auto kKernel = sm90ws::fwd_sm90_ws_kernel<Traits>;
   static constexpr const char* kName = "sm90_ws";
-  static std::tuple<sm90ws::TmaMaps> prepare(const FwdParams& p) {
+  static std::tuple<sm90ws::TmaMaps, common::TileDivisors> prepare(const FwdParams& p,
+                                                                   int64_t num_m_blocks,
+                                                                   int64_t tiles) {
+    // Every tile index is decoded by the divisors, which are exact below 2^31.
+    HIPFLASH_CHECK(tiles <= 0x7fffffff, "problem too large for the sm90_ws kernel: ", tiles,
+                   " work tiles (batch * heads_q * query blocks) exceed 2^31 - 1");
     sm90ws::TmaMaps maps;
     maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                               p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tile::kBlockM);
@@ -82,7 +88,7 @@ struct Sm90WsLaunch {
                               p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tile::kBlockN);
     maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                               p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN);
-    return {maps};
+    return {maps, common::TileDivisors(p, num_m_blocks)};
   }
 };
 

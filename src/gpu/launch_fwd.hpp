@@ -35,8 +35,10 @@ void set_smem_once_per_device(int bytes, const char* name) {
 ///              type the kernel runs its tiles with
 ///   kKernel    the __global__ function, called as kKernel(p, num_m_blocks)
 ///   kName      its name in error messages
-///   prepare(p) the kernel's arguments after (p, num_m_blocks), as a tuple: none for most
-///              kernels, the TMA tensor maps for the warp-specialised sm90 kernel
+///   prepare(p, num_m_blocks, tiles)
+///              the kernel's arguments after (p, num_m_blocks), as a tuple: none for most
+///              kernels; the TMA tensor maps and the tile divisors for the warp-specialised
+///              sm90 kernel
 template <class Launch>
 void launch_fwd(const FwdParams& p, port::stream_t stream) {
   using Tile = typename Launch::Tile;
@@ -51,7 +53,7 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
   const int64_t blocks = Launch::Scheduler::template grid<Tile>(p, num_m_blocks, tiles, slots);
   HIPFLASH_CHECK(blocks <= 0x7fffffff, "problem too large for one launch: ", blocks,
                  " thread blocks (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
-  auto extra = Launch::prepare(p);
+  auto extra = Launch::prepare(p, num_m_blocks, tiles);
   set_smem_once_per_device<Launch::kKernel>(Tile::kSmemBytes, Launch::kName);
   std::apply(
       [&](const auto&... args) {
@@ -65,7 +67,9 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
 
 /// Launch traits whose kernel takes nothing beyond (p, num_m_blocks).
 struct NoPrepare {
-  static std::tuple<> prepare(const FwdParams&) { return {}; }
+  static std::tuple<> prepare(const FwdParams&, int64_t /*num_m_blocks*/, int64_t /*tiles*/) {
+    return {};
+  }
 };
 
 }  // namespace hipflash::gpu

@@ -58,5 +58,42 @@ void check_row_mask() {
 TEST(RowMask, SolvedBoundsEqualThePerElementRule) { check_row_mask<16>(); }
 TEST(RowMask, SolvedBoundsEqualThePerElementRuleOddBlock) { check_row_mask<20>(); }
 
+// common::TileDivisors (the sm90_ws kernel's tile decode): the same (query block, split,
+// head, batch, KV head) and key blocks as BlockInfo's plain divisions, for every tile of calls
+// with odd and power-of-two counts, GQA groups, splits, and both query-block orders.
+TEST(TileDivisors, DecodeEveryTileAsThePlainDivisions) {
+  int64_t checked = 0;
+  for (int64_t batch : {1, 3, 8})
+    for (int64_t heads_kv : {1, 3, 4})
+      for (int64_t group : {1, 2, 5})
+        for (int splits : {1, 3, 4})
+          for (int64_t len_q : {1, 64, 200, 1000}) {
+            FwdParams p;
+            p.batch = batch;
+            p.heads_kv = heads_kv;
+            p.heads_q = heads_kv * group;
+            p.num_splits = splits;
+            p.seqlen_q = len_q;
+            p.seqlen_k = len_q + 77;
+            using Info = common::BlockInfo<64, 128>;
+            const int num_m_blocks = int((len_q + 63) / 64);
+            const common::TileDivisors div(p, num_m_blocks);
+            const int64_t tiles = int64_t(num_m_blocks) * splits * p.heads_q * batch;
+            for (bool reverse : {false, true})
+              for (int64_t t = 0; t < tiles; ++t) {
+                const Info a(p, t, num_m_blocks, reverse), b(p, t, div, reverse);
+                ASSERT_EQ(a.m_block, b.m_block) << t;
+                ASSERT_EQ(a.split, b.split) << t;
+                ASSERT_EQ(a.h, b.h) << t;
+                ASSERT_EQ(a.b, b.b) << t;
+                ASSERT_EQ(a.h_kv, b.h_kv) << t;
+                ASSERT_EQ(a.n_block_min, b.n_block_min) << t;
+                ASSERT_EQ(a.n_block_max, b.n_block_max) << t;
+                ++checked;
+              }
+          }
+  EXPECT_GT(checked, 100000);
+}
+
 }  // namespace
 }  // namespace hipflash::test

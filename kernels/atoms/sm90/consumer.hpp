@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "atoms/sm80.hpp"
 #include "atoms/sm90/wgmma.hpp"
@@ -85,6 +86,9 @@ __device__ __forceinline__ void issue_pv(float (&O)[kHD / 2], const uint32_t (&P
   wgmma::commit();
 }
 
+#ifndef HIPFLASH_SM90_RIGHT_ONLY_MASK  // a tuning hook: 0 tests both bounds everywhere
+#define HIPFLASH_SM90_RIGHT_ONLY_MASK 1
+#endif
 /// The scores S of key block n -> the masked online-softmax step (the mask's per-element test
 /// in the blocks that need one); S is left holding the probabilities, `rescale` O's factor per
 /// row. A Mask has needs_mask(n) and key_range(h, n, lo, hi) (common::RowMask's).
@@ -101,16 +105,27 @@ __device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftma
       sc[h][2 * i + 1] = S[4 * i + 2 * h + 1];
     }
   if (mask.needs_mask(n)) {
+    int lo[2], hi[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int lo, hi;
-      mask.key_range(h, n, lo, hi);
+    for (int h = 0; h < 2; ++h) mask.key_range(h, n, lo[h], hi[h]);
+    // Each row's test on columns relative to this thread's first (2t), so that the column
+    // compared is a constant. Causal rows (and every row whose window starts at or before the
+    // block) have no left bound in the block: one compare per element instead of two.
+    auto apply = [&](auto left_t) {
 #pragma unroll
-      for (int c = 0; c < kBN / 4; ++c) {
-        const int col = (c / 2) * 8 + 2 * t + c % 2;
-        if (col < lo || col > hi) sc[h][c] = detail::kNegInf;
+      for (int h = 0; h < 2; ++h) {
+        const int l = lo[h] - 2 * t, r = hi[h] - 2 * t;
+#pragma unroll
+        for (int c = 0; c < kBN / 4; ++c) {
+          const int col = (c / 2) * 8 + c % 2;
+          if ((decltype(left_t)::value && col < l) || col > r) sc[h][c] = detail::kNegInf;
+        }
       }
-    }
+    };
+    if (HIPFLASH_SM90_RIGHT_ONLY_MASK && lo[0] <= 0 && lo[1] <= 0)
+      apply(std::false_type{});
+    else
+      apply(std::true_type{});
   }
   softmax.update(sc, scale_log2, rescale);
 #pragma unroll
