@@ -30,17 +30,6 @@ const char* kernel_kind_name(KernelKind k) {
   return "unknown";
 }
 
-namespace {
-/// Short causal hd64 calls stay on the cp.async sm90 kernel: its 64-row blocks, four per SM,
-/// beat the warp-specialised kernel's 128-row tiles at 512 rows on the H200 (S=512: 0.81x cuDNN
-/// against 0.77x on the snake grid; at 1k the warp-specialised kernel leads, 0.83x against
-/// 0.76x: docs/perf-notes.md session 2026-12-01 (4)).
-#ifndef HIPFLASH_SM90_CPASYNC_MASKED_HD64_ROWS  // a tuning hook (scripts/gpu-ab variants)
-#define HIPFLASH_SM90_CPASYNC_MASKED_HD64_ROWS 512
-#endif
-constexpr int64_t kSm90CpAsyncMaskedHd64Rows = HIPFLASH_SM90_CPASYNC_MASKED_HD64_ROWS;
-}  // namespace
-
 Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps) {
   Selection sel;
   const int hd = padded_head_dim(p.head_dim);
@@ -84,8 +73,7 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // (common::PagedRows, a compile-time choice of theirs): such calls never take an sm90 kernel.
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = KernelKind::decode;
-    else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible &&
-             !(hd == 64 && p.masked && p.query_rows <= kSm90CpAsyncMaskedHd64Rows))
+    else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible)
       sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && !p.kv_cache && hd <= 128)
       sel.kind = KernelKind::sm90;

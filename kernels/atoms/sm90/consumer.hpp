@@ -86,9 +86,6 @@ __device__ __forceinline__ void issue_pv(float (&O)[kHD / 2], const uint32_t (&P
   wgmma::commit();
 }
 
-#ifndef HIPFLASH_SM90_RIGHT_ONLY_MASK  // a tuning hook: 0 tests both bounds everywhere
-#define HIPFLASH_SM90_RIGHT_ONLY_MASK 1
-#endif
 /// The scores S of key block n -> the masked online-softmax step (the mask's per-element test
 /// in the blocks that need one); S is left holding the probabilities, `rescale` O's factor per
 /// row. A Mask has needs_mask(n) and key_range(h, n, lo, hi) (common::RowMask's).
@@ -122,7 +119,7 @@ __device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftma
         }
       }
     };
-    if (HIPFLASH_SM90_RIGHT_ONLY_MASK && lo[0] <= 0 && lo[1] <= 0)
+    if (lo[0] <= 0 && lo[1] <= 0)
       apply(std::false_type{});
     else
       apply(std::true_type{});
