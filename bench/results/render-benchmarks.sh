@@ -4,8 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 python3 bench/make_report.py \
-  bench/results/h200-2026-12-01h/grid:fa-grid,head-dims,lse-overhead \
-  bench/results/h200-2026-12-01g/full:varlen,host-overhead \
+  bench/results/h200-2026-12-01i/full:fa-grid,head-dims,lse-overhead,varlen,host-overhead \
   bench/results/h200-2026-12-01c/decode \
   bench/results/h200-2026-12-01c/serving \
   --allow-partial \
