@@ -295,12 +295,15 @@ def build_suite(name, dtype, flex):
 
 class Timer:
     """Median per-call time. CUDA: events around each call, queue pre-filled with a sleep
-    kernel (so the host's launch cost is not in the device time). CPU: perf_counter."""
+    kernel (so the host's launch cost is not in the device time). CPU: perf_counter.
+    rounds > 1: run_cell times a cell's backends in that many rounds each, taking turns
+    (interleaved), every round a 1/rounds share of the repetitions."""
 
-    def __init__(self, device, warmup_ms, rep_ms, min_reps, max_reps):
+    def __init__(self, device, warmup_ms, rep_ms, min_reps, max_reps, rounds=1):
         self.device = device
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
         self.min_reps, self.max_reps = min_reps, max_reps
+        self.rounds = max(1, int(rounds))
         self.cycles_per_ms = None
         if device == "cuda" and hasattr(torch.cuda, "_sleep"):
             torch.cuda.synchronize()
@@ -319,12 +322,25 @@ class Timer:
             torch.cuda._sleep(int(min(ms, 250.0) * self.cycles_per_ms))
 
     def time(self, run, nsets):
+        return _stats(self.samples(run, nsets))
+
+    def _reps(self, est_ms, share, lo, hi):
+        """Repetitions for a share of the timed budget at est_ms a call, within [lo, hi]
+        scaled by the share (at least one)."""
+        lo = max(1, math.ceil(lo * share))
+        hi = max(lo, math.ceil(hi * share))
+        return int(min(hi, max(lo, math.ceil(self.rep_ms * share / max(est_ms, 1e-3)))))
+
+    def samples(self, run, nsets, share=1.0, first=True):
+        """The sorted per-call times (ms) of one timing window: a warm-up (the full one if
+        `first`, else its `share`), then `share` of the budget's repetitions."""
+        warmup_ms = self.warmup_ms * (1.0 if first else share)
         if self.device != "cuda":
-            return self._time_cpu(run, nsets)
+            return self._samples_cpu(run, nsets, share, warmup_ms)
         sync = torch.cuda.synchronize
         sync()
         t0, n = time.perf_counter(), 0
-        while n < 3 or (time.perf_counter() - t0) * 1e3 < self.warmup_ms:
+        while n < 3 or (time.perf_counter() - t0) * 1e3 < warmup_ms:
             run(n % nsets)
             sync()
             n += 1
@@ -345,7 +361,7 @@ class Timer:
             run(1 % nsets)
             host = (time.perf_counter() - h0) * 1e3 / 2
             sync()
-        reps = int(min(self.max_reps, max(self.min_reps, math.ceil(self.rep_ms / est))))
+        reps = self._reps(est, share, self.min_reps, self.max_reps)
         chunk = max(1, min(reps, int(150.0 / max(host, 1e-3))))
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -357,22 +373,21 @@ class Timer:
                 run(j % nsets)
                 ends[j].record()
         sync()
-        ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-        return _stats(ts)
+        return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
 
-    def _time_cpu(self, run, nsets):
+    def _samples_cpu(self, run, nsets, share, warmup_ms):
         t0, n = time.perf_counter(), 0
-        while n < 2 or (time.perf_counter() - t0) * 1e3 < self.warmup_ms:
+        while n < 2 or (time.perf_counter() - t0) * 1e3 < warmup_ms:
             run(n % nsets)
             n += 1
         est = (time.perf_counter() - t0) * 1e3 / n
-        reps = int(min(50, max(3, math.ceil(self.rep_ms / max(est, 1e-3)))))
+        reps = self._reps(est, share, 3, 50)
         ts = []
         for j in range(reps):
             t = time.perf_counter()
             run(j % nsets)
             ts.append((time.perf_counter() - t) * 1e3)
-        return _stats(sorted(ts))
+        return sorted(ts)
 
     def host(self, runs, nsets, loops=None):
         """Wall-clock cost of a call as a user makes it (the whole Python call: argument
@@ -513,6 +528,8 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
     order = [n for n in todo if backends[n].peer] + [n for n in todo if not backends[n].peer]
     fatal = None
     host_runs = {}  # host-overhead, decode, serving: the checked and timed backends' calls
+    wall_clock = cell.suite == HOST or cell.suite in rep.WALL_CLOCK_SUITES
+    interleaved = {}  # timer.rounds > 1: the checked backends' calls, timed after the checks
     for name in order:
         b, row = backends[name], rows[name]
         row["nsets"] = nsets
@@ -536,15 +553,11 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
                        err_lse=chk["err_lse"], note=chk["note"])
             if not chk["ok"]:
                 row["status"] = "FAIL"
+            elif timer.rounds > 1:
+                interleaved[name] = run  # timed below, the backends taking turns
             else:
-                st = timer.time(run, nsets)
-                row.update(st)
-                row["status"] = "ok"
-                t = st["time_ms"] * 1e-3
-                row["tflops"] = cell.flops / t / 1e12
-                if cell.suite == "decode" or (cell.Sq == 1 and cell.kind == "dense"):
-                    row["gbps"] = cell.kvbytes / t / 1e9
-                if cell.suite == HOST or cell.suite in rep.WALL_CLOCK_SUITES:
+                _record_time(cell, row, timer.time(run, nsets))
+                if wall_clock:
                     host_runs[name] = run
         except ab.Unavailable as e:
             row["status"], row["note"] = "n/a", str(e)
@@ -557,6 +570,14 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
                     break
                 torch.cuda.empty_cache()
         log(name)
+    if interleaved and fatal is not None:
+        for n in interleaved:
+            rows[n]["note"] = f"not timed: {fatal}"
+    elif interleaved:
+        fatal = _time_interleaved(cell, interleaved, rows, timer, nsets, device)
+        if wall_clock and fatal is None:
+            host_runs.update((n, interleaved[n]) for n in interleaved if rows[n]["status"] == "ok")
+    del interleaved
     if host_runs and fatal is None:
         try:
             for name, st in timer.host(host_runs, nsets).items():
@@ -569,6 +590,59 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
                                      f"{_err(e)}")
     del inp, ref, host_runs
     return [rows[n] for n in cell.backends], fatal
+
+
+def _positive_int(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a count of at least 1")
+    return n
+
+
+def _record_time(cell, row, st):
+    """A timed backend's row: the statistics, TFLOP/s and, for decode-shaped cells, GB/s."""
+    row.update(st)
+    row["status"] = "ok"
+    t = st["time_ms"] * 1e-3
+    row["tflops"] = cell.flops / t / 1e12
+    if cell.suite == "decode" or (cell.Sq == 1 and cell.kind == "dense"):
+        row["gbps"] = cell.kvbytes / t / 1e9
+
+
+def interleaved_order(names, rounds):
+    """The order of the timing windows with `rounds` rounds: every backend once a round, the
+    round's first backend rotating, so that no backend always follows the same one."""
+    names = list(names)
+    return [n for r in range(rounds) for n in names[r % len(names):] + names[:r % len(names)]]
+
+
+def _time_interleaved(cell, runs, rows, timer, nsets, device):
+    """Times the checked backends of one cell in timer.rounds rounds, taking turns: a change
+    of the GPU's clock (its power limit) during the cell then reaches every backend's median
+    alike. A backend that fails is n/a and leaves the rounds. Returns a fatal error or None."""
+    ts = {n: [] for n in runs}
+    seen = set()
+    for name in interleaved_order(runs, timer.rounds):
+        if name not in ts:
+            continue
+        try:
+            ts[name] += timer.samples(runs[name], nsets, share=1.0 / timer.rounds,
+                                      first=name not in seen)
+            seen.add(name)
+        except Exception as e:
+            del ts[name]
+            rows[name]["status"], rows[name]["note"] = "n/a", _err(e)
+            if device == "cuda":
+                if _context_lost(e):
+                    fatal = RuntimeError(f"CUDA context lost in {name} @ {cell.label}: {_err(e)}")
+                    rows[name]["note"] = str(fatal)
+                    for other in ts:  # their rounds are not complete: no median to give
+                        rows[other]["note"] = f"not timed: {fatal}"
+                    return fatal
+                torch.cuda.empty_cache()
+    for name, t in ts.items():
+        _record_time(cell, rows[name], _stats(sorted(t)))
+    return None
 
 
 def _check_call(b, run, inp):
@@ -701,6 +775,9 @@ def parse_args(argv=None):
     ap.add_argument("--progress", default="auto", choices=["auto", "bar", "plain", "none"])
     ap.add_argument("--cells", default=None,
                     help="only the cells whose label matches this regular expression")
+    ap.add_argument("--rounds", type=_positive_int, default=1,
+                    help="time each cell's backends in N interleaved rounds (default 1: each "
+                         "backend's calls in one window, in turn)")
     ap.add_argument("--max-cells", type=int, default=0, help="debug: stop after N cells")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     return ap.parse_args(argv)
@@ -712,6 +789,8 @@ def main(argv=None):
     device = args.device or ("cuda" if torch.cuda.is_available() or args.dry_run else "cpu")
     if device == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    if args.rounds > 1 and args.suite in ("merge", "train"):
+        raise SystemExit(f"--rounds: the {args.suite} suite times its own pairs in one window each")
     if args.suite == "merge":
         return run_merge_suite(args, device)
     if args.suite == "train":  # forward + backward: bench/train_bench.py
@@ -785,13 +864,16 @@ def main(argv=None):
     budget = BUDGETS[args.budget or ("quick" if args.suite == "quick" else "full")]
     if device != "cuda":
         budget = (5.0, 20.0, 3, 50)
-    timer = Timer(device, *budget)
+    timer = Timer(device, *budget, rounds=args.rounds)
     meta["timing"] = (
         "CUDA events around each call; warm-up >= %.0f ms; median of max(%d, min(%d, %.0f ms / "
         "time per call)) calls; inputs rotated over enough sets to exceed 4x L2; GPU queue "
         "pre-filled with a sleep kernel so host launch overhead is excluded"
         % (budget[0], budget[2], budget[3], budget[1])
         if device == "cuda" else "CPU perf_counter (runner test only)")
+    if timer.rounds > 1:
+        meta["timing"] += (f"; each cell's backends timed in {timer.rounds} interleaved rounds, "
+                           f"each round 1/{timer.rounds} of a backend's calls, taking turns")
     if device == "cuda" and any(c.suite == "fa-grid" for c in cells):
         try:
             meta["matmul_tflops"] = round(matmul_rate(timer), 1)

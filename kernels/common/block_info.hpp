@@ -127,7 +127,6 @@ struct BlockInfo : SeqBounds {
   }
 
  public:
-
   /// Whether key block n needs per-element masking for this query block.
   HIPFLASH_HD bool needs_mask(const FwdParams& p, int n, bool masked) const {
     const int64_t n0 = int64_t(n) * kBlockN, m0 = int64_t(m_block) * kBlockM;

@@ -11,9 +11,10 @@ template <int kHeadDim>
 struct TileConfig;
 template <>
 struct TileConfig<64> {
-  // One warpgroup and 64-key blocks (41 KiB, ~140 registers): three blocks per SM, so one
-  // block's prologue, epilogue and softmax overlap the others' wgmma. Measured against
-  // 128-key blocks at two per SM: faster in every FA-grid cell, most for short causal rows.
+  // One warpgroup and 64-key blocks (41 KiB; launch bounds for four blocks per SM, so at most
+  // 128 registers): one block's prologue, epilogue and softmax overlap the others' wgmma.
+  // Measured against 128-key blocks at two per SM: faster in every FA-grid cell, most for
+  // short causal rows.
   static constexpr int kWarpgroups = 1, kBlockN = 64, kMinBlocks = 4;
 };
 template <>

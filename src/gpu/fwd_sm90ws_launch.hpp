@@ -80,7 +80,7 @@ struct Sm90WsLaunch {
                                                                    int64_t tiles) {
     // Every tile index is decoded by the divisors, which are exact below 2^31.
     HIPFLASH_CHECK(tiles <= 0x7fffffff, "problem too large for the sm90_ws kernel: ", tiles,
-                   " work tiles (batch * heads_q * query blocks) exceed 2^31 - 1");
+                   " work tiles (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
     sm90ws::TmaMaps maps;
     maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                               p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tile::kBlockM);

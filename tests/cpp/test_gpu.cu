@@ -138,7 +138,7 @@ std::vector<Case> persistent() {
       {DType::f16, 2, 300, 333, 48, 16, 256, false, -1, -1, 1},  // output staged over Q
       {DType::bf16, 2, 700, 700, 24, 8, 128, true, -1, -1, 2},
       {DType::f16, 2, 700, 700, 24, 8, 128, false, -1, -1, 2},  // split partials, persistent
-      // Masked hd64 takes the TMA kernel only past the selector's short-row threshold (512).
+      // Masked hd64: the two-consumer tile, a single batch.
       {DType::bf16, 1, 1100, 1300, 6, 2, 64, true, -1, -1, 1},
       {DType::f16, 1, 1500, 1500, 4, 4, 64, false, 300, 0, 1},
       {DType::bf16, 1, 1100, 1300, 6, 2, 64, true, -1, -1, 3},

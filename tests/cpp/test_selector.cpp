@@ -189,7 +189,7 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
         p.tma_compatible = true;
         p.query_rows = rows;
         const KernelKind dense = select_kernel(p, kSm90, caps).kind;
-        EXPECT_TRUE(dense == KernelKind::sm90 || dense == KernelKind::sm90_ws) << d << " " << rows;
+        EXPECT_EQ(dense, KernelKind::sm90_ws) << d << " " << rows;
         p.kv_cache = true;
         const Selection s = select_kernel(p, kSm90, caps);
         EXPECT_EQ(s.kind, KernelKind::generic) << d << " " << masked << " " << rows;
