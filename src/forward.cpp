@@ -178,9 +178,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 bool tma_describable(const FwdParams& p) {
   if (p.is_varlen()) return false;
   const int64_t bytes = dtype_size(p.dtype);
-  auto ok = [&](int64_t stride, int64_t extent) {
-    return extent == 1 || (stride > 0 && (stride * bytes) % 16 == 0 && stride * bytes < (int64_t(1) << 40));
-  };
+  auto ok = [&](int64_t stride, int64_t extent) { return tma_stride_ok(stride, extent, bytes); };
   return ok(p.q_row_stride, p.seqlen_q) && ok(p.q_head_stride, p.heads_q) &&
          ok(p.q_batch_stride, p.batch) && ok(p.k_row_stride, p.seqlen_k) &&
          ok(p.k_head_stride, p.heads_kv) && ok(p.k_batch_stride, p.batch) &&

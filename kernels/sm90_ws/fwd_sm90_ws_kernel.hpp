@@ -42,9 +42,18 @@ namespace hipflash::sm90ws {
 struct alignas(64) TensorMap {
   uint64_t opaque[16];
 };
-/// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64].
+#ifndef HIPFLASH_SM90WS_TMA_STORE  // a tuning hook: 1 stores hd64's staged output rows by TMA
+#define HIPFLASH_SM90WS_TMA_STORE 0
+#endif
+/// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64]; with
+/// HIPFLASH_SM90WS_TMA_STORE also out's (boxes of a warpgroup's 64 rows), where one can
+/// describe it (o_ok).
 struct TmaMaps {
   TensorMap q, k, v;
+#if HIPFLASH_SM90WS_TMA_STORE
+  TensorMap o;
+  int o_ok = 0;
+#endif
 };
 
 /// Every work tile is a (query block, split, head, batch); one block per SM (Tile::kMinBlocks)
@@ -160,6 +169,9 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   }
 }
 
+#ifndef HIPFLASH_SM90WS_CARRY  // a tuning hook: 0 runs two Q stages without the carried P V
+#define HIPFLASH_SM90WS_CARRY 1
+#endif
 /// A consumer warpgroup's registers for one tile: the output accumulator, the probabilities
 /// (P V's A operand) and the rows' softmax state; with two Q stages (Consumer::kCarry) they
 /// also carry a tile's last P V and epilogue into the next tile: `tile` is that tile, -1 none.
@@ -187,13 +199,15 @@ struct Consumer {
   /// With two Q stages the next tile's Q has landed by the time this tile's last P V is due, so
   /// that P V is issued in one turn with the next tile's first Q K^T (else it has a turn of its
   /// own), and the tile's epilogue runs after that turn, under the other consumers' GEMMs.
-  static constexpr bool kCarry = Cfg::kQStages > 1;
+  /// HIPFLASH_SM90WS_CARRY=0 keeps two Q stages (the next tile's Q loading early) without it.
+  static constexpr bool kCarry = Cfg::kQStages > 1 && HIPFLASH_SM90WS_CARRY;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
   static_assert(Cfg::kConsumers <= kEpilogue - kTurn, "the turn barriers end before kEpilogue");
 
   const FwdParams& p;
   const Smem<Cfg>& sm;
   const common::TileDivisors& div;
+  const TmaMaps& maps;
   QRing& q_pos;
   Ring& k_pos;
   Ring& v_pos;
@@ -301,6 +315,45 @@ struct Consumer {
   __device__ __forceinline__ int stage_barrier() const {
     return Cfg::kOwnStaging ? kEpilogue + place.wg : kEpilogue;
   }
+  /// This thread's index among the kStagers (0 writes the TMA store).
+  __device__ __forceinline__ int stager() const {
+    return consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
+  }
+  /// HIPFLASH_SM90WS_TMA_STORE (hd64, a buffer of its own: its staging is the TMA's 128-byte
+  /// swizzle of [64 x 64] boxes): a warpgroup's staged rows go out in one bulk tensor store by
+  /// its first thread, where out's map exists (o_ok); the LSEs by the threads as before.
+  static constexpr bool kTmaStore =
+      HIPFLASH_SM90WS_TMA_STORE && kHD == 64 && Cfg::kOwnStaging && !Traits::kSplit;
+  __device__ __forceinline__ bool tma_store_on() const {
+#if HIPFLASH_SM90WS_TMA_STORE
+    return kTmaStore && maps.o_ok;
+#else
+    return false;
+#endif
+  }
+  /// The staged rows from tile row `first` (this warpgroup's) by one bulk store, their LSEs by
+  /// the stagers; false where out has no map (the caller stores them).
+  __device__ __forceinline__ bool tma_store(const Info& bi, int first, int stager) const {
+#if HIPFLASH_SM90WS_TMA_STORE
+    if (!tma_store_on()) return false;
+    const int64_t m0 = m0_of(bi) + first;
+    if (stager == 0) {
+      tma::store_4d(&maps.o, sm.o() + first * kHD * Cfg::kElemBytes, 0, int(m0), int(bi.h),
+                    int(bi.b));
+      tma::commit_group();
+    }
+    consumer::store_staged_lse<kStageRows, kStagers, Traits::kReturnLse, false>(
+        p, bi, staged_lse() + first, m0, stager);
+    return true;
+#else
+    return false;
+#endif
+  }
+  /// Before the staging buffer is written again (and before the block exits): the last bulk
+  /// store has read it.
+  __device__ __forceinline__ void drain() const {
+    if (tma_store_on() && stager() == 0) tma::wait_group_read<0>();
+  }
   __device__ __forceinline__ T* staged_out() const {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     return reinterpret_cast<T*>(smem_raw + (sm.o() - smem_addr(smem_raw)));
@@ -317,9 +370,11 @@ struct Consumer {
       consumer::write_split<kHD>(p, bi, O, softmax, [&](int h) { return row_of(m0, h); },
                                  place.t);
     } else {
+      if constexpr (kTmaStore) drain();
       named_sync<kStagers>(stage_barrier());
       consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(
           staged_out(), staged_lse(), O, softmax, warp() * 16 + g(), place.t);
+      if constexpr (kTmaStore) fence_proxy_async();  // the staged rows, visible to the TMA
     }
   }
   __device__ __forceinline__ void store(const Info& bi) const {
@@ -327,9 +382,12 @@ struct Consumer {
       named_sync<kStagers>(stage_barrier());
       const int first = Cfg::kOwnStaging ? 64 * place.wg : 0;  // the stagers' first tile row
       const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
-      consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse, false>(
-          p, bi, staged_out() + first * kHD, staged_lse() + first,
-          m0_of(bi) + first, int(p.head_dim), stager);
+      bool stored = false;  // by TMA
+      if constexpr (kTmaStore) stored = tma_store(bi, first, stager);
+      if (!stored)
+        consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse, false>(
+            p, bi, staged_out() + first * kHD, staged_lse() + first, m0_of(bi) + first,
+            int(p.head_dim), stager);
       // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
       // warp has read it.
       if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
@@ -497,9 +555,10 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
     using C = Consumer<Traits>;
     Accumulators<C::kHD, C::kBN> carried;  // read only with C::kCarry
     Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-      C{p, sm, div, q_pos, k_pos, v_pos}.run(tile, carried);
+      C{p, sm, div, maps, q_pos, k_pos, v_pos}.run(tile, carried);
     });
-    if constexpr (C::kCarry) C{p, sm, div, q_pos, k_pos, v_pos}.flush(carried);
+    if constexpr (C::kCarry) C{p, sm, div, maps, q_pos, k_pos, v_pos}.flush(carried);
+    if constexpr (C::kTmaStore) C{p, sm, div, maps, q_pos, k_pos, v_pos}.drain();
   }
 #else
   port::trap();  // TMA and wgmma need sm_90a; the selector picks this kernel only where built

@@ -6,11 +6,13 @@
 
 #include <cuda.h>  // CUtensorMap and its enums (types only)
 
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <tuple>
 
 #include "gpu/launch_fwd.hpp"
+#include "hipflash/detail/selector.hpp"  // tma_stride_ok
 #include "sm90_ws/fwd_sm90_ws_kernel.hpp"
 
 namespace hipflash::gpu {
@@ -65,6 +67,15 @@ inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim,
   return out;
 }
 
+/// Whether a 4-d map can describe a tensor of these extents and strides (elements): a 16-byte
+/// aligned base and strides tma_stride_ok takes (forward.cpp's tma_describable, for one tensor).
+inline bool describable(const void* base, DType dtype, int64_t rows, int64_t heads, int64_t batch,
+                        int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+  const int64_t bytes = dtype_size(dtype);
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && tma_stride_ok(row_stride, rows, bytes) &&
+         tma_stride_ok(head_stride, heads, bytes) && tma_stride_ok(batch_stride, batch, bytes);
+}
+
 }  // namespace tma_host
 
 /// The warp-specialised sm90 kernel's launch traits: a persistent grid, the tensor maps and
@@ -88,6 +99,17 @@ struct Sm90WsLaunch {
                               p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tile::kBlockN);
     maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                               p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN);
+#if HIPFLASH_SM90WS_TMA_STORE
+    // out's map for the TMA store (a warpgroup's 64 rows a box), where one describes it; else
+    // the consumers store the rows themselves (o_ok 0).
+    if (Traits::kHeadDim == 64 && tma_host::describable(p.out, p.dtype, p.seqlen_q, p.heads_q,
+                                                        p.batch, p.o_row_stride, p.o_head_stride,
+                                                        p.o_batch_stride)) {
+      maps.o = tma_host::encode(p.out, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+                                p.o_row_stride, p.o_head_stride, p.o_batch_stride, 64);
+      maps.o_ok = 1;
+    }
+#endif
     return {maps, common::TileDivisors(p, num_m_blocks)};
   }
 };

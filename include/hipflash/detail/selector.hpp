@@ -10,6 +10,14 @@
 
 namespace hipflash {
 
+/// Whether a TMA tensor map can hold a dimension of `extent` at `stride` elements of `bytes`
+/// bytes: a size-1 dimension's stride is never used; any other must be positive, a multiple of
+/// 16 bytes and below 2^40 bytes.
+constexpr bool tma_stride_ok(int64_t stride, int64_t extent, int64_t bytes) {
+  return extent == 1 ||
+         (stride > 0 && (stride * bytes) % 16 == 0 && stride * bytes < (int64_t(1) << 40));
+}
+
 /// The device a call runs on. `version`: NVIDIA compute capability * 10 (80, 90) or AMD gfx
 /// id as hex digits (0x90a, 0x940, 0x942, 0x950).
 struct Arch {
@@ -38,9 +46,8 @@ struct Problem {
   bool return_lse = false;
   bool masked = false;  ///< causal or a bounded window
   bool varlen = false;
-  /// q, k and v are dense tensors a TMA tensor map can describe (see tma_describable in
-  /// src/forward.cpp): every stride of a dimension longer than one positive, a multiple of 16
-  /// bytes and below 2^40 bytes.
+  /// q, k and v are dense tensors a TMA tensor map can describe (tma_describable in
+  /// src/forward.cpp, by tma_stride_ok).
   bool tma_compatible = false;
   /// K/V come from a KV cache (flash_attn_with_kvcache: per-sequence key counts, maybe a block
   /// table of pages). Only the loaders of the NVIDIA decode and generic kernels read one (a

@@ -221,6 +221,19 @@ __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kH
   }
 }
 
+/// With kLse, the staged tile's LSEs (one row a thread, then, with kVarlen, the padded layout's
+/// tail): store_staged's second half, on its own where the rows go out by TMA.
+template <int kBM, int kThreads, bool kLse, bool kVarlen, class Info>
+__device__ __forceinline__ void store_staged_lse(const FwdParams& p, const Info& bi,
+                                                 const float* sL, int64_t m0, int thread) {
+  if constexpr (kLse) {
+    const int r = thread;  // one row per thread
+    if (r < kBM && m0 + r < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
+    if constexpr (kVarlen)
+      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread);
+  }
+}
+
 /// The staged tile's rows to out (16-byte rows) and, with kLse, their LSEs (one row a thread,
 /// then, with kVarlen, the padded layout's tail): every thread of the kThreads that staged it,
 /// `thread` being its index (thread_index() in a persistent kernel).
@@ -230,12 +243,7 @@ __device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi,
                                              int thread = int(threadIdx.x)) {
   common::store_staged_rows<kBM, kChunks, kThreads>(bi.template o_rows<T>(p), p.o_row_stride, sO,
                                                     m0, bi.len_q, head_dim, thread);
-  if constexpr (kLse) {
-    const int r = thread;  // one row per thread
-    if (r < kBM && m0 + r < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
-    if constexpr (kVarlen)
-      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread);
-  }
+  store_staged_lse<kBM, kThreads, kLse, kVarlen>(p, bi, sL, m0, thread);
 }
 
 #endif  // HIPFLASH_HAS_WGMMA

@@ -66,6 +66,27 @@ __device__ __forceinline__ void load_4d(uint32_t dst, const void* map, const Mba
       : "memory");
 }
 
+/// Stores the box in shared memory at `src` to coordinates (c0 .. c3) of the 4-d tensor map
+/// `map`; the box's rows and columns outside the tensor are not written. The writer thread
+/// then commits the bulk group (commit_group) and, before `src` is written again, waits until
+/// the group has read it (wait_group_read).
+__device__ __forceinline__ void store_4d(const void* map, uint32_t src, int c0, int c1, int c2,
+                                         int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void commit_group() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+/// Until at most kPending of this thread's bulk groups have not yet read their source.
+template <int kPending>
+__device__ __forceinline__ void wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
 /// Brings a tensor map's 128 bytes into the TMA unit's cache ahead of its first use.
 __device__ __forceinline__ void prefetch_map(const void* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
