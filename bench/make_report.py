@@ -124,23 +124,26 @@ def peer_target_lines(rows):
                 + f", {sum(1 for _, r in grid if r >= 1.05)} at 1.05x or more; "
                 f"{'met' if met else 'not met'}.", ""]
     dims = _lse_ratios(rows, "head-dims", ["torch-flash"], lambda r: int(r["D"]) in (96, 256))
-    if dims:
-        low = min(dims, key=lambda c: c[1])
-        met = sum(1 for _, r in dims if r >= 1.0)
-        out += [f"**head dims 96 and 256: hipflash with LSE vs torch-flash** (TFLOP/s; target "
-                f">= 1.00x in every cell): {met} of {len(dims)} cells met, lowest {low[1]:.2f}x "
-                f"({low[0]}).", ""]
+    out += _every_cell_lines("head dims 96 and 256: hipflash with LSE vs torch-flash",
+                             "TFLOP/s", dims)
     # Issue 12: decode at least as fast as cuDNN in every cell (the faster of SDPA's cuDNN
     # backend and cuDNN with native GQA).
     dec = _lse_ratios(rows, "decode", ["torch-cudnn", "cudnn-sdpa-gqa"])
-    if dec:
-        low = min(dec, key=lambda c: c[1])
-        met = sum(1 for _, r in dec if r >= 1.0)
-        out += [f"**decode: hipflash with LSE vs cuDNN** (GB/s, the faster of torch-cudnn and "
-                f"cudnn-sdpa-gqa; target >= 1.00x in every cell): {met} of {len(dec)} cells "
-                f"met, geomean {rep.geomean([r for _, r in dec]):.2f}x, lowest {low[1]:.2f}x "
-                f"({low[0]}).", ""]
+    out += _every_cell_lines("decode: hipflash with LSE vs cuDNN",
+                             "GB/s, the faster of torch-cudnn and cudnn-sdpa-gqa", dec,
+                             geomean=True)
     return out
+
+
+def _every_cell_lines(title, unit, ratios, geomean=False):
+    """The line of a ">= 1.00x in every cell" target over [(label, ratio)], or []."""
+    if not ratios:
+        return []
+    low = min(ratios, key=lambda c: c[1])
+    met = sum(1 for _, r in ratios if r >= 1.0)
+    geo = f", geomean {rep.geomean([r for _, r in ratios]):.2f}x" if geomean else ""
+    return [f"**{title}** ({unit}; target >= 1.00x in every cell): {met} of {len(ratios)} "
+            f"cells met{geo}, lowest {low[1]:.2f}x ({low[0]}).", ""]
 
 
 def _lse_costs(rows, suite):

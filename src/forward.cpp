@@ -178,12 +178,12 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 bool tma_describable(const FwdParams& p) {
   if (p.is_varlen()) return false;
   const int64_t bytes = dtype_size(p.dtype);
-  auto ok = [&](int64_t stride, int64_t extent) { return tma_stride_ok(stride, extent, bytes); };
-  return ok(p.q_row_stride, p.seqlen_q) && ok(p.q_head_stride, p.heads_q) &&
-         ok(p.q_batch_stride, p.batch) && ok(p.k_row_stride, p.seqlen_k) &&
-         ok(p.k_head_stride, p.heads_kv) && ok(p.k_batch_stride, p.batch) &&
-         ok(p.v_row_stride, p.seqlen_k) && ok(p.v_head_stride, p.heads_kv) &&
-         ok(p.v_batch_stride, p.batch);
+  return tma_strides_ok(bytes, p.seqlen_q, p.q_row_stride, p.heads_q, p.q_head_stride, p.batch,
+                        p.q_batch_stride) &&
+         tma_strides_ok(bytes, p.seqlen_k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.batch,
+                        p.k_batch_stride) &&
+         tma_strides_ok(bytes, p.seqlen_k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.batch,
+                        p.v_batch_stride);
 }
 
 /// What the selector needs to know about a (validated) call.

@@ -381,13 +381,13 @@ struct Consumer {
     if constexpr (!Traits::kSplit) {
       named_sync<kStagers>(stage_barrier());
       const int first = Cfg::kOwnStaging ? 64 * place.wg : 0;  // the stagers' first tile row
-      const int stager = consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
+      const int me = stager();
       bool stored = false;  // by TMA
-      if constexpr (kTmaStore) stored = tma_store(bi, first, stager);
+      if constexpr (kTmaStore) stored = tma_store(bi, first, me);
       if (!stored)
         consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse, false>(
             p, bi, staged_out() + first * kHD, staged_lse() + first, m0_of(bi) + first,
-            int(p.head_dim), stager);
+            int(p.head_dim), me);
       // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
       // warp has read it.
       if constexpr (!Cfg::kOwnStaging) fence_proxy_async();

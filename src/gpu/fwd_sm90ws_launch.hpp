@@ -12,7 +12,7 @@
 #include <tuple>
 
 #include "gpu/launch_fwd.hpp"
-#include "hipflash/detail/selector.hpp"  // tma_stride_ok
+#include "hipflash/detail/selector.hpp"  // tma_strides_ok
 #include "sm90_ws/fwd_sm90_ws_kernel.hpp"
 
 namespace hipflash::gpu {
@@ -67,15 +67,6 @@ inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim,
   return out;
 }
 
-/// Whether a 4-d map can describe a tensor of these extents and strides (elements): a 16-byte
-/// aligned base and strides tma_stride_ok takes (forward.cpp's tma_describable, for one tensor).
-inline bool describable(const void* base, DType dtype, int64_t rows, int64_t heads, int64_t batch,
-                        int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
-  const int64_t bytes = dtype_size(dtype);
-  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && tma_stride_ok(row_stride, rows, bytes) &&
-         tma_stride_ok(head_stride, heads, bytes) && tma_stride_ok(batch_stride, batch, bytes);
-}
-
 }  // namespace tma_host
 
 /// The warp-specialised sm90 kernel's launch traits: a persistent grid, the tensor maps and
@@ -102,9 +93,9 @@ struct Sm90WsLaunch {
 #if HIPFLASH_SM90WS_TMA_STORE
     // out's map for the TMA store (a warpgroup's 64 rows a box), where one describes it; else
     // the consumers store the rows themselves (o_ok 0).
-    if (Traits::kHeadDim == 64 && tma_host::describable(p.out, p.dtype, p.seqlen_q, p.heads_q,
-                                                        p.batch, p.o_row_stride, p.o_head_stride,
-                                                        p.o_batch_stride)) {
+    if (Traits::kHeadDim == 64 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+        tma_strides_ok(dtype_size(p.dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
+                       p.o_head_stride, p.batch, p.o_batch_stride)) {
       maps.o = tma_host::encode(p.out, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                                 p.o_row_stride, p.o_head_stride, p.o_batch_stride, 64);
       maps.o_ok = 1;

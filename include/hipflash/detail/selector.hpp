@@ -17,6 +17,13 @@ constexpr bool tma_stride_ok(int64_t stride, int64_t extent, int64_t bytes) {
   return extent == 1 ||
          (stride > 0 && (stride * bytes) % 16 == 0 && stride * bytes < (int64_t(1) << 40));
 }
+/// The same for the three strided dimensions (row, head, batch) of one [batch, rows, heads, D]
+/// tensor: the 4-d map (head dim, row, head, batch) of the sm90_ws kernel.
+constexpr bool tma_strides_ok(int64_t bytes, int64_t rows, int64_t row_stride, int64_t heads,
+                              int64_t head_stride, int64_t batch, int64_t batch_stride) {
+  return tma_stride_ok(row_stride, rows, bytes) && tma_stride_ok(head_stride, heads, bytes) &&
+         tma_stride_ok(batch_stride, batch, bytes);
+}
 
 /// The device a call runs on. `version`: NVIDIA compute capability * 10 (80, 90) or AMD gfx
 /// id as hex digits (0x90a, 0x940, 0x942, 0x950).
@@ -47,7 +54,7 @@ struct Problem {
   bool masked = false;  ///< causal or a bounded window
   bool varlen = false;
   /// q, k and v are dense tensors a TMA tensor map can describe (tma_describable in
-  /// src/forward.cpp, by tma_stride_ok).
+  /// src/forward.cpp, by tma_strides_ok).
   bool tma_compatible = false;
   /// K/V come from a KV cache (flash_attn_with_kvcache: per-sequence key counts, maybe a block
   /// table of pages). Only the loaders of the NVIDIA decode and generic kernels read one (a
