@@ -42,18 +42,12 @@ namespace hipflash::sm90ws {
 struct alignas(64) TensorMap {
   uint64_t opaque[16];
 };
-#ifndef HIPFLASH_SM90WS_TMA_STORE  // a tuning hook: 1 stores hd64's staged output rows by TMA
-#define HIPFLASH_SM90WS_TMA_STORE 0
-#endif
-/// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64]; with
-/// HIPFLASH_SM90WS_TMA_STORE also out's (boxes of a warpgroup's 64 rows), where one can
-/// describe it (o_ok).
+/// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64]; at
+/// hd64 also out's (boxes of a warpgroup's 64 rows), where one can describe it (o_ok).
 struct TmaMaps {
   TensorMap q, k, v;
-#if HIPFLASH_SM90WS_TMA_STORE
   TensorMap o;
   int o_ok = 0;
-#endif
 };
 
 /// Every work tile is a (query block, split, head, batch); one block per SM (Tile::kMinBlocks)
@@ -169,9 +163,6 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   }
 }
 
-#ifndef HIPFLASH_SM90WS_CARRY  // a tuning hook: 0 runs two Q stages without the carried P V
-#define HIPFLASH_SM90WS_CARRY 1
-#endif
 /// A consumer warpgroup's registers for one tile: the output accumulator, the probabilities
 /// (P V's A operand) and the rows' softmax state; with two Q stages (Consumer::kCarry) they
 /// also carry a tile's last P V and epilogue into the next tile: `tile` is that tile, -1 none.
@@ -199,8 +190,7 @@ struct Consumer {
   /// With two Q stages the next tile's Q has landed by the time this tile's last P V is due, so
   /// that P V is issued in one turn with the next tile's first Q K^T (else it has a turn of its
   /// own), and the tile's epilogue runs after that turn, under the other consumers' GEMMs.
-  /// HIPFLASH_SM90WS_CARRY=0 keeps two Q stages (the next tile's Q loading early) without it.
-  static constexpr bool kCarry = Cfg::kQStages > 1 && HIPFLASH_SM90WS_CARRY;
+  static constexpr bool kCarry = Cfg::kQStages > 1;
   static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
   static_assert(Cfg::kConsumers <= kEpilogue - kTurn, "the turn barriers end before kEpilogue");
 
@@ -319,22 +309,15 @@ struct Consumer {
   __device__ __forceinline__ int stager() const {
     return consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
   }
-  /// HIPFLASH_SM90WS_TMA_STORE (hd64, a buffer of its own: its staging is the TMA's 128-byte
-  /// swizzle of [64 x 64] boxes): a warpgroup's staged rows go out in one bulk tensor store by
-  /// its first thread, where out's map exists (o_ok); the LSEs by the threads as before.
-  static constexpr bool kTmaStore =
-      HIPFLASH_SM90WS_TMA_STORE && kHD == 64 && Cfg::kOwnStaging && !Traits::kSplit;
-  __device__ __forceinline__ bool tma_store_on() const {
-#if HIPFLASH_SM90WS_TMA_STORE
-    return kTmaStore && maps.o_ok;
-#else
-    return false;
-#endif
-  }
+  /// hd64 (a buffer of its own: its staging is the TMA's 128-byte swizzle of [64 x 64] boxes):
+  /// a warpgroup's staged rows go out in one bulk tensor store by its first thread, where
+  /// out's map exists (o_ok); the LSEs by the threads as before (docs/perf-notes.md session
+  /// 2026-12-01 (10): +2-4% at short hd64 rows, hd64 causal 512 +5% with LSE).
+  static constexpr bool kTmaStore = kHD == 64 && Cfg::kOwnStaging && !Traits::kSplit;
+  __device__ __forceinline__ bool tma_store_on() const { return kTmaStore && maps.o_ok; }
   /// The staged rows from tile row `first` (this warpgroup's) by one bulk store, their LSEs by
   /// the stagers; false where out has no map (the caller stores them).
   __device__ __forceinline__ bool tma_store(const Info& bi, int first, int stager) const {
-#if HIPFLASH_SM90WS_TMA_STORE
     if (!tma_store_on()) return false;
     const int64_t m0 = m0_of(bi) + first;
     if (stager == 0) {
@@ -345,9 +328,6 @@ struct Consumer {
     consumer::store_staged_lse<kStageRows, kStagers, Traits::kReturnLse, false>(
         p, bi, staged_lse() + first, m0, stager);
     return true;
-#else
-    return false;
-#endif
   }
   /// Before the staging buffer is written again (and before the block exits): the last bulk
   /// store has read it.

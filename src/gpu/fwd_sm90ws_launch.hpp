@@ -90,8 +90,7 @@ struct Sm90WsLaunch {
                               p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tile::kBlockN);
     maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                               p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN);
-#if HIPFLASH_SM90WS_TMA_STORE
-    // out's map for the TMA store (a warpgroup's 64 rows a box), where one describes it; else
+    // hd64: out's map for the TMA store (a warpgroup's 64 rows a box), where one describes it; else
     // the consumers store the rows themselves (o_ok 0).
     if (Traits::kHeadDim == 64 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
         tma_strides_ok(dtype_size(p.dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
@@ -100,7 +99,6 @@ struct Sm90WsLaunch {
                                 p.o_row_stride, p.o_head_stride, p.o_batch_stride, 64);
       maps.o_ok = 1;
     }
-#endif
     return {maps, common::TileDivisors(p, num_m_blocks)};
   }
 };
