@@ -76,3 +76,22 @@ def test_rounds_must_be_positive():
     proc = subprocess.run([sys.executable, str(BENCH / "attn_bench.py"), "--rounds", "0",
                            "--dry-run"], capture_output=True, text=True)
     assert proc.returncode != 0 and "at least 1" in proc.stderr
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_time_in_rounds_runs_the_cells_windows(rounds):
+    """A reference timed apart from the cells (the matmul rate) runs `rounds` windows, the
+    first with the full warm-up: with rounds 1 exactly time()'s single window."""
+    calls = []
+    t = attn_bench.Timer("cpu", 1.0, 6.0, 3, 60, rounds=rounds)
+    windows = []
+    real = t.samples
+
+    def spy(run, nsets, share=1.0, first=True):
+        windows.append((share, first))
+        return real(run, nsets, share=share, first=first)
+
+    t.samples = spy
+    st = t.time_in_rounds(lambda j: calls.append(j), 2)
+    assert windows == [(1.0 / rounds, r == 0) for r in range(rounds)]
+    assert st["time_ms"] >= 0 and set(calls) <= {0, 1}
