@@ -41,9 +41,10 @@ __device__ __forceinline__ bool block_past_sequence(const FwdParams& p, int64_t 
 }
 
 /// Writes rows [m0, min(m0 + kRows, len_q)) of the output, staged (rounded) in shared memory as
-/// a swizzled [kRows][kChunks * 8] tile, to gO (row stride ld) in 16-byte pieces; columns past
-/// head_dim are not written. The caller synchronises the block before (staging done).
-template <int kRows, int kChunks, int kThreads, class T>
+/// a swizzled [kRows][kChunks * 8] tile (panel-major with kPanelRows: staged_swizzle), to gO
+/// (row stride ld) in 16-byte pieces; columns past head_dim are not written. The caller
+/// synchronises the block before (staging done).
+template <int kRows, int kChunks, int kThreads, int kPanelRows = 0, class T>
 __device__ __forceinline__ void store_staged_rows(T* gO, int64_t ld, const T* staged, int64_t m0,
                                                   int64_t len_q, int head_dim,
                                                   int thread = int(threadIdx.x)) {
@@ -54,7 +55,7 @@ __device__ __forceinline__ void store_staged_rows(T* gO, int64_t ld, const T* st
     const int r = idx / kChunks, c = idx % kChunks;
     if (m0 + r < len_q && c * 8 < head_dim)
       *reinterpret_cast<uint4*>(gO + (m0 + r) * ld + c * 8) =
-          *reinterpret_cast<const uint4*>(staged + swizzle<kChunks>(r, c));
+          *reinterpret_cast<const uint4*>(staged + staged_swizzle<kChunks, kPanelRows>(r, c));
   }
 }
 

@@ -1,7 +1,7 @@
 // hipflash — shared by every schedule: the XOR swizzle of 16-bit tiles in shared memory.
 #pragma once
 
-#include "hipflash/port/port.hpp"
+#include "hipflash/detail/softmax_state.hpp"  // HIPFLASH_HD (and port.hpp on a device compiler)
 
 namespace hipflash::common {
 
@@ -11,9 +11,22 @@ namespace hipflash::common {
 /// bits, chunk (2s + x) of a row r maps to byte offset ((32 s) ^ (16 (x ^ r % 8))): the
 /// mainloop keeps the per-lane term and XORs in the per-step constant.
 template <int kChunks>
-__host__ __device__ __forceinline__ int swizzle(int row, int chunk) {
+HIPFLASH_HD int swizzle(int row, int chunk) {
   static_assert(kChunks % 8 == 0, "rows are whole 128-byte lines");
   return row * kChunks * 8 + (chunk ^ (row & 7)) * 8;
+}
+
+/// Element offset of chunk `chunk` of row `row` in a staged output tile: kPanelRows 0 is the
+/// row-major tile of swizzle<kChunks>; else the tile is panel-major, kChunks / 8 panels of
+/// [kPanelRows][64] elements (128-byte rows, each panel swizzle<8>) — what a TMA box 64 columns
+/// wide with the 128-byte swizzle reads, so one bulk tensor store per panel writes it out. With
+/// one panel (64 columns) the two layouts are the same.
+template <int kChunks, int kPanelRows>
+HIPFLASH_HD int staged_swizzle(int row, int chunk) {
+  if constexpr (kPanelRows == 0 || kChunks == 8)  // row-major, or one panel
+    return swizzle<kChunks>(row, chunk);
+  else
+    return (chunk >> 3) * (kPanelRows * 64) + swizzle<8>(row, chunk & 7);
 }
 
 }  // namespace hipflash::common

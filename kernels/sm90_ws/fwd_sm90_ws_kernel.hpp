@@ -42,8 +42,12 @@ namespace hipflash::sm90ws {
 struct alignas(64) TensorMap {
   uint64_t opaque[16];
 };
+#ifndef HIPFLASH_SM90WS_HD128_TMA_STORE  // a tuning hook: 1 stores hd128's staged rows by TMA too
+#define HIPFLASH_SM90WS_HD128_TMA_STORE 0
+#endif
 /// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64]; at
-/// hd64 also out's (boxes of a warpgroup's 64 rows), where one can describe it (o_ok).
+/// hd64 (and hd128 with HIPFLASH_SM90WS_HD128_TMA_STORE) also out's (boxes of a warpgroup's
+/// 64 rows), where one can describe it (o_ok).
 struct TmaMaps {
   TensorMap q, k, v;
   TensorMap o;
@@ -309,20 +313,26 @@ struct Consumer {
   __device__ __forceinline__ int stager() const {
     return consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
   }
-  /// hd64 (a buffer of its own: its staging is the TMA's 128-byte swizzle of [64 x 64] boxes):
-  /// a warpgroup's staged rows go out in one bulk tensor store by its first thread, where
-  /// out's map exists (o_ok); the LSEs by the threads as before (docs/perf-notes.md session
-  /// 2026-12-01 (10): +2-4% at short hd64 rows, hd64 causal 512 +5% with LSE).
-  static constexpr bool kTmaStore = kHD == 64 && Cfg::kOwnStaging && !Traits::kSplit;
+  /// hd64, and hd128 with HIPFLASH_SM90WS_HD128_TMA_STORE, in a buffer of their own: the tile
+  /// is staged panel-major (common::staged_swizzle: the TMA's 128-byte swizzle of [64 x 64]
+  /// boxes), and a warpgroup's staged rows go out in one bulk tensor store per 64-column panel
+  /// by its first thread, where out's map exists (o_ok); the LSEs by the threads as before
+  /// (docs/perf-notes.md session 2026-12-01 (10): +2-4% at short hd64 rows, hd64 causal 512 +5%
+  /// with LSE).
+  static constexpr bool kTmaStore = (kHD == 64 || (kHD == 128 && HIPFLASH_SM90WS_HD128_TMA_STORE))
+                                    && Cfg::kOwnStaging && !Traits::kSplit;
+  static constexpr int kPanelRows = kTmaStore ? kBM : 0;  ///< the staged tile's layout
   __device__ __forceinline__ bool tma_store_on() const { return kTmaStore && maps.o_ok; }
-  /// The staged rows from tile row `first` (this warpgroup's) by one bulk store, their LSEs by
-  /// the stagers; false where out has no map (the caller stores them).
+  /// The staged rows from tile row `first` (this warpgroup's) by one bulk store per panel,
+  /// their LSEs by the stagers; false where out has no map (the caller stores them).
   __device__ __forceinline__ bool tma_store(const Info& bi, int first, int stager) const {
     if (!tma_store_on()) return false;
     const int64_t m0 = m0_of(bi) + first;
     if (stager == 0) {
-      tma::store_4d(&maps.o, sm.o() + first * kHD * Cfg::kElemBytes, 0, int(m0), int(bi.h),
-                    int(bi.b));
+#pragma unroll
+      for (int panel = 0; panel < Cfg::kPanels; ++panel)
+        tma::store_4d(&maps.o, sm.o() + (panel * kBM + first) * 64 * Cfg::kElemBytes, panel * 64,
+                      int(m0), int(bi.h), int(bi.b));
       tma::commit_group();
     }
     consumer::store_staged_lse<kStageRows, kStagers, Traits::kReturnLse, false>(
@@ -352,7 +362,7 @@ struct Consumer {
     } else {
       if constexpr (kTmaStore) drain();
       named_sync<kStagers>(stage_barrier());
-      consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(
+      consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD, kPanelRows>(
           staged_out(), staged_lse(), O, softmax, warp() * 16 + g(), place.t);
       if constexpr (kTmaStore) fence_proxy_async();  // the staged rows, visible to the TMA
     }
@@ -365,9 +375,10 @@ struct Consumer {
       bool stored = false;  // by TMA
       if constexpr (kTmaStore) stored = tma_store(bi, first, me);
       if (!stored)
-        consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse, false>(
-            p, bi, staged_out() + first * kHD, staged_lse() + first, m0_of(bi) + first,
-            int(p.head_dim), me);
+        consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse, false,
+                               kPanelRows>(
+            p, bi, staged_out() + first * (kPanelRows ? 64 : kHD), staged_lse() + first,
+            m0_of(bi) + first, int(p.head_dim), me);
       // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
       // warp has read it.
       if constexpr (!Cfg::kOwnStaging) fence_proxy_async();

@@ -90,9 +90,11 @@ struct Sm90WsLaunch {
                               p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tile::kBlockN);
     maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
                               p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN);
-    // hd64: out's map for the TMA store (a warpgroup's 64 rows a box), where one describes it; else
-    // the consumers store the rows themselves (o_ok 0).
-    if (Traits::kHeadDim == 64 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+    // hd64 (hd128 with its hook): out's map for the TMA store (a warpgroup's 64 rows a box),
+    // where one describes it; else the consumers store the rows themselves (o_ok 0).
+    constexpr bool kOutMap =
+        Traits::kHeadDim == 64 || (Traits::kHeadDim == 128 && HIPFLASH_SM90WS_HD128_TMA_STORE);
+    if (kOutMap && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
         tma_strides_ok(dtype_size(p.dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
                        p.o_head_stride, p.batch, p.o_batch_stride)) {
       maps.o = tma_host::encode(p.out, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,

@@ -204,8 +204,9 @@ __device__ __forceinline__ void write_split(const FwdParams& p, const Info& bi,
 /// LSEs into sL — by every lane of the row's quad, the same value to the same word: a store
 /// by one lane would be a divergent branch, whose reconvergence and exposed lg2 latency cost
 /// 1-2% of a short-row kernel (docs/perf-notes.md session 2026-12-01 (8)). The caller syncs
-/// before (the tile's smem is free) and after (all staged).
-template <DType kDT, bool kLse, int kChunks, int kHD, class T>
+/// before (the tile's smem is free) and after (all staged). kPanelRows: the tile's layout
+/// (common::staged_swizzle; 0 row-major).
+template <DType kDT, bool kLse, int kChunks, int kHD, int kPanelRows = 0, class T>
 __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kHD / 2],
                                            const common::RowSoftmax<2>& softmax, int srow0,
                                            int t) {
@@ -216,7 +217,8 @@ __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kH
     if constexpr (kLse) sL[srow] = softmax.lse(h);
 #pragma unroll
     for (int i = 0; i < kHD / 8; ++i)
-      *reinterpret_cast<uint32_t*>(sO + common::swizzle<kChunks>(srow, i) + 2 * t) =
+      *reinterpret_cast<uint32_t*>(sO + common::staged_swizzle<kChunks, kPanelRows>(srow, i) +
+                                   2 * t) =
           pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
   }
 }
@@ -236,13 +238,15 @@ __device__ __forceinline__ void store_staged_lse(const FwdParams& p, const Info&
 
 /// The staged tile's rows to out (16-byte rows) and, with kLse, their LSEs (one row a thread,
 /// then, with kVarlen, the padded layout's tail): every thread of the kThreads that staged it,
-/// `thread` being its index (thread_index() in a persistent kernel).
-template <int kBM, int kChunks, int kThreads, bool kLse, bool kVarlen = true, class T, class Info>
+/// `thread` being its index (thread_index() in a persistent kernel); kPanelRows the staged
+/// tile's layout (common::staged_swizzle).
+template <int kBM, int kChunks, int kThreads, bool kLse, bool kVarlen = true, int kPanelRows = 0,
+          class T, class Info>
 __device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi, const T* sO,
                                              const float* sL, int64_t m0, int head_dim,
                                              int thread = int(threadIdx.x)) {
-  common::store_staged_rows<kBM, kChunks, kThreads>(bi.template o_rows<T>(p), p.o_row_stride, sO,
-                                                    m0, bi.len_q, head_dim, thread);
+  common::store_staged_rows<kBM, kChunks, kThreads, kPanelRows>(
+      bi.template o_rows<T>(p), p.o_row_stride, sO, m0, bi.len_q, head_dim, thread);
   store_staged_lse<kBM, kThreads, kLse, kVarlen>(p, bi, sL, m0, thread);
 }
 
