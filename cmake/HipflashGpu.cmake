@@ -125,6 +125,9 @@ foreach(hd IN LISTS HIPFLASH_PADDED_HEAD_DIMS)
     _hipflash_instantiate_bwd(${dt} ${hd})
     if(_lang STREQUAL "CUDA")  # the decode kernel is mma.sync only (the selector knows)
       _hipflash_instantiate(decode ${dt} ${hd})
+      if(NOT hd EQUAL 256)  # the head-group decode kernel: head dims 64 and 128
+        _hipflash_instantiate(decode_heads ${dt} ${hd})
+      endif()
     endif()
     if(_sm90 AND NOT hd EQUAL 256)  # the wgmma kernel: head dims <= 128
       _hipflash_instantiate(sm90 ${dt} ${hd})

@@ -100,10 +100,11 @@ void run_kvcache_append(const FwdParams& p, const TensorRef& k_new, const Tensor
                         int device, Stream stream);
 
 /// The tile of a GPU kernel: query rows and keys per block, resident blocks per multiprocessor
-/// (what the split heuristic fills), for a masked (causal / window) call or not. All zero when
-/// this build has no such kernel.
+/// (what the split heuristic fills), heads per block (the head-group decode kernel: every kv
+/// head of a batch), for a masked (causal / window) call or not. All zero (heads one) when this
+/// build has no such kernel.
 struct TileShape {
-  int block_m = 0, block_n = 0, blocks_per_sm = 0;
+  int block_m = 0, block_n = 0, blocks_per_sm = 0, heads_per_block = 1;
 };
 TileShape tile_shape(KernelKind kind, int padded_head_dim, bool masked);
 

@@ -162,12 +162,18 @@ void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, c
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_disjoint(*lse, "lse", *t, name);
 }
 
-/// The window of SPEC §3, saturated: a bound that reaches past every key of every row
-/// (left >= Sk, right >= Sq; max lengths for varlen) is the same as -1, however large the
-/// integer, so the kernels' window arithmetic never overflows. Needs p.seqlen_q / seqlen_k.
+/// The window of SPEC §3, saturated: a bound that reaches every key of every row is the same
+/// as -1, however large the integer, so the kernels' window arithmetic never overflows and such
+/// a call runs unmasked. Bottom-right aligned, row i sees keys [i + d - left, i + d + right]
+/// with d = Sk - Sq (per sequence for varlen and a KV cache, whose lengths are at most the max
+/// lengths here): the last row's lower bound Sk - 1 - left is <= 0 for left >= Sk - 1, the
+/// first row's upper bound Sk - Sq + right is >= Sk - 1 for right >= Sq - 1. So causal decode
+/// (one query row: right 0) masks nothing and takes the packed GQA decode path. Needs
+/// p.seqlen_q / seqlen_k.
 void fill_window(FwdParams& p, const FwdOptions& opts) {
-  p.window_left = opts.window_left >= p.seqlen_k ? -1 : opts.window_left;
-  p.window_right = opts.causal ? 0 : opts.window_right >= p.seqlen_q ? -1 : opts.window_right;
+  const int64_t right = opts.causal ? 0 : opts.window_right;
+  p.window_left = opts.window_left >= p.seqlen_k - 1 ? -1 : opts.window_left;
+  p.window_right = right >= p.seqlen_q - 1 ? -1 : right;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -198,11 +204,13 @@ Problem make_problem(const FwdParams& p) {
   prob.query_rows = p.gpu_query_rows();
   prob.tma_compatible = tma_describable(p);
   prob.kv_cache = p.is_kvcache();
+  prob.gqa_decode = p.packs_gqa_decode();
   return prob;
 }
 
 /// Resolves num_splits (0 -> heuristic) for the kernel that will run the call: the work items
-/// are its (batch, head, query block)s, the slots `processors` x its resident blocks on each.
+/// are its (batch, head, query block)s — heads in groups of the tile's heads_per_block —, the
+/// slots `processors` x its resident blocks on each.
 /// `gpu` counts heads and rows the way the GPU kernels do (GQA decode packed).
 int resolve_splits(const FwdParams& p, int requested, const gpu::TileShape& tile,
                    int64_t processors, bool gpu) {
@@ -211,7 +219,8 @@ int resolve_splits(const FwdParams& p, int requested, const gpu::TileShape& tile
   if (tile.block_n <= 0 || tile.block_m <= 0) return 1;
   const int64_t key_blocks = ceil_div(sk, tile.block_n);
   if (requested > 0) return int(std::min<int64_t>(requested, std::max<int64_t>(key_blocks, 1)));
-  const int64_t heads = gpu ? p.gpu_heads() : p.heads_q;
+  const int64_t heads =
+      gpu ? ceil_div(p.gpu_heads(), std::max(tile.heads_per_block, 1)) : p.heads_q;
   const int64_t rows = gpu ? p.gpu_query_rows() : p.seqlen_q;
   const int64_t work = p.batch * heads * ceil_div(rows, tile.block_m);
   return num_splits_heuristic(work, processors, tile.blocks_per_sm, key_blocks);

@@ -22,6 +22,7 @@ const char* kernel_kind_name(KernelKind k) {
     case KernelKind::cpu_reference: return "cpu";
     case KernelKind::generic: return "generic";
     case KernelKind::decode: return "decode";
+    case KernelKind::decode_heads: return "decode_heads";
     case KernelKind::sm90: return "sm90";
     case KernelKind::sm90_ws: return "sm90_ws";
     case KernelKind::gfx950_dualwave: return "gfx950_dualwave";
@@ -71,8 +72,12 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // head dim 128 (varlen, odd strides), where they were built, and everything else the
     // generic mma.sync kernel. A KV cache is read only by the decode and generic loaders
     // (common::PagedRows, a compile-time choice of theirs): such calls never take an sm90 kernel.
+    // Packed GQA decode takes the head-group decode kernel where it is enabled, on sm_90 at
+    // head dims 64 and 128 (its ring: 192 KiB of shared memory at 128, more than sm_8x gives).
     if (p.query_rows <= kDecodeMaxRows)
-      sel.kind = KernelKind::decode;
+      sel.kind = caps.decode_heads && p.gqa_decode && hd <= 128 && arch.version == 90
+                     ? KernelKind::decode_heads
+                     : KernelKind::decode;
     else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible)
       sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && !p.kv_cache && hd <= 128)

@@ -35,3 +35,47 @@ struct DecodeTile {
 };
 
 }  // namespace hipflash::decode
+
+namespace hipflash::decode {
+
+/// The head-group decode tile (fwd_decode_heads_kernel): every kv head of a batch — up to kHeads
+/// — in one block, a warp a head, so that with the heads adjacent in memory ([B, Sk, Hkv, D]:
+/// FlashAttention's and vLLM's KV cache) a stage's loads read whole key rows, the cache front
+/// to back, where a block per kv head reads a 1/Hkv slice of every row. Each warp owns its
+/// head's 16 query rows (the packed GQA heads) and every key of a stage: no cross-warp merge.
+template <int kHeadDim_>
+struct DecodeHeadsTile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 16;  ///< query rows per head (one MMA tile)
+  static constexpr int kHeads = 8;    ///< kv heads per block, a warp each
+  static constexpr int kNWarps = kHeads;
+  static constexpr int kBlockN = 16;  ///< keys of every head per stage (one P V k-step)
+  static constexpr int kThreads = kNWarps * 32;
+  static constexpr int kChunks = kHeadDim / 8;   ///< 16-byte chunks per row
+  static constexpr int kDSteps = kHeadDim / 16;  ///< k-steps of Q K^T
+  static constexpr int kDTiles = kHeadDim / 8;   ///< 8-column output tiles
+  /// A stage's loads: thread t copies chunk t % kChunks of head (t / kChunks) % kHeads, key rows
+  /// kKeyStep apart from row t / (kChunks * kHeads) — consecutive threads, consecutive 16-byte
+  /// chunks of one key row across the heads.
+  static constexpr int kKeyStep = kThreads / (kChunks * kHeads);
+  static constexpr int kCopiesPerThread = kBlockN / kKeyStep;
+  static constexpr int kHeadTile = kBlockN * kHeadDim;  ///< one head's K (or V) tile, elements
+  static constexpr int kSmemKV = kHeads * kHeadTile;     ///< a stage's K (or V), every head
+  static constexpr int kSmemStage = 2 * kSmemKV;
+  /// K+V bytes per stage: 32 KiB (hd64), 64 KiB (hd128); three stages, in flight two.
+  static constexpr int kStages = 3;
+  /// Q (every head's 16 rows) is loaded into the last stage, which the ring first fills after
+  /// every warp has read its Q into registers.
+  static constexpr int kSmemQ = kHeads * kBlockM * kHeadDim;
+  static constexpr int kSmemBytes = kStages * kSmemStage * 2;
+  /// Resident blocks per SM (228 KiB of shared memory on sm_90, 1 KiB reserved per block; the
+  /// selector gives the kernel to sm_90 only).
+  static constexpr int kMinBlocks = 228 * 1024 / (kSmemBytes + 1024);
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (the selector's rule)");
+  static_assert(kThreads % (kChunks * kHeads) == 0 && kBlockN % kKeyStep == 0,
+                "whole key rows per pass of the block's threads");
+  static_assert(kSmemQ <= kSmemStage, "Q fits in one stage");
+  static_assert(kMinBlocks >= 1, "one block's ring fits on an SM");
+};
+
+}  // namespace hipflash::decode

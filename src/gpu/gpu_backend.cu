@@ -93,6 +93,12 @@ BuildCaps build_caps() {
     const char* ws_off = std::getenv("HIPFLASH_DISABLE_SM90_WS");
     c.sm90_ws = c.sm90 && !(ws_off && ws_off[0] == '1');
 #endif  // HIPFLASH_HAS_SM90_KERNELS
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+    // HIPFLASH_DECODE_HEADS=1 gives packed GQA decode to the head-group decode kernel (opt-in
+    // until the H200 has measured it against the decode kernel).
+    const char* heads_on = std::getenv("HIPFLASH_DECODE_HEADS");
+    c.decode_heads = heads_on && heads_on[0] == '1';
+#endif  // HIPFLASH_PLATFORM_NVIDIA
 #if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
     // HIPFLASH_DISABLE_DUALWAVE=1 hides them, so that gfx950 runs the generic kernel.
     const char* dw_off = std::getenv("HIPFLASH_DISABLE_DUALWAVE");
@@ -184,6 +190,16 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
          : hd == 128 ? shape_of<decode::DecodeTile<128>>(2)
          : shape_of<decode::DecodeTile<256>>(1);
   }
+  if (kind == KernelKind::decode_heads) {  // head dims 64 and 128 (the selector's rule)
+    HIPFLASH_CHECK(hd <= 128, "the head-group decode kernel has no tile for head dim ", hd);
+    auto heads = [](auto tile) {
+      using Tile = decltype(tile);
+      TileShape s = shape_of<Tile>(Tile::kMinBlocks);
+      s.heads_per_block = Tile::kHeads;
+      return s;
+    };
+    return hd == 64 ? heads(decode::DecodeHeadsTile<64>{}) : heads(decode::DecodeHeadsTile<128>{});
+  }
 #endif  // HIPFLASH_PLATFORM_NVIDIA
 #if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
   if (kind == KernelKind::gfx950_dualwave && hd <= 128)  // one 512-thread block per CU
@@ -252,6 +268,12 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
                 case KernelKind::generic: launch_generic_fwd<Traits>(p, stream); break;
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
                 case KernelKind::decode: launch_decode_fwd<Traits>(p, stream); break;
+                case KernelKind::decode_heads:
+                  if constexpr (kHD <= 128) {
+                    launch_decode_heads_fwd<Traits>(p, stream);
+                    break;
+                  }
+                  throw not_built();
 #endif  // HIPFLASH_PLATFORM_NVIDIA
 #if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
                 case KernelKind::gfx950_dualwave:

@@ -19,6 +19,11 @@ void launch_generic_fwd(const FwdParams& p, port::stream_t stream);
 template <class Traits>
 void launch_decode_fwd(const FwdParams& p, port::stream_t stream);
 
+/// Launches decode::fwd_decode_heads_kernel<Traits>: packed GQA decode, every kv head of a batch
+/// in one block (NVIDIA builds only; head dims 64 and 128; see kernels/decode).
+template <class Traits>
+void launch_decode_heads_fwd(const FwdParams& p, port::stream_t stream);
+
 /// Launches sm90::fwd_sm90_kernel<Traits> (CUDA builds with sm_90a; see kernels/sm90).
 template <class Traits>
 void launch_sm90_fwd(const FwdParams& p, port::stream_t stream);
@@ -53,7 +58,7 @@ void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stre
 }  // namespace hipflash::gpu
 
 /// Explicit instantiations of every flag combination of one (launcher, dtype, padded head dim),
-/// LAUNCHER one of launch_generic_fwd, launch_decode_fwd, launch_sm90_fwd. split-K kernels always
+/// LAUNCHER one of launch_generic_fwd, launch_decode_fwd, launch_decode_heads_fwd, launch_sm90_fwd. split-K kernels always
 /// write partial LSE, so the split variants take kReturnLse = false (folded).
 #define HIPFLASH_INSTANTIATE_FWD(LAUNCHER, DT, HD)                                             \
   namespace hipflash::gpu {                                                                    \

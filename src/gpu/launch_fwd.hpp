@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "backend.hpp"  // device_arch
 #include "gpu/device_guard.hpp"
@@ -29,8 +30,17 @@ void set_smem_once_per_device(int bytes, const char* name) {
   });
 }
 
+/// Heads one work tile covers: Tile::kHeads where the tile has it (the head-group decode
+/// kernel: every kv head of a batch), else one.
+template <class Tile, class = void>
+struct HeadsPerTile : std::integral_constant<int, 1> {};
+template <class Tile>
+struct HeadsPerTile<Tile, std::void_t<decltype(Tile::kHeads)>>
+    : std::integral_constant<int, Tile::kHeads> {};
+
 /// The one launch path of the forward kernels. `Launch` is a kernel's launch traits:
-///   Tile       kBlockM (query rows per work tile), kThreads, kSmemBytes (dynamic shared memory)
+///   Tile       kBlockM (query rows per work tile), kThreads, kSmemBytes (dynamic shared memory),
+///              optionally kHeads (heads per work tile, HeadsPerTile; else one)
 ///   Scheduler  the map from the grid to work tiles (kernels/common/scheduler.hpp), the same
 ///              type the kernel runs its tiles with
 ///   kKernel    the __global__ function, called as kKernel(p, num_m_blocks)
@@ -43,7 +53,9 @@ template <class Launch>
 void launch_fwd(const FwdParams& p, port::stream_t stream) {
   using Tile = typename Launch::Tile;
   const int64_t num_m_blocks = (p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  const int64_t tiles = num_m_blocks * p.num_splits * p.heads_q * p.batch;
+  constexpr int kHeadsPerTile = HeadsPerTile<Tile>::value;
+  const int64_t head_tiles = (p.heads_q + kHeadsPerTile - 1) / kHeadsPerTile;
+  const int64_t tiles = num_m_blocks * p.num_splits * head_tiles * p.batch;
   int64_t slots = 0;  // blocks resident at once: only a persistent grid is sized by them
   if constexpr (Launch::Scheduler::kPersistent) {
     int device = 0;

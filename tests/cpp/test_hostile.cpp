@@ -48,6 +48,24 @@ TEST(CpuWindow, BoundsBeyondTheSequenceSaturate) {
     EXPECT_TRUE(t.out.bitwise_equal(plain.out)) << left << ", " << right;
     EXPECT_TRUE(t.lse.bitwise_equal(plain.lse)) << left << ", " << right;
   }
+  // The exact bounds: left Sk - 1 and right Sq - 1 reach every key of every row (bottom-right
+  // aligned); one less masks a key of the last (first) row.
+  {
+    Dense t = small();
+    t.opts.window_left = 149;
+    t.opts.window_right = 36;
+    t.run();
+    EXPECT_TRUE(t.out.bitwise_equal(plain.out));
+    EXPECT_TRUE(t.lse.bitwise_equal(plain.lse));
+  }
+  for (auto [left, right] : {std::pair{int64_t(148), int64_t(-1)}, {int64_t(-1), int64_t(35)}}) {
+    Dense t = small();
+    t.opts.window_left = left;
+    t.opts.window_right = right;
+    t.run();
+    EXPECT_FALSE(t.lse.bitwise_equal(plain.lse)) << left << ", " << right << " masks a key";
+    EXPECT_REF_OK(t.check());
+  }
   // Causal with an unbounded-in-effect left bound is plain causal.
   Dense causal = small();
   causal.opts.causal = true;
@@ -58,6 +76,19 @@ TEST(CpuWindow, BoundsBeyondTheSequenceSaturate) {
   t.run();
   EXPECT_TRUE(t.out.bitwise_equal(causal.out));
   EXPECT_REF_OK(t.check());
+}
+
+TEST(CpuWindow, CausalDecodeIsUnmasked) {
+  // One query row, bottom-right aligned: causal sees every key (and the GPU launcher packs
+  // the call's GQA heads as for a non-causal one).
+  auto decode = [](bool causal) {
+    Dense t = make_dense({DType::bf16, 2, 1, 300, 8, 2, 128, causal, -1, -1, 1}, 5);
+    t.run();
+    return t;
+  };
+  const Dense plain = decode(false), causal = decode(true);
+  EXPECT_TRUE(causal.out.bitwise_equal(plain.out));
+  EXPECT_TRUE(causal.lse.bitwise_equal(plain.lse));
 }
 
 void expect_invalid(const std::string& substr, const std::function<void()>& call) {

@@ -94,6 +94,23 @@ TEST(Selector, FewQueryRowsTakeTheDecodeKernelOnNvidia) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::decode), "decode");
 }
 
+TEST(Selector, PackedGqaDecodeTakesTheHeadGroupKernelWhereEnabled) {
+  BuildCaps on = kCuda;
+  on.decode_heads = true;
+  for (int d : {32, 64, 96, 128, 256}) {
+    Problem p = problem(DType::bf16, d);
+    p.query_rows = 4;
+    p.gqa_decode = true;
+    const KernelKind want = d <= 128 ? KernelKind::decode_heads : KernelKind::decode;
+    EXPECT_EQ(select_kernel(p, kSm90, on).kind, want) << d;
+    EXPECT_EQ(select_kernel(p, kSm80, on).kind, KernelKind::decode) << d << ": sm_90's memory";
+    EXPECT_EQ(select_kernel(p, kSm90, kCuda).kind, KernelKind::decode) << d << ": opt-in";
+    p.gqa_decode = false;  // decode rows that are not packed GQA heads
+    EXPECT_EQ(select_kernel(p, kSm90, on).kind, KernelKind::decode) << d;
+  }
+  EXPECT_STREQ(kernel_kind_name(KernelKind::decode_heads), "decode_heads");
+}
+
 TEST(Selector, HopperTakesTheWgmmaKernelWhereBuilt) {
   BuildCaps with_sm90 = kCuda;
   with_sm90.sm90 = true;

@@ -38,6 +38,7 @@ enum class KernelKind : int {
   cpu_reference,    ///< the CPU backend
   generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
   decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
+  decode_heads,     ///< kernels/decode: packed GQA decode, a block per batch's kv heads (opt-in)
   sm90,             ///< kernels/sm90: wgmma with cp.async (sm_90a), head dims <= 128
   sm90_ws,          ///< kernels/sm90_ws: TMA + warp-specialised wgmma (sm_90a), dense calls
   gfx950_dualwave,  ///< kernels/gfx950: 256-row blocks, two waves per SIMD (compile-checked only)
@@ -65,6 +66,9 @@ struct Problem {
   /// Query rows per (batch, head) as the kernel sees them: Sq (max_seqlen_q for varlen), or
   /// Hq / Hkv for GQA decode, whose query heads are packed into the rows of one block.
   int64_t query_rows = 128;
+  /// GQA decode whose query heads the GPU launcher packs into query rows (FwdParams::
+  /// packs_gqa_decode: one query row, no window, not varlen, Hq > Hkv).
+  bool gqa_decode = false;
 };
 
 /// Problems with at most this many query rows per (batch, head) take the decode kernel
@@ -79,6 +83,9 @@ struct BuildCaps {
   bool sm90 = false;             ///< the sm90 kernels were built (CUDA with sm_90a)
   bool sm90_ws = false;          ///< the warp-specialised sm90 kernels were built (same)
   bool dualwave = false;         ///< the gfx950 dualwave kernels were built (HIP with gfx950)
+  /// The head-group decode kernel takes packed GQA decode calls (CUDA builds, opt-in while it
+  /// is measured: HIPFLASH_DECODE_HEADS=1; docs/perf-notes.md).
+  bool decode_heads = false;
 };
 
 struct Selection {

@@ -1,0 +1,43 @@
+// hipflash — the one place that launches the head-group decode forward kernel. Included only by
+// the generated instantiation TUs (see launch_api.hpp).
+#pragma once
+
+#include "decode/fwd_decode_heads_kernel.hpp"
+#include "gpu/launch_fwd.hpp"
+#include "hipflash/detail/selector.hpp"
+
+namespace hipflash::gpu {
+
+/// The head-group decode kernel's launch traits (kPaged: the instantiation reading a paged KV
+/// cache).
+template <class Traits, bool kPaged>
+struct DecodeHeadsLaunch : NoPrepare {
+  using Tile = decode::DecodeHeadsTile<Traits::kHeadDim>;
+  using Scheduler = decode::HeadsScheduler;
+  static constexpr auto kKernel = decode::fwd_decode_heads_kernel<Traits, kPaged>;
+  static constexpr const char* kName =
+      kPaged ? "head-group decode (paged KV cache)" : "head-group decode";
+  static_assert(Tile::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
+};
+
+/// The selector gives this kernel packed GQA decode calls only (one query row, no window, head
+/// dims 64 and 128): the other instantiations the TU's flag combinations ask for refuse.
+template <class Traits>
+void launch_decode_heads_fwd(const FwdParams& p, port::stream_t stream) {
+  if constexpr (Traits::kMasked || Traits::kHeadDim > 128) {
+    (void)stream;
+    HIPFLASH_CHECK_AS(runtime_error, false, "the head-group decode kernel takes unmasked calls at "
+                      "head dims 64 and 128 only (the selector's rule), got head dim ",
+                      p.head_dim, p.has_window() ? " with a window" : "");
+  } else {
+    HIPFLASH_CHECK_AS(runtime_error, p.seqlen_q <= kDecodeMaxRows && !p.has_window(),
+                      "the head-group decode kernel takes packed GQA decode calls only (the "
+                      "selector's rule)");
+    if (p.block_table != nullptr)
+      launch_fwd<DecodeHeadsLaunch<Traits, true>>(p, stream);
+    else
+      launch_fwd<DecodeHeadsLaunch<Traits, false>>(p, stream);
+  }
+}
+
+}  // namespace hipflash::gpu
