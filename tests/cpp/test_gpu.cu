@@ -186,6 +186,11 @@ std::vector<Case> decode() {
   std::vector<Case> v;
   for (int64_t sq : {1, 3, 16}) v.push_back({DType::bf16, 2, sq, 4097, 32, 8, 128, true, -1, -1, 0});
   for (int64_t sq : {1, 16}) v.push_back({DType::f16, 1, sq, 100000, 16, 2, 128, sq > 1, -1, -1, 0});
+  // More kv heads than the head-group decode kernel's eight a block (HIPFLASH_DECODE_HEADS=1):
+  // two whole groups, a partial one, a key count ending inside a 16-key stage; split or not.
+  v.push_back({DType::bf16, 3, 1, 5001, 32, 16, 128, false, -1, -1, 0});
+  v.push_back({DType::f16, 2, 1, 333, 48, 12, 64, true, -1, -1, 3});
+  v.push_back({DType::bf16, 1, 1, 70000, 40, 10, 128, false, -1, -1, 1});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Decode, GpuForward, ::testing::ValuesIn(decode()), case_name);
