@@ -20,6 +20,7 @@
 #include "common/scheduler.hpp"
 #include "common/softmax.hpp"
 #include "decode/decode_tile.hpp"
+#include "decode/warp_keys.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/params.hpp"
 
@@ -143,10 +144,7 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
   // ldmatrix lane roles as in the decode kernel, within the warp's own head tile.
   const uint32_t q_row = smem_addr(sQ) + (lane % 16) * kRowBytes;
   const uint32_t q_x = ((lane / 16) ^ (lane % 8)) * 16;
-  const uint32_t k_off = (lane % 8 + (lane / 16) * 8) * kRowBytes;
-  const uint32_t k_x = (((lane / 8) % 2) ^ (lane % 8)) * 16;
-  const uint32_t v_off = (lane % 16) * kRowBytes;
-  const uint32_t v_x = ((lane / 16) ^ (lane % 8)) * 16;
+  const WarpKeyLanes<kRowBytes> lanes(lane, 0);
 
   for (int i = 0; i < num_n; ++i) {
     cp_async_wait<kStages - 2>();
@@ -160,44 +158,16 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
 
     const uint32_t sK =
         smem_addr(sRing + (i % kStages) * Cfg::kSmemStage + warp * Cfg::kHeadTile);
-    const uint32_t sV = sK + Cfg::kSmemKV * 2;
-    float S[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int ks = 0; ks < Cfg::kDSteps; ++ks) {
-      uint32_t bq[4];
-      ldmatrix_x4(bq, sK + k_off + ((ks * 32) ^ k_x));
-      mma<kDT>(S[0][0], S[0][1], S[1][0], S[1][1], qf[ks], bq[0], bq[1]);
-      mma<kDT>(S[0][2], S[0][3], S[1][2], S[1][3], qf[ks], bq[2], bq[3]);
-    }
     const int n = n_begin + i;
-    if (bi.needs_mask(p, n, false)) {  // the sequence's last, partial key block
+    warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
+                             [&](float (&S)[2][4]) {
+      if (!bi.needs_mask(p, n, false)) return;  // the sequence's last, partial key block
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int64_t j = int64_t(n) * kBN + (c / 2) * 8 + 2 * t + c % 2;
-          if (j >= bi.len_k) S[r][c] = detail::kNegInf;
-        }
-    }
-    float rescale[2];
-    softmax.update(S, scale_log2, rescale);
-    // Every factor 1 once the maxima settle: skip the multiplies (the decode kernel's rule).
-    if (!port::all_lanes(rescale[0] == 1.f && rescale[1] == 1.f)) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
-    }
-    const uint32_t a[4] = {pack2<kDT>(S[0][0], S[0][1]), pack2<kDT>(S[1][0], S[1][1]),
-                           pack2<kDT>(S[0][2], S[0][3]), pack2<kDT>(S[1][2], S[1][3])};
-#pragma unroll
-    for (int dp = 0; dp < Cfg::kDTiles / 2; ++dp) {
-      uint32_t bv[4];
-      ldmatrix_x4_trans(bv, sV + v_off + ((dp * 32) ^ v_x));
-      mma<kDT>(O[0][4 * dp], O[0][4 * dp + 1], O[1][4 * dp], O[1][4 * dp + 1], a, bv[0], bv[1]);
-      mma<kDT>(O[0][4 * dp + 2], O[0][4 * dp + 3], O[1][4 * dp + 2], O[1][4 * dp + 3], a, bv[2],
-               bv[3]);
-    }
+        for (int c = 0; c < 4; ++c)
+          if (int64_t(n) * kBN + (c / 2) * 8 + 2 * t + c % 2 >= bi.len_k) S[r][c] = detail::kNegInf;
+    });
   }
   softmax.finalize();
   cp_async_wait<0>();  // no copy outlives the block (the ring's last, empty groups)

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "decode/decode_tile.hpp"
+#include "decode/warp_keys.hpp"
 #include "atoms/sm80.hpp"
 #include "common/block_info.hpp"
 #include "common/element.hpp"
@@ -85,10 +86,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
   const uint32_t q_row = smem_addr(sQ) + (lane % 16) * kRowBytes;
   const uint32_t q_x = ((lane / 16) ^ (lane % 8)) * 16;
-  const uint32_t k_off = (warp * Cfg::kWarpKeys + lane % 8 + (lane / 16) * 8) * kRowBytes;
-  const uint32_t k_x = (((lane / 8) % 2) ^ (lane % 8)) * 16;
-  const uint32_t v_off = (warp * Cfg::kWarpKeys + lane % 16) * kRowBytes;
-  const uint32_t v_x = ((lane / 16) ^ (lane % 8)) * 16;
+  const WarpKeyLanes<kRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
 
   for (int i = 0; i < num_n; ++i) {
     cp_async_wait<kStages - 2>();
@@ -100,17 +98,10 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     load_kv(i + kStages - 1);  // into the stage block i - 1 used
 
     const uint32_t sK = smem_addr(sRing + (i % kStages) * Cfg::kSmemStage);
-    const uint32_t sV = sK + Cfg::kSmemKV * 2;
-    float S[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int ks = 0; ks < Cfg::kDSteps; ++ks) {
-      uint32_t b[4];
-      ldmatrix_x4(b, sK + k_off + ((ks * 32) ^ k_x));
-      mma<kDT>(S[0][0], S[0][1], S[1][0], S[1][1], qf[ks], b[0], b[1]);
-      mma<kDT>(S[0][2], S[0][3], S[1][2], S[1][3], qf[ks], b[2], b[3]);
-    }
     const int n = n_begin + i;
-    if (bi.needs_mask(p, n, Traits::kMasked)) {
+    warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
+                             [&](float (&S)[2][4]) {
+      if (!bi.needs_mask(p, n, Traits::kMasked)) return;
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -119,30 +110,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
           if (!Info::key_valid(p, m0 + g + 8 * r, j, bi.len_k, bi.diag, Traits::kMasked))
             S[r][c] = detail::kNegInf;
         }
-    }
-    float rescale[2];
-    softmax.update(S, scale_log2, rescale);
-    // Once the running maxima settle (a few blocks into a long key range) every factor is
-    // exactly 1: the warp skips its 4 * kDTiles multiplies — the loop is issue-bound — with
-    // the same O (NaN and 0 factors still multiply; under fast math a multiply by 1 would
-    // flush a subnormal accumulator to 0, which the skip keeps: both are within rounding).
-    if (!port::all_lanes(rescale[0] == 1.f && rescale[1] == 1.f)) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
-    }
-    // The C fragment of the two 8-key score tiles is the A fragment of one 16-key step.
-    const uint32_t a[4] = {pack2<kDT>(S[0][0], S[0][1]), pack2<kDT>(S[1][0], S[1][1]),
-                           pack2<kDT>(S[0][2], S[0][3]), pack2<kDT>(S[1][2], S[1][3])};
-#pragma unroll
-    for (int dp = 0; dp < Cfg::kDTiles / 2; ++dp) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sV + v_off + ((dp * 32) ^ v_x));
-      mma<kDT>(O[0][4 * dp], O[0][4 * dp + 1], O[1][4 * dp], O[1][4 * dp + 1], a, b[0], b[1]);
-      mma<kDT>(O[0][4 * dp + 2], O[0][4 * dp + 3], O[1][4 * dp + 2], O[1][4 * dp + 3], a, b[2],
-               b[3]);
-    }
+    });
   }
   softmax.finalize();
 
