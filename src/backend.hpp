@@ -105,6 +105,10 @@ void run_kvcache_append(const FwdParams& p, const TensorRef& k_new, const Tensor
 /// build has no such kernel.
 struct TileShape {
   int block_m = 0, block_n = 0, blocks_per_sm = 0, heads_per_block = 1;
+  /// Keys the split heuristic counts as one block (its floor: four a split), if more than
+  /// block_n: the head-group decode kernel's 16-key stages would allow splits of 64 keys,
+  /// mostly its ring's fill.
+  int split_block_n = 0;
 };
 TileShape tile_shape(KernelKind kind, int padded_head_dim, bool masked);
 

@@ -205,6 +205,7 @@ Problem make_problem(const FwdParams& p) {
   prob.tma_compatible = tma_describable(p);
   prob.kv_cache = p.is_kvcache();
   prob.gqa_decode = p.packs_gqa_decode();
+  prob.heads_kv = p.heads_kv;
   return prob;
 }
 
@@ -219,11 +220,12 @@ int resolve_splits(const FwdParams& p, int requested, const gpu::TileShape& tile
   if (tile.block_n <= 0 || tile.block_m <= 0) return 1;
   const int64_t key_blocks = ceil_div(sk, tile.block_n);
   if (requested > 0) return int(std::min<int64_t>(requested, std::max<int64_t>(key_blocks, 1)));
+  const int64_t split_blocks = ceil_div(sk, std::max(tile.block_n, tile.split_block_n));
   const int64_t heads =
       gpu ? ceil_div(p.gpu_heads(), std::max(tile.heads_per_block, 1)) : p.heads_q;
   const int64_t rows = gpu ? p.gpu_query_rows() : p.seqlen_q;
   const int64_t work = p.batch * heads * ceil_div(rows, tile.block_m);
-  return num_splits_heuristic(work, processors, tile.blocks_per_sm, key_blocks);
+  return num_splits_heuristic(work, processors, tile.blocks_per_sm, split_blocks);
 }
 
 /// The kernel a call runs on, on which device, and its resolved split count.

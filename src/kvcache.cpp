@@ -252,8 +252,9 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     p.block_table_stride = block_table->strides[0];
     p.page_shift = log2_of(page);
   }
-  // The window saturates against the capacity (the paged view above had no keys).
-  p.window_left = opts.window_left >= capacity ? -1 : opts.window_left;
+  // The window saturates against the capacity (the paged view above had no keys): no sequence
+  // has more keys, so a left bound of capacity - 1 reaches every key (fill_window's rule).
+  p.window_left = opts.window_left >= capacity - 1 ? -1 : opts.window_left;
   check_forward_plan(p, opts, q.loc);  // what would stop the forward stops the append too
   if (k_new && s_new > 0 && gpu) {
     gpu::run_kvcache_append(p, *k_new, *v_new, q.loc.index, stream);

@@ -72,10 +72,12 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // head dim 128 (varlen, odd strides), where they were built, and everything else the
     // generic mma.sync kernel. A KV cache is read only by the decode and generic loaders
     // (common::PagedRows, a compile-time choice of theirs): such calls never take an sm90 kernel.
-    // Packed GQA decode takes the head-group decode kernel where it is enabled, on sm_90 at
-    // head dims 64 and 128 (its ring: 192 KiB of shared memory at 128, more than sm_8x gives).
+    // Packed GQA decode with eight kv heads or more takes the head-group decode kernel where
+    // it is enabled, on sm_90 at head dims 64 and 128 (its ring: 192 KiB of shared memory at
+    // 128, more than sm_8x gives).
     if (p.query_rows <= kDecodeMaxRows)
-      sel.kind = caps.decode_heads && p.gqa_decode && hd <= 128 && arch.version == 90
+      sel.kind = caps.decode_heads && p.gqa_decode && p.heads_kv >= kDecodeHeadsPerBlock &&
+                         hd <= 128 && arch.version == 90
                      ? KernelKind::decode_heads
                      : KernelKind::decode;
     else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible)

@@ -89,8 +89,10 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
   const int64_t rest = tile / p.num_splits;
   const int group = int(rest % groups);
   const int64_t b = rest / groups;
-  // This warp's head, and the head this thread copies (heads past the call's: clamped to a
-  // real one for the addresses, their work and copies predicated off).
+  // This warp's head, and the head this thread copies. Heads past the call's (a last, partial
+  // group) are clamped to a real one for the addresses: their copies zero-fill, their warps
+  // compute on the zeros and store nothing (the selector gives the kernel calls with at least
+  // one whole group).
   const int first = group * Cfg::kHeads;
   const int mine = first + warp, copied = first + (int(threadIdx.x) / Cfg::kChunks) % Cfg::kHeads;
   const bool mine_ok = mine < heads, copied_ok = copied < heads;

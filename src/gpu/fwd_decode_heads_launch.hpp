@@ -18,6 +18,7 @@ struct DecodeHeadsLaunch : NoPrepare {
   static constexpr const char* kName =
       kPaged ? "head-group decode (paged KV cache)" : "head-group decode";
   static_assert(Tile::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
+  static_assert(Tile::kHeads == kDecodeHeadsPerBlock, "the selector's kv-head bound is the group");
 };
 
 /// The selector gives this kernel packed GQA decode calls only (one query row, no window, head
@@ -30,7 +31,10 @@ void launch_decode_heads_fwd(const FwdParams& p, port::stream_t stream) {
                       "head dims 64 and 128 only (the selector's rule), got head dim ",
                       p.head_dim, p.has_window() ? " with a window" : "");
   } else {
-    HIPFLASH_CHECK_AS(runtime_error, p.seqlen_q <= kDecodeMaxRows && !p.has_window(),
+    // Packed (gpu_backend.cu's pack_gqa_decode): a kv head's query heads are its rows, so the
+    // call's heads are the kv heads the kernel's warps take.
+    HIPFLASH_CHECK_AS(runtime_error,
+                      p.seqlen_q <= kDecodeMaxRows && !p.has_window() && p.heads_q == p.heads_kv,
                       "the head-group decode kernel takes packed GQA decode calls only (the "
                       "selector's rule)");
     if (p.block_table != nullptr)

@@ -196,6 +196,7 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
       using Tile = decltype(tile);
       TileShape s = shape_of<Tile>(Tile::kMinBlocks);
       s.heads_per_block = Tile::kHeads;
+      s.split_block_n = decode::DecodeTile<Tile::kHeadDim>::kBlockN;  // the decode kernel's 64
       return s;
     };
     return hd == 64 ? heads(decode::DecodeHeadsTile<64>{}) : heads(decode::DecodeHeadsTile<128>{});

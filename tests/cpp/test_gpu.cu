@@ -245,6 +245,19 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
     run_gpu(t);
     EXPECT_EQ(last_kernel_name().rfind(kind, 0), 0u) << last_kernel_name() << " for Sq=" << sq;
   }
+  // Packed GQA decode with eight kv heads or more: the head-group decode kernel on sm_90 where
+  // HIPFLASH_DECODE_HEADS=1 switches it on (head dims 64 and 128), else the decode kernel.
+  const bool heads = major * 10 + minor == 90 && env_on("HIPFLASH_DECODE_HEADS");
+  for (auto [hq, hkv, d] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 128}, {48, 12, 64},
+                            {32, 16, 256}, {8, 2, 128}}) {
+    Dense t = make({DType::bf16, 2, 1, 300, hq, hkv, d, false, -1, -1, 0});
+    run_gpu(t);
+    const bool want = heads && d <= 128 && hkv >= 8;
+    EXPECT_EQ(last_kernel_name().rfind(want ? "fwd_decode_heads_" : "fwd_decode_", 0), 0u)
+        << last_kernel_name() << " for " << hq << "/" << hkv << " d" << d;
+    if (!want) EXPECT_EQ(last_kernel_name().rfind("fwd_decode_heads_", 0), std::string::npos);
+    EXPECT_REF_OK(check_rows(t)) << last_kernel_name();
+  }
 }
 
 TEST_F(Gpu, LongRowTileIsNamed) {

@@ -101,6 +101,9 @@ TEST(Selector, PackedGqaDecodeTakesTheHeadGroupKernelWhereEnabled) {
     Problem p = problem(DType::bf16, d);
     p.query_rows = 4;
     p.gqa_decode = true;
+    p.heads_kv = 4;  // fewer kv heads than a group: the decode kernel
+    EXPECT_EQ(select_kernel(p, kSm90, on).kind, KernelKind::decode) << d;
+    p.heads_kv = kDecodeHeadsPerBlock;
     const KernelKind want = d <= 128 ? KernelKind::decode_heads : KernelKind::decode;
     EXPECT_EQ(select_kernel(p, kSm90, on).kind, want) << d;
     EXPECT_EQ(select_kernel(p, kSm80, on).kind, KernelKind::decode) << d << ": sm_90's memory";

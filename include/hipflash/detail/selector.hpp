@@ -69,11 +69,16 @@ struct Problem {
   /// GQA decode whose query heads the GPU launcher packs into query rows (FwdParams::
   /// packs_gqa_decode: one query row, no window, not varlen, Hq > Hkv).
   bool gqa_decode = false;
+  int64_t heads_kv = 1;  ///< kv heads (the head-group decode kernel's groups)
 };
 
 /// Problems with at most this many query rows per (batch, head) take the decode kernel
 /// (its query block; checked against the kernel's tile where it is launched).
 inline constexpr int64_t kDecodeMaxRows = 16;
+
+/// Packed GQA decode with at least this many kv heads may take the head-group decode kernel
+/// (its block: eight kv heads, a warp each; with fewer, warps would compute on zeros).
+inline constexpr int64_t kDecodeHeadsPerBlock = 8;
 
 /// What this build contains (from CMake options).
 struct BuildCaps {
