@@ -136,24 +136,19 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
 
   uint32_t qf[Cfg::kDSteps][4];  // Q as the A operand, loaded once
   float O[2][2 * Cfg::kDTiles];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] = 0.f;
+  zero_rows<Cfg::kDTiles>(O);
   common::RowSoftmax<2> softmax;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
   // ldmatrix lane roles as in the decode kernel, within the warp's own head tile.
-  const uint32_t q_row = smem_addr(sQ) + (lane % 16) * kRowBytes;
-  const uint32_t q_x = ((lane / 16) ^ (lane % 8)) * 16;
+  const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);
   const WarpKeyLanes<kRowBytes> lanes(lane, 0);
 
   for (int i = 0; i < num_n; ++i) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // block i landed; every warp is done with block i - 1's stage
     if (i == 0) {
-#pragma unroll
-      for (int ks = 0; ks < Cfg::kDSteps; ++ks) ldmatrix_x4(qf[ks], q_row + ((ks * 32) ^ q_x));
+      q_lanes.load(qf);
       __syncthreads();  // every warp holds its Q: the last stage may be refilled
     }
     load_kv(i + kStages - 1);  // into the stage block i - 1 used (the last one, for i = 0)

@@ -11,6 +11,29 @@ namespace hipflash::decode {
 
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
+/// A warp's O accumulator (its lane's part of 16 rows x kHeadDim), zeroed.
+template <int kDTiles>
+__device__ __forceinline__ void zero_rows(float (&O)[2][2 * kDTiles]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int c = 0; c < 2 * kDTiles; ++c) O[r][c] = 0.f;
+}
+
+/// A lane's ldmatrix roles for a warp's 16-row Q tile at shared address q_tile (swizzled
+/// [16][kChunks * 8]), whose A fragments `load` reads once.
+template <int kRowBytes>
+struct WarpQueryLanes {
+  uint32_t q_row, q_x;
+  __device__ __forceinline__ WarpQueryLanes(uint32_t q_tile, int lane)
+      : q_row(q_tile + (lane % 16) * kRowBytes), q_x(((lane / 16) ^ (lane % 8)) * 16) {}
+  template <int kDSteps>
+  __device__ __forceinline__ void load(uint32_t (&qf)[kDSteps][4]) const {
+#pragma unroll
+    for (int ks = 0; ks < kDSteps; ++ks) atom::sm80::ldmatrix_x4(qf[ks], q_row + ((ks * 32) ^ q_x));
+  }
+};
+
 /// A lane's ldmatrix roles for a warp's 16 K / V rows from `first_row` of a swizzled
 /// [rows][kChunks * 8] tile (rows == lane % 8 (mod 8) throughout, as the swizzle wants):
 /// byte offsets of its row and the XOR of its 16-byte column.

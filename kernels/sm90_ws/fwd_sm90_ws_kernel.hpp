@@ -45,6 +45,11 @@ struct alignas(64) TensorMap {
 #ifndef HIPFLASH_SM90WS_HD128_TMA_STORE  // a tuning hook: 1 stores hd128's staged rows by TMA too
 #define HIPFLASH_SM90WS_HD128_TMA_STORE 0
 #endif
+/// Head dims whose staged output rows go out by TMA (where the tile stages them apart from Q):
+/// out then gets a tensor map (the launcher) and the consumers a bulk store (Consumer).
+template <int kHeadDim>
+inline constexpr bool kOutByTma =
+    kHeadDim == 64 || (kHeadDim == 128 && HIPFLASH_SM90WS_HD128_TMA_STORE);
 /// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64]; at
 /// hd64 (and hd128 with HIPFLASH_SM90WS_HD128_TMA_STORE) also out's (boxes of a warpgroup's
 /// 64 rows), where one can describe it (o_ok).
@@ -319,8 +324,7 @@ struct Consumer {
   /// by its first thread, where out's map exists (o_ok); the LSEs by the threads as before
   /// (docs/perf-notes.md session 2026-12-01 (10): +2-4% at short hd64 rows, hd64 causal 512 +5%
   /// with LSE).
-  static constexpr bool kTmaStore = (kHD == 64 || (kHD == 128 && HIPFLASH_SM90WS_HD128_TMA_STORE))
-                                    && Cfg::kOwnStaging && !Traits::kSplit;
+  static constexpr bool kTmaStore = kOutByTma<kHD> && Cfg::kOwnStaging && !Traits::kSplit;
   static constexpr int kPanelRows = kTmaStore ? kBM : 0;  ///< the staged tile's layout
   __device__ __forceinline__ bool tma_store_on() const { return kTmaStore && maps.o_ok; }
   /// The staged rows from tile row `first` (this warpgroup's) by one bulk store per panel,

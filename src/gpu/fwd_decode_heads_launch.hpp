@@ -37,10 +37,7 @@ void launch_decode_heads_fwd(const FwdParams& p, port::stream_t stream) {
                       p.seqlen_q <= kDecodeMaxRows && !p.has_window() && p.heads_q == p.heads_kv,
                       "the head-group decode kernel takes packed GQA decode calls only (the "
                       "selector's rule)");
-    if (p.block_table != nullptr)
-      launch_fwd<DecodeHeadsLaunch<Traits, true>>(p, stream);
-    else
-      launch_fwd<DecodeHeadsLaunch<Traits, false>>(p, stream);
+    launch_fwd_paged_or_not<DecodeHeadsLaunch, Traits>(p, stream);
   }
 }
 

@@ -20,10 +20,7 @@ struct DecodeLaunch : NoPrepare {
 
 template <class Traits>
 void launch_decode_fwd(const FwdParams& p, port::stream_t stream) {
-  if (p.block_table != nullptr)
-    launch_fwd<DecodeLaunch<Traits, true>>(p, stream);
-  else
-    launch_fwd<DecodeLaunch<Traits, false>>(p, stream);
+  launch_fwd_paged_or_not<DecodeLaunch, Traits>(p, stream);
 }
 
 }  // namespace hipflash::gpu

@@ -19,15 +19,12 @@ struct GenericLaunch : NoPrepare {
 template <class Traits>
 void launch_generic_fwd(const FwdParams& p, port::stream_t stream) {
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
-  if (p.block_table != nullptr) {
-    launch_fwd<GenericLaunch<Traits, true>>(p, stream);
-    return;
-  }
+  launch_fwd_paged_or_not<GenericLaunch, Traits>(p, stream);
 #else
   HIPFLASH_CHECK_AS(not_implemented, p.block_table == nullptr,
                     "the AMD generic kernel does not read a paged KV cache");
-#endif  // HIPFLASH_PLATFORM_NVIDIA
   launch_fwd<GenericLaunch<Traits, false>>(p, stream);
+#endif  // HIPFLASH_PLATFORM_NVIDIA
 }
 
 }  // namespace hipflash::gpu

@@ -92,9 +92,7 @@ struct Sm90WsLaunch {
                               p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN);
     // hd64 (hd128 with its hook): out's map for the TMA store (a warpgroup's 64 rows a box),
     // where one describes it; else the consumers store the rows themselves (o_ok 0).
-    constexpr bool kOutMap =
-        Traits::kHeadDim == 64 || (Traits::kHeadDim == 128 && HIPFLASH_SM90WS_HD128_TMA_STORE);
-    if (kOutMap && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+    if (sm90ws::kOutByTma<Traits::kHeadDim> && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
         tma_strides_ok(dtype_size(p.dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
                        p.o_head_stride, p.batch, p.o_batch_stride)) {
       maps.o = tma_host::encode(p.out, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,

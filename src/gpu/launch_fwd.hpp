@@ -77,6 +77,16 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
     port::check(err, (std::string("launching the ") + Launch::kName + " forward kernel").c_str());
 }
 
+/// A kernel with an instantiation for a paged KV cache (Launch<Traits, true>: K and V through
+/// the block table) and one for contiguous K / V: the one the call needs.
+template <template <class, bool> class Launch, class Traits>
+void launch_fwd_paged_or_not(const FwdParams& p, port::stream_t stream) {
+  if (p.block_table != nullptr)
+    launch_fwd<Launch<Traits, true>>(p, stream);
+  else
+    launch_fwd<Launch<Traits, false>>(p, stream);
+}
+
 /// Launch traits whose kernel takes nothing beyond (p, num_m_blocks).
 struct NoPrepare {
   static std::tuple<> prepare(const FwdParams&, int64_t /*num_m_blocks*/, int64_t /*tiles*/) {
