@@ -723,9 +723,18 @@ def git_commit(arg):
     return sha + ("-dirty" if dirty else "")
 
 
+def command_line(environ=os.environ, argv=None):
+    """The command as run: the library's run-time switches (HIPFLASH_*, which change the kernels
+    it picks) in front of the interpreter and its arguments. HIPFLASH_COMMIT is recorded apart."""
+    switches = [f"{k}={v}" for k, v in sorted(environ.items())
+                if k.startswith("HIPFLASH_") and k != "HIPFLASH_COMMIT"]
+    words = [os.path.basename(sys.executable)] + (sys.argv if argv is None else argv)
+    return " ".join(shlex.quote(a) for a in switches + words)
+
+
 def collect_meta(args, device, hf_path):
     m = {"device": device, "suite": args.suite, "dtype": args.dtype,
-         "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv),
+         "command": command_line(),
          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
          "torch": torch.__version__, "python": platform.python_version(),
          "commit": git_commit(args.commit)}

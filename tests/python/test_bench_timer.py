@@ -95,3 +95,14 @@ def test_time_in_rounds_runs_the_cells_windows(rounds):
     st = t.time_in_rounds(lambda j: calls.append(j), 2)
     assert windows == [(1.0 / rounds, r == 0) for r in range(rounds)]
     assert st["time_ms"] >= 0 and set(calls) <= {0, 1}
+
+
+def test_the_recorded_command_carries_the_librarys_switches():
+    env = {"HIPFLASH_DECODE_HEADS": "1", "HIPFLASH_COMMIT": "abc", "PATH": "/bin",
+           "HIPFLASH_DISABLE_SM90_WS": "1"}
+    cmd = attn_bench.command_line(env, ["bench/attn_bench.py", "--suite", "decode"])
+    words = cmd.split()
+    assert words[:2] == ["HIPFLASH_DECODE_HEADS=1", "HIPFLASH_DISABLE_SM90_WS=1"]
+    assert words[-3:] == ["bench/attn_bench.py", "--suite", "decode"]
+    assert "HIPFLASH_COMMIT" not in cmd and "PATH" not in cmd
+    assert attn_bench.command_line({}, ["x.py"]).split()[1:] == ["x.py"]
