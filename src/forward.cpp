@@ -206,6 +206,8 @@ Problem make_problem(const FwdParams& p) {
   prob.kv_cache = p.is_kvcache();
   prob.gqa_decode = p.packs_gqa_decode();
   prob.heads_kv = p.heads_kv;
+  prob.batch = p.batch;
+  prob.keys = p.seqlen_k;
   return prob;
 }
 

@@ -31,6 +31,21 @@ const char* kernel_kind_name(KernelKind k) {
   return "unknown";
 }
 
+namespace {
+
+/// Packed GQA decode on the head-group decode kernel (`hd`: the padded head dim)?
+bool head_group_decode(const Problem& p, int hd, const Arch& arch, const BuildCaps& caps) {
+  if (caps.decode_heads == HeadGroupDecode::off || !p.gqa_decode ||
+      p.heads_kv < kDecodeHeadsPerBlock || hd > 128 || arch.version != 90)
+    return false;
+  if (caps.decode_heads == HeadGroupDecode::always) return true;
+  // Measured at hd128 only: hd64 runs it under HIPFLASH_DECODE_HEADS=1 alone.
+  const int64_t tiles = p.batch * ((p.heads_kv + kDecodeHeadsPerBlock - 1) / kDecodeHeadsPerBlock);
+  return hd == 128 && tiles >= kDecodeHeadsMinTiles && p.keys >= kDecodeHeadsMinKeys;
+}
+
+}  // namespace
+
 Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps) {
   Selection sel;
   const int hd = padded_head_dim(p.head_dim);
@@ -72,14 +87,13 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // head dim 128 (varlen, odd strides), where they were built, and everything else the
     // generic mma.sync kernel. A KV cache is read only by the decode and generic loaders
     // (common::PagedRows, a compile-time choice of theirs): such calls never take an sm90 kernel.
-    // Packed GQA decode with eight kv heads or more takes the head-group decode kernel where
-    // it is enabled, on sm_90 at head dims 64 and 128 (its ring: 192 KiB of shared memory at
-    // 128, more than sm_8x gives).
+    // Packed GQA decode with eight kv heads or more may take the head-group decode kernel, on
+    // sm_90 at head dims 64 and 128 (its ring: 192 KiB of shared memory at 128, more than sm_8x
+    // gives): where it was measured ahead by default (kDecodeHeadsMin*), every such call
+    // with HIPFLASH_DECODE_HEADS=1.
     if (p.query_rows <= kDecodeMaxRows)
-      sel.kind = caps.decode_heads && p.gqa_decode && p.heads_kv >= kDecodeHeadsPerBlock &&
-                         hd <= 128 && arch.version == 90
-                     ? KernelKind::decode_heads
-                     : KernelKind::decode;
+      sel.kind = head_group_decode(p, hd, arch, caps) ? KernelKind::decode_heads
+                                                      : KernelKind::decode;
     else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible)
       sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && !p.kv_cache && hd <= 128)

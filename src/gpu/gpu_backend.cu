@@ -94,10 +94,13 @@ BuildCaps build_caps() {
     c.sm90_ws = c.sm90 && !(ws_off && ws_off[0] == '1');
 #endif  // HIPFLASH_HAS_SM90_KERNELS
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
-    // HIPFLASH_DECODE_HEADS=1 gives packed GQA decode to the head-group decode kernel (opt-in
-    // until the H200 has measured it against the decode kernel).
-    const char* heads_on = std::getenv("HIPFLASH_DECODE_HEADS");
-    c.decode_heads = heads_on && heads_on[0] == '1';
+    // The head-group decode kernel takes the packed GQA decode calls where the H200 measured
+    // it ahead (the selector's kDecodeHeadsMin*); HIPFLASH_DECODE_HEADS=0 gives them all to the
+    // decode kernel, =1 every call it can run to it (tests, A/B runs).
+    const char* heads = std::getenv("HIPFLASH_DECODE_HEADS");
+    c.decode_heads = !heads || !heads[0] ? HeadGroupDecode::measured
+                     : heads[0] == '1'   ? HeadGroupDecode::always
+                                         : HeadGroupDecode::off;
 #endif  // HIPFLASH_PLATFORM_NVIDIA
 #if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
     // HIPFLASH_DISABLE_DUALWAVE=1 hides them, so that gfx950 runs the generic kernel.

@@ -186,7 +186,8 @@ std::vector<Case> decode() {
   std::vector<Case> v;
   for (int64_t sq : {1, 3, 16}) v.push_back({DType::bf16, 2, sq, 4097, 32, 8, 128, true, -1, -1, 0});
   for (int64_t sq : {1, 16}) v.push_back({DType::f16, 1, sq, 100000, 16, 2, 128, sq > 1, -1, -1, 0});
-  // More kv heads than the head-group decode kernel's eight a block (HIPFLASH_DECODE_HEADS=1):
+  // More kv heads than the head-group decode kernel's eight a block (HIPFLASH_DECODE_HEADS=1
+  // runs these on it):
   // two whole groups, a partial one, a key count ending inside a 16-key stage; split or not.
   v.push_back({DType::bf16, 3, 1, 5001, 32, 16, 128, false, -1, -1, 0});
   v.push_back({DType::f16, 2, 1, 333, 48, 12, 64, true, -1, -1, 3});
@@ -245,8 +246,10 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
     run_gpu(t);
     EXPECT_EQ(last_kernel_name().rfind(kind, 0), 0u) << last_kernel_name() << " for Sq=" << sq;
   }
-  // Packed GQA decode with eight kv heads or more: the head-group decode kernel on sm_90 where
-  // HIPFLASH_DECODE_HEADS=1 switches it on (head dims 64 and 128), else the decode kernel.
+  // Packed GQA decode with eight kv heads or more: the head-group decode kernel on sm_90 for
+  // every such call where HIPFLASH_DECODE_HEADS=1 (head dims 64 and 128), else the decode
+  // kernel for these 300-key calls (by default it takes only long ones, from 32k keys:
+  // tests/python/test_ops.py checks that choice on the GPU).
   const bool heads = major * 10 + minor == 90 && env_on("HIPFLASH_DECODE_HEADS");
   for (auto [hq, hkv, d] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 128}, {48, 12, 64},
                             {32, 16, 256}, {8, 2, 128}}) {

@@ -96,7 +96,7 @@ TEST(Selector, FewQueryRowsTakeTheDecodeKernelOnNvidia) {
 
 TEST(Selector, PackedGqaDecodeTakesTheHeadGroupKernelWhereEnabled) {
   BuildCaps on = kCuda;
-  on.decode_heads = true;
+  on.decode_heads = HeadGroupDecode::always;
   for (int d : {32, 64, 96, 128, 256}) {
     Problem p = problem(DType::bf16, d);
     p.query_rows = 4;
@@ -107,11 +107,46 @@ TEST(Selector, PackedGqaDecodeTakesTheHeadGroupKernelWhereEnabled) {
     const KernelKind want = d <= 128 ? KernelKind::decode_heads : KernelKind::decode;
     EXPECT_EQ(select_kernel(p, kSm90, on).kind, want) << d;
     EXPECT_EQ(select_kernel(p, kSm80, on).kind, KernelKind::decode) << d << ": sm_90's memory";
-    EXPECT_EQ(select_kernel(p, kSm90, kCuda).kind, KernelKind::decode) << d << ": opt-in";
+    EXPECT_EQ(select_kernel(p, kSm90, kCuda).kind, KernelKind::decode) << d << ": built without";
     p.gqa_decode = false;  // decode rows that are not packed GQA heads
     EXPECT_EQ(select_kernel(p, kSm90, on).kind, KernelKind::decode) << d;
   }
   EXPECT_STREQ(kernel_kind_name(KernelKind::decode_heads), "decode_heads");
+}
+
+TEST(Selector, HeadGroupDecodeByDefaultWhereMeasuredAhead) {
+  // The default: many long key ranges (batch x head groups >= 8, keys >= 32k) at hd128 alone.
+  BuildCaps measured = kCuda;
+  measured.decode_heads = HeadGroupDecode::measured;
+  BuildCaps off = measured;
+  off.decode_heads = HeadGroupDecode::off;
+  Problem p = problem(DType::bf16, 128);
+  p.query_rows = 4;
+  p.gqa_decode = true;
+  p.heads_kv = 8;
+  const auto kind = [&](int64_t batch, int64_t keys, const BuildCaps& caps = kCuda) {
+    Problem q = p;
+    q.batch = batch;
+    q.keys = keys;
+    return select_kernel(q, kSm90, caps).kind;
+  };
+  for (auto [batch, keys, want] : {std::tuple<int64_t, int64_t, bool>{32, 32768, true},
+                                   {32, 131072, true}, {8, 32768, true}, {8, 65536, true},
+                                   {32, 32767, false}, {32, 4096, false}, {7, 131072, false},
+                                   {1, 131072, false}}) {
+    EXPECT_EQ(kind(batch, keys, measured), want ? KernelKind::decode_heads : KernelKind::decode)
+        << "B=" << batch << " Sk=" << keys;
+    EXPECT_EQ(kind(batch, keys, off), KernelKind::decode) << "B=" << batch << " Sk=" << keys;
+  }
+  p.heads_kv = 16;  // two head groups a batch: B = 4 makes the eight tiles
+  EXPECT_EQ(kind(4, 32768, measured), KernelKind::decode_heads);
+  EXPECT_EQ(kind(3, 32768, measured), KernelKind::decode);
+  p.head_dim = 64;  // not measured at hd64: HIPFLASH_DECODE_HEADS=1 only
+  p.heads_kv = 8;
+  EXPECT_EQ(kind(32, 131072, measured), KernelKind::decode);
+  BuildCaps always = measured;
+  always.decode_heads = HeadGroupDecode::always;
+  EXPECT_EQ(kind(32, 131072, always), KernelKind::decode_heads);
 }
 
 TEST(Selector, HopperTakesTheWgmmaKernelWhereBuilt) {

@@ -38,7 +38,7 @@ enum class KernelKind : int {
   cpu_reference,    ///< the CPU backend
   generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
   decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
-  decode_heads,     ///< kernels/decode: packed GQA decode, a block per batch's kv heads (opt-in)
+  decode_heads,     ///< kernels/decode: packed GQA decode, a block per batch's kv heads
   sm90,             ///< kernels/sm90: wgmma with cp.async (sm_90a), head dims <= 128
   sm90_ws,          ///< kernels/sm90_ws: TMA + warp-specialised wgmma (sm_90a), dense calls
   gfx950_dualwave,  ///< kernels/gfx950: 256-row blocks, two waves per SIMD (compile-checked only)
@@ -70,6 +70,8 @@ struct Problem {
   /// packs_gqa_decode: one query row, no window, not varlen, Hq > Hkv).
   bool gqa_decode = false;
   int64_t heads_kv = 1;  ///< kv heads (the head-group decode kernel's groups)
+  int64_t batch = 1;
+  int64_t keys = 0;  ///< seqlen_k (a KV cache's capacity)
 };
 
 /// Problems with at most this many query rows per (batch, head) take the decode kernel
@@ -80,6 +82,22 @@ inline constexpr int64_t kDecodeMaxRows = 16;
 /// (its block: eight kv heads, a warp each; with fewer, warps would compute on zeros).
 inline constexpr int64_t kDecodeHeadsPerBlock = 8;
 
+/// Where the head-group decode kernel is ahead of the decode kernel (H200, e1a37b6, hd128,
+/// GQA 32/8; docs/perf-notes.md session 2026-12-01 (11)): its blocks each read a batch's kv
+/// heads for a long key range, so it needs both many such ranges and long ones. At 32 head
+/// groups x batches it gains 1-2% from 32k keys on and loses 1-5% below 16k; at 8 it gains
+/// from 64k on, is level at 32k and loses below; at 1 (B = 1) the many short splits and their
+/// combine lose 3-38% everywhere.
+inline constexpr int64_t kDecodeHeadsMinTiles = 8;       ///< batch x head groups
+inline constexpr int64_t kDecodeHeadsMinKeys = 32768;
+
+/// Which packed GQA decode calls the head-group decode kernel takes (CUDA builds).
+enum class HeadGroupDecode : uint8_t {
+  off,       ///< none (HIPFLASH_DECODE_HEADS=0; builds without it)
+  measured,  ///< where the H200 measured it ahead (kDecodeHeadsMin*, hd128): the default
+  always,    ///< every call it can run (HIPFLASH_DECODE_HEADS=1: tests and A/B runs)
+};
+
 /// What this build contains (from CMake options).
 struct BuildCaps {
   bool gpu = false;             ///< built with GPU kernels
@@ -88,9 +106,9 @@ struct BuildCaps {
   bool sm90 = false;             ///< the sm90 kernels were built (CUDA with sm_90a)
   bool sm90_ws = false;          ///< the warp-specialised sm90 kernels were built (same)
   bool dualwave = false;         ///< the gfx950 dualwave kernels were built (HIP with gfx950)
-  /// The head-group decode kernel takes packed GQA decode calls (CUDA builds, opt-in while it
-  /// is measured: HIPFLASH_DECODE_HEADS=1; docs/perf-notes.md).
-  bool decode_heads = false;
+  /// Where the head-group decode kernel takes packed GQA decode calls (CUDA builds: measured
+  /// by default; HIPFLASH_DECODE_HEADS=0 off, =1 always).
+  HeadGroupDecode decode_heads = HeadGroupDecode::off;
 };
 
 struct Selection {
