@@ -85,9 +85,9 @@ inline constexpr int64_t kDecodeHeadsPerBlock = 8;
 /// Where the head-group decode kernel is ahead of the decode kernel (H200, e1a37b6, hd128,
 /// GQA 32/8; docs/perf-notes.md session 2026-12-01 (11)): its blocks each read a batch's kv
 /// heads for a long key range, so it needs both many such ranges and long ones. At 32 head
-/// groups x batches it gains 1-2% from 32k keys on and loses 1-5% below 16k; at 8 it gains
-/// from 64k on, is level at 32k and loses below; at 1 (B = 1) the many short splits and their
-/// combine lose 3-38% everywhere.
+/// groups x batches it gains 0.8-1.8% from 32k keys on and loses 0.7-5% at 16k and below; at
+/// 8 it gains 0.7-1.3% from 64k on, is level at 32k and loses 1-4% below; at 1 (B = 1) the
+/// many short splits and their combine lose 5-45% everywhere.
 inline constexpr int64_t kDecodeHeadsMinTiles = 8;       ///< batch x head groups
 inline constexpr int64_t kDecodeHeadsMinKeys = 32768;
 
