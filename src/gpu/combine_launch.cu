@@ -8,22 +8,32 @@ namespace hipflash::gpu {
 
 /// Launched as a programmatic dependent of the split kernel where the combine kernel's code on
 /// this device waits for it: its binary was built from sm_90+ code (griddepcontrol.wait). An
-/// sm_80 build JIT-compiled for a newer GPU has no wait and launches plainly. Cached per device.
-template <class T, int kPaddedDim, bool kReturnLse>
-static void launch(const FwdParams& p, port::stream_t stream) {
-  constexpr auto kKernel = combine::combine_kernel<T, kPaddedDim, kReturnLse>;
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;  // one thread block each
-  HIPFLASH_CHECK(rows <= 0x7fffffff, "problem too large for one combine launch (", rows,
-                 " rows)");
+/// sm_80 build JIT-compiled for a newer GPU has no wait and launches plainly. Cached per device
+/// and kernel.
+template <auto kKernel>
+static void launch_programmatic(int64_t blocks, const FwdParams& p, port::stream_t stream) {
   static PerDeviceBit waits;
   int device = 0;
   port::check(port::get_device(&device), "querying the current device");
   const bool programmatic =
       waits.get(device, [] { return port::waits_for_prerequisite_grids(kKernel); });
-  port::check(port::launch_kernel(kKernel,
-                                  dim3(unsigned(rows)), dim3(combine::kThreads), 0, stream,
-                                  programmatic, p),
+  port::check(port::launch_kernel(kKernel, dim3(unsigned(blocks)), dim3(combine::kThreads), 0,
+                                  stream, programmatic, p),
               "launching the split-K combine kernel");
+}
+
+/// Up to kRowSplits splits: a warp per row (a wide decode batch's rows in one wave of blocks);
+/// more: a block per row. The two give bitwise the same result.
+template <class T, int kPaddedDim, bool kReturnLse>
+static void launch(const FwdParams& p, port::stream_t stream) {
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  HIPFLASH_CHECK(rows <= 0x7fffffff, "problem too large for one combine launch (", rows,
+                 " rows)");
+  if (p.num_splits <= combine::kRowSplits)
+    launch_programmatic<combine::combine_rows_kernel<T, kPaddedDim, kReturnLse>>(
+        (rows + combine::kWarps - 1) / combine::kWarps, p, stream);
+  else
+    launch_programmatic<combine::combine_kernel<T, kPaddedDim, kReturnLse>>(rows, p, stream);
 }
 
 void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream) {
