@@ -10,8 +10,10 @@
 // - combine_rows_kernel: one warp per row, kWarps rows a block, for up to kRowSplits splits
 //   (every partial row of the row in flight at once, no block barrier): a quarter of the
 //   blocks, so that a wide decode batch's rows are placed in one wave.
-// A row's partial sums are kept per warp group g = s % kWarps in both and added in the order
-// g = 0, 1, ...: the launcher picks either by the split count alone. RETURN_LSE is a
+// A row's partial sums are kept per group g = s % kGroups in both (combine_kernel's warps,
+// combine_rows_kernel's accumulators), each product through accumulate_cols, and the groups are
+// added in the order g = 0, 1, ...: the same operations in the same order (no build of the
+// kernels reassociates floating point), so the launcher picks either by the split count alone. RETURN_LSE is a
 // compile-time flag: without it no LSE store exists. On sm_90+ the kernels are programmatic
 // dependents of the split kernel before them (src/gpu/combine_launch.cu): their blocks are
 // placed while that kernel runs and wait for it, which saves the launch gap between the two.
@@ -23,8 +25,10 @@
 
 namespace hipflash::combine {
 
-inline constexpr int kWarps = 4;  ///< warps per row
+inline constexpr int kWarps = 4;  ///< warps a block: combine_kernel's per row, or rows a block
 inline constexpr int kThreads = kWarps * port::kWarpSize;
+/// Partial-sum groups of a row (split s in group s % kGroups): combine_kernel's warps.
+inline constexpr int kGroups = kWarps;
 /// Splits each warp has in flight at once (combine_kernel).
 inline constexpr int kBatch = 8;
 /// The most splits combine_rows_kernel takes (its warp holds every one's partial row).
@@ -74,13 +78,13 @@ struct CombineRow {
 /// Lane l's splits are l, l + kWarp, ... (num_splits <= kMaxSplits, validated).
 inline constexpr int kSplitRegs = kMaxSplits / port::kWarpSize;
 
-/// One warp: the row's total softmax state (every lane holds it) and this lane's splits'
-/// weights; lane 0 stores the LSE. The one merge order of both kernels.
+/// One warp: this lane's splits' weights in the row's total softmax state (the merge of every
+/// split's) and whether each saw a key; lane 0 stores the row's LSE. The one merge order of
+/// both kernels.
 template <bool kReturnLse>
-__device__ __forceinline__ detail::SoftmaxState row_weights(const FwdParams& p,
-                                                            const CombineRow& r, int lane,
-                                                            float (&weight)[kSplitRegs],
-                                                            bool (&live)[kSplitRegs]) {
+__device__ __forceinline__ void row_weights(const FwdParams& p, const CombineRow& r, int lane,
+                                            float (&weight)[kSplitRegs],
+                                            bool (&live)[kSplitRegs]) {
   using detail::SoftmaxState;
   SoftmaxState state_s[kSplitRegs];
   SoftmaxState total;
@@ -102,7 +106,6 @@ __device__ __forceinline__ detail::SoftmaxState row_weights(const FwdParams& p,
   if constexpr (kReturnLse) {
     if (lane == 0) p.lse[p.lse_offset(r.b, r.h, r.q_start, r.row)] = total.lse();
   }
-  return total;
 }
 
 /// acc += w * v over a partial row's columns (0 * NaN stays NaN).
@@ -112,16 +115,19 @@ __device__ __forceinline__ void accumulate_cols(float (&acc)[kN], float w, const
   for (int e = 0; e < kN; ++e) acc[e] += w * v[e];
 }
 
+/// A padded varlen row's LSE: -inf in the padded layout (the packed one has no such row).
 template <bool kReturnLse>
 __device__ __forceinline__ void write_padded_lse(const FwdParams& p, const CombineRow& r) {
   if constexpr (kReturnLse) {
-    if (p.lse_layout == LseLayout::padded) p.lse[p.lse_offset(r.b, r.h, 0, r.row)] = detail::kNegInf;
+    if (p.lse_layout == LseLayout::padded)
+      p.lse[p.lse_offset(r.b, r.h, 0, r.row)] = detail::kNegInf;
   }
 }
 
 /// Many splits: one thread block per row (kPaddedDim is the workspace row pitch).
 template <class T, int kPaddedDim, bool kReturnLse>
-__global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p) {
+__global__ void __launch_bounds__(kThreads)
+    combine_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p) {
   constexpr int kWarp = port::kWarpSize;
   constexpr int kPerLane = kPaddedDim / kWarp;  // columns per lane
   static_assert(kPaddedDim % kWarp == 0, "whole columns per lane");
@@ -197,12 +203,14 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const HIPFLASH_GRID_C
 }
 
 /// Up to kRowSplits splits: one warp per row, kWarps rows a block (the launcher checks the
-/// count). The partial sums are kept per group s % kWarps as combine_kernel's warps keep them.
+/// count). The partial sums are kept per group s % kGroups as combine_kernel's warps keep them.
 template <class T, int kPaddedDim, bool kReturnLse>
-__global__ void __launch_bounds__(kThreads) combine_rows_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p) {
+__global__ void __launch_bounds__(kThreads)
+    combine_rows_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p) {
   constexpr int kWarp = port::kWarpSize;
   constexpr int kPerLane = kPaddedDim / kWarp;
-  static_assert(kPaddedDim % kWarp == 0 && kRowSplits <= kWarp, "whole columns per lane");
+  static_assert(kPaddedDim % kWarp == 0, "whole columns per lane");
+  static_assert(kRowSplits <= kWarp, "a lane holds each split's weight (weight[0] of lane s)");
 
   port::wait_prerequisite_grids();  // as in combine_kernel
   const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
@@ -224,17 +232,17 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const HIPFLASH_G
   bool live[kSplitRegs];
   row_weights<kReturnLse>(p, r, lane, weight, live);
 
-  float acc[kWarps][kPerLane];
+  float acc[kGroups][kPerLane];
 #pragma unroll
-  for (int g = 0; g < kWarps; ++g)
+  for (int g = 0; g < kGroups; ++g)
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) acc[g][e] = 0.f;
 #pragma unroll
   for (int s = 0; s < kRowSplits; ++s) {
-    // Split s's weight lives on lane s (kRowSplits <= kWarp: in the lanes' first register).
+    // Split s's weight and liveness live on lane s (in the lanes' first register).
     const float w = port::shfl(weight[0], s);
-    const bool read = s < splits && port::shfl(int(live[0]), s);  // an empty split's row never is
-    if (read) accumulate_cols(acc[s % kWarps], w, v[s]);
+    const bool live_s = port::shfl(int(live[0]), s) != 0;
+    if (s < splits && live_s) accumulate_cols(acc[s % kGroups], w, v[s]);  // empty: never read
   }
   T* out = static_cast<T*>(p.out) + r.b * p.o_batch_stride + (r.q_start + r.row) * p.o_row_stride +
            r.h * p.o_head_stride;
@@ -243,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) combine_rows_kernel(const HIPFLASH_G
     const int col = lane * kPerLane + e;
     float sum = 0.f;
 #pragma unroll
-    for (int g = 0; g < kWarps; ++g) sum += acc[g][e];
+    for (int g = 0; g < kGroups; ++g) sum += acc[g][e];
     if (col < p.head_dim) out[col] = port::from_float<T>(sum);
   }
 }

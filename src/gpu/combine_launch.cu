@@ -1,5 +1,6 @@
-// hipflash — the one place that launches the split-K combine kernel.
+// hipflash — the one place that launches the split-K combine kernels (kernels/combine).
 #include "combine/combine_kernel.hpp"
+#include "common/element.hpp"
 #include "gpu/device_guard.hpp"
 #include "gpu/launch_api.hpp"
 #include "hipflash/detail/static_switch.hpp"
@@ -22,35 +23,35 @@ static void launch_programmatic(int64_t blocks, const FwdParams& p, port::stream
               "launching the split-K combine kernel");
 }
 
-/// Up to kRowSplits splits: a warp per row (a wide decode batch's rows in one wave of blocks);
-/// more: a block per row. The two give bitwise the same result.
+/// Launches the combine in `shape`. by_split_count takes a warp per row up to kRowSplits splits
+/// (a wide decode batch's rows then fit one wave of blocks) and a block per row beyond. The two
+/// give bitwise the same result, so the choice is the launch's, not the selector's.
 template <class T, int kPaddedDim, bool kReturnLse>
-static void launch(const FwdParams& p, port::stream_t stream) {
+static void launch(const FwdParams& p, port::stream_t stream, CombineShape shape) {
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   HIPFLASH_CHECK(rows <= 0x7fffffff, "problem too large for one combine launch (", rows,
                  " rows)");
-  if (p.num_splits <= combine::kRowSplits)
+  HIPFLASH_CHECK(shape != CombineShape::warp_per_row || p.num_splits <= combine::kRowSplits,
+                 "the warp-per-row combine takes up to ", combine::kRowSplits, " splits, got ",
+                 p.num_splits);
+  if (shape == CombineShape::by_split_count)
+    shape = p.num_splits <= combine::kRowSplits ? CombineShape::warp_per_row
+                                                : CombineShape::block_per_row;
+  if (shape == CombineShape::warp_per_row)
     launch_programmatic<combine::combine_rows_kernel<T, kPaddedDim, kReturnLse>>(
         (rows + combine::kWarps - 1) / combine::kWarps, p, stream);
   else
     launch_programmatic<combine::combine_kernel<T, kPaddedDim, kReturnLse>>(rows, p, stream);
 }
 
-void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream) {
-  using bf16 = port::bf16_t;
-  using f16 = port::f16_t;
-  HIPFLASH_BOOL_SWITCH(p.return_lse, kLse, [&] {
-    const bool bf16_in = p.dtype == DType::bf16;
-    if (padded_head_dim == 64) {
-      bf16_in ? launch<bf16, 64, kLse>(p, stream) : launch<f16, 64, kLse>(p, stream);
-    } else if (padded_head_dim == 128) {
-      bf16_in ? launch<bf16, 128, kLse>(p, stream) : launch<f16, 128, kLse>(p, stream);
-    } else if (padded_head_dim == 256) {
-      bf16_in ? launch<bf16, 256, kLse>(p, stream) : launch<f16, 256, kLse>(p, stream);
-    } else {
-      throw not_implemented("split-K combine: no instantiation for padded head dim " +
-                            std::to_string(padded_head_dim));
-    }
+void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream,
+                    CombineShape shape) {
+  HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
+    HIPFLASH_HEADDIM_SWITCH(padded_head_dim, kPadded, [&] {
+      HIPFLASH_BOOL_SWITCH(p.return_lse, kLse, [&] {
+        launch<common::element_t<kDT>, kPadded, kLse>(p, stream, shape);
+      });
+    });
   });
 }
 

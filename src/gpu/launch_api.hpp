@@ -52,8 +52,14 @@ struct BwdLaunch {
 template <class Traits>
 void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream);
 
+/// The combine kernel's launch shape: a warp per row (up to combine::kRowSplits splits) or a
+/// block per row. Both give bitwise the same out and LSE; the launcher picks by the split count
+/// (tests ask for each).
+enum class CombineShape { by_split_count, warp_per_row, block_per_row };
+
 /// Launches the split-K combine for `p` (p.out_partial / p.state_partial filled).
-void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream);
+void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream,
+                    CombineShape shape = CombineShape::by_split_count);
 
 }  // namespace hipflash::gpu
 
