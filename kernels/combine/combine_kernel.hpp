@@ -73,6 +73,17 @@ struct CombineRow {
   }
   /// A padded varlen row: its LSE is -inf (written by the caller's lane 0), there is no output.
   __device__ bool padded() const { return row >= len_q; }
+  /// Split s's partial row in the workspace (its pitch kPaddedDim floats).
+  template <int kPaddedDim>
+  __device__ const float* partial(const FwdParams& p, int s) const {
+    return p.out_partial + (int64_t(s) * split_stride + base) * kPaddedDim;
+  }
+  /// The row of the output it combines into.
+  template <class T>
+  __device__ T* out_row(const FwdParams& p) const {
+    return static_cast<T*>(p.out) + b * p.o_batch_stride + (q_start + row) * p.o_row_stride +
+           h * p.o_head_stride;
+  }
 };
 
 /// Lane l's splits are l, l + kWarp, ... (num_splits <= kMaxSplits, validated).
@@ -145,9 +156,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const int splits = p.num_splits;
-  auto partial = [&](int s) {
-    return p.out_partial + (int64_t(s) * r.split_stride + r.base) * kPaddedDim + lane * kPerLane;
-  };
+  auto partial = [&](int s) { return r.partial<kPaddedDim>(p, s) + lane * kPerLane; };
   // Split warp + kWarps * j of batch `first` (j < kBatch). Workspace rows of splits that exist
   // are always readable; an empty split's row may hold anything and gets weight 0 below.
   auto load_batch = [&](int first, float (&v)[kBatch][kPerLane]) {
@@ -192,8 +201,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) s_acc[warp][lane * kPerLane + e] = acc[e];
   __syncthreads();
-  T* out = static_cast<T*>(p.out) + r.b * p.o_batch_stride + (r.q_start + r.row) * p.o_row_stride +
-           r.h * p.o_head_stride;
+  T* out = r.out_row<T>(p);
   for (int col = int(threadIdx.x); col < kPaddedDim && col < p.head_dim; col += kThreads) {
     float sum = 0.f;
 #pragma unroll
@@ -226,8 +234,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int s = 0; s < kRowSplits; ++s)  // every partial row in flight while the states merge
     if (s < splits)
-      load_cols<kPerLane>(p.out_partial + (int64_t(s) * r.split_stride + r.base) * kPaddedDim +
-                              lane * kPerLane, v[s]);
+      load_cols<kPerLane>(r.partial<kPaddedDim>(p, s) + lane * kPerLane, v[s]);
   float weight[kSplitRegs];
   bool live[kSplitRegs];
   row_weights<kReturnLse>(p, r, lane, weight, live);
@@ -244,8 +251,7 @@ __global__ void __launch_bounds__(kThreads)
     const bool live_s = port::shfl(int(live[0]), s) != 0;
     if (s < splits && live_s) accumulate_cols(acc[s % kGroups], w, v[s]);  // empty: never read
   }
-  T* out = static_cast<T*>(p.out) + r.b * p.o_batch_stride + (r.q_start + r.row) * p.o_row_stride +
-           r.h * p.o_head_stride;
+  T* out = r.out_row<T>(p);
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
     const int col = lane * kPerLane + e;
