@@ -17,9 +17,12 @@ struct DecodeTile {
   static constexpr int kNWarps = 4;
   static constexpr int kWarpKeys = 16;  ///< keys of a block each warp owns
   static constexpr int kBlockN = kNWarps * kWarpKeys;
-  /// K+V bytes per stage: 16 KiB (hd64), 32 KiB (hd128), 64 KiB (hd256); two blocks per SM
-  /// fit with three stages up to hd128.
-  static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
+  /// K+V bytes per stage: 16 KiB (hd64), 32 KiB (hd128), 64 KiB (hd256). Two stages — one key
+  /// block in flight while the warps work on the other — from hd128 on: on the H200 the decode
+  /// calls read faster with fewer bytes in flight (hd128, two blocks an SM: 64 KiB in flight an
+  /// SM streamed 0.6-1.3% faster than three stages' 128 KiB; docs/perf-notes.md session
+  /// 2026-12-02). hd64 keeps three (not measured).
+  static constexpr int kStages = kHeadDim == 64 ? 3 : 2;
   static constexpr int kThreads = kNWarps * 32;
   static constexpr int kChunks = kHeadDim / 8;  ///< 16-byte chunks per row
   static constexpr int kDSteps = kHeadDim / 16;  ///< k-steps of Q K^T

@@ -188,7 +188,9 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
     return masked ? ws(std::true_type{}) : ws(std::false_type{});
   }
   if (kind == KernelKind::decode) {
-    // Resident blocks per SM: the shared-memory ring is the limit (228 KiB per SM on sm_90).
+    // Resident blocks per SM the split counts are sized for: two up to hd128 (the rings there
+    // would let more fit; the counts were measured with two), one at hd256 (its ring: 228 KiB
+    // per SM on sm_90).
     return hd == 64 ? shape_of<decode::DecodeTile<64>>(2)
          : hd == 128 ? shape_of<decode::DecodeTile<128>>(2)
          : shape_of<decode::DecodeTile<256>>(1);
