@@ -8,6 +8,13 @@
 
 #include "hipflash/port/port.hpp"
 
+#ifndef HIPFLASH_DECODE_HD64_STAGES  // a tuning hook: the decode kernel's ring at hd64
+#define HIPFLASH_DECODE_HD64_STAGES 3
+#endif
+#ifndef HIPFLASH_DECODE_HEADS_STAGES  // a tuning hook: the head-group decode kernel's ring
+#define HIPFLASH_DECODE_HEADS_STAGES 3
+#endif
+
 namespace hipflash::decode {
 
 template <int kHeadDim_>
@@ -21,8 +28,8 @@ struct DecodeTile {
   /// block in flight while the warps work on the other — from hd128 on: on the H200 the decode
   /// calls read faster with fewer bytes in flight (hd128, two blocks an SM: 64 KiB in flight an
   /// SM streamed 0.6-1.3% faster than three stages' 128 KiB; docs/perf-notes.md session
-  /// 2026-12-02). hd64 keeps three (not measured).
-  static constexpr int kStages = kHeadDim == 64 ? 3 : 2;
+  /// 2026-12-02). hd64 keeps three (not measured: HIPFLASH_DECODE_HD64_STAGES).
+  static constexpr int kStages = kHeadDim == 64 ? HIPFLASH_DECODE_HD64_STAGES : 2;
   static constexpr int kThreads = kNWarps * 32;
   static constexpr int kChunks = kHeadDim / 8;  ///< 16-byte chunks per row
   static constexpr int kDSteps = kHeadDim / 16;  ///< k-steps of Q K^T
@@ -66,7 +73,8 @@ struct DecodeHeadsTile {
   static constexpr int kSmemKV = kHeads * kHeadTile;     ///< a stage's K (or V), every head
   static constexpr int kSmemStage = 2 * kSmemKV;
   /// K+V bytes per stage: 32 KiB (hd64), 64 KiB (hd128); three stages, in flight two.
-  static constexpr int kStages = 3;
+  static constexpr int kStages = HIPFLASH_DECODE_HEADS_STAGES;
+  static_assert(kStages >= 2, "a stage in flight while the warps work on another");
   /// Q (every head's 16 rows) is loaded into the last stage, which the ring first fills after
   /// every warp has read its Q into registers.
   static constexpr int kSmemQ = kHeads * kBlockM * kHeadDim;
