@@ -154,22 +154,24 @@ def fa_grid(seqlens, dims, causals, dtype, backends, suite="fa-grid"):
     return cells
 
 
-def decode(seqlens_k, batches, dtype, backends, suite="decode"):
-    """Decode: one query token, GQA 32 query heads over 8 KV heads, D 128."""
+def decode(seqlens_k, batches, dtype, backends, suite="decode", D=128):
+    """Decode: one query token, GQA 32 query heads over 8 KV heads, D 128 (the issue's; another
+    head dim is named in the labels)."""
     cells = []
+    hd = "" if D == 128 else f" hd{D}"
     for B in batches:
         for Sk in seqlens_k:
-            cells.append(Cell(suite, "dense", B, 1, Sk, 32, 8, 128, False, dtype, list(backends),
-                              label=f"B={B} Sk={_k(Sk)}", group=f"batch {B}",
+            cells.append(Cell(suite, "dense", B, 1, Sk, 32, 8, D, False, dtype, list(backends),
+                              label=f"B={B} Sk={_k(Sk)}{hd}", group=f"batch {B}",
                               xlabel=_k(Sk)).finish())
     return cells
 
 
-def serving(seqlens_k, batches, dtype, backends, suite="serving"):
+def serving(seqlens_k, batches, dtype, backends, suite="serving", D=128):
     """Decode against a KV cache (Sq 1, GQA 32/8, D 128, LSE on): the contiguous cache (the
     plain forward, whose decode kernel reads the same row source) against paged caches of 16-
     and 256-row pages (hipflash.flash_attn_with_kvcache with a block table)."""
-    return decode(seqlens_k, batches, dtype, backends, suite)
+    return decode(seqlens_k, batches, dtype, backends, suite, D)
 
 
 def host_overhead(dtype, backends, decode_batches, decode_shape=(4096, 32, 8, 128)):
@@ -216,8 +218,9 @@ def varlen(configs, dims, causals, dtype, backends, suite="varlen"):
     return cells
 
 
-def build_suite(name, dtype, flex):
-    """Cells of a suite. flex: include FlexAttention on the fa-grid cells of head dim 128."""
+def build_suite(name, dtype, flex, decode_dim=128):
+    """Cells of a suite. flex: include FlexAttention on the fa-grid cells of head dim 128.
+    decode_dim: the head dim of the decode and serving suites' cells."""
     def with_flex(cells):
         for c in cells:
             if c.D == 128:
@@ -227,7 +230,7 @@ def build_suite(name, dtype, flex):
     full_grid = fa_grid([512, 1024, 2048, 4096, 8192, 16384], [64, 128], [False, True], dtype,
                         HF + DENSE_PEERS)
     full_decode = decode([4096, 8192, 16384, 32768, 65536, 131072], [1, 8, 32], dtype,
-                         HF + DECODE_PEERS)
+                         HF + DECODE_PEERS, D=decode_dim)
     full_varlen = varlen([("mixed 128..4k", 16384, 128, 4096), ("short 16..512", 16384, 16, 512)],
                          [64, 128], [False, True], dtype, HF + VARLEN_PEERS)
     full_lse = (fa_grid([1024, 4096, 16384], [128], [False], dtype, LSE_OVERHEAD, "lse-overhead")
@@ -246,7 +249,7 @@ def build_suite(name, dtype, flex):
     if name == "decode":
         return full_decode
     if name == "serving":  # run on its own (not part of full): paged KV-cache decode
-        return serving([4096, 16384, 65536], [1, 8, 32], dtype, SERVING)
+        return serving([4096, 16384, 65536], [1, 8, 32], dtype, SERVING, D=decode_dim)
     if name == "varlen":
         return full_varlen
     full_host = host_overhead(dtype, HOST_OVERHEAD, [1, 8])
@@ -793,6 +796,9 @@ def parse_args(argv=None):
     ap.add_argument("--progress", default="auto", choices=["auto", "bar", "plain", "none"])
     ap.add_argument("--cells", default=None,
                     help="only the cells whose label matches this regular expression")
+    ap.add_argument("--decode-head-dim", type=int, default=128, choices=[64, 128],
+                    help="head dim of the decode and serving suites' cells (default 128, the "
+                         "issue's; 64 for the hd64 decode kernels)")
     ap.add_argument("--rounds", type=_positive_int, default=1,
                     help="time each cell's backends in N interleaved rounds (default 1: each "
                          "backend's calls in one window, in turn)")
@@ -822,7 +828,7 @@ def main(argv=None):
         print(f"note: --device cpu runs only the tiny suite (asked for {args.suite})")
         args.suite = "tiny"
     flex = args.flex == "on" or (args.flex == "auto" and args.suite in ("full", "fa-grid"))
-    cells = build_suite(args.suite, args.dtype, flex and device == "cuda")
+    cells = build_suite(args.suite, args.dtype, flex and device == "cuda", args.decode_head_dim)
     if args.backends:
         keep = set(args.backends.split(","))
         for c in cells:

@@ -99,6 +99,16 @@ def _ordered_unique(xs):
     return out
 
 
+def suite_title(rows, suite):
+    """SUITE_TITLES' heading of a suite, with the head dim its decode cells ran at (the decode
+    and serving suites' --decode-head-dim) where that is not the title's 128."""
+    title = SUITE_TITLES.get(suite, suite)
+    dims = sorted({str(r.get("D")) for r in rows if r.get("suite") == suite})
+    if "D = 128" in title and dims and dims != ["128"]:
+        title = title.replace("D = 128", "D = " + " / ".join(dims))
+    return title
+
+
 def suites_in(rows):
     present = {r["suite"] for r in rows}
     return [s for s in SUITE_ORDER if s in present] + sorted(present - set(SUITE_ORDER))
@@ -397,7 +407,7 @@ def _md(header, body, foot):
 def terminal_report(rows):
     out = []
     for s in suites_in(rows):
-        out.append(f"\n== {SUITE_TITLES.get(s, s)} ==")
+        out.append(f"\n== {suite_title(rows, s)} ==")
         out.append(_plain(*suite_table(rows, s)))
     problems = _problem_lines(rows)
     if problems:
@@ -484,7 +494,7 @@ def render_markdown(meta, rows, images, image_prefix="", heading="#"):
            "into a ratio. The geomean is over the cells where both sides ran; the count is in "
            "parentheses.", ""]
     for s in suites_in(rows):
-        md += [f"{heading}# {SUITE_TITLES.get(s, s)}", ""]
+        md += [f"{heading}# {suite_title(rows, s)}", ""]
         if s in SUITE_NOTES:
             md += [SUITE_NOTES[s], ""]
         md += [_md(*suite_table(rows, s)), ""]
@@ -570,7 +580,7 @@ def _plot_suite(plt, rows, suite, path, gpu_name, dtype):
                 (x, {b: value(bb.get(b), metric) for b in series}))
         ylabel = (f"{METRIC_UNIT[metric]} (lower is better)" if metric in LOWER_IS_BETTER
                   else f"Speed ({METRIC_UNIT[metric]})")
-        title = SUITE_TITLES.get(suite, suite)
+        title = suite_title(rows, suite)
     if not series:
         return False
     n = len(groups)

@@ -106,3 +106,17 @@ def test_the_recorded_command_carries_the_librarys_switches():
     assert words[-3:] == ["bench/attn_bench.py", "--suite", "decode"]
     assert "HIPFLASH_COMMIT" not in cmd and "PATH" not in cmd
     assert attn_bench.command_line({}, ["x.py"]).split()[1:] == ["x.py"]
+
+
+@pytest.mark.parametrize("suite", ["decode", "serving"])
+def test_decode_head_dim_reaches_the_cells_labels_and_title(suite):
+    import attn_report  # noqa: E402  (bench/, on the path above)
+
+    default = attn_bench.build_suite(suite, "bf16", False)
+    hd64 = attn_bench.build_suite(suite, "bf16", False, decode_dim=64)
+    assert {c.D for c in default} == {128} and {c.D for c in hd64} == {64}
+    assert [c.label + " hd64" for c in default] == [c.label for c in hd64]
+    rows = [{"suite": suite, "D": c.D} for c in hd64]
+    assert "D = 64" in attn_report.suite_title(rows, suite)
+    rows128 = [{"suite": suite, "D": c.D} for c in default]
+    assert attn_report.suite_title(rows128, suite) == attn_report.SUITE_TITLES[suite]
