@@ -27,7 +27,7 @@ struct DecodeTile {
   /// K+V bytes per stage: 16 KiB (hd64), 32 KiB (hd128), 64 KiB (hd256). Two stages — one key
   /// block in flight while the warps work on the other — from hd128 on: on the H200 the decode
   /// calls read faster with fewer bytes in flight (hd128, two blocks an SM: 64 KiB in flight an
-  /// SM streamed 0.6-1.3% faster than three stages' 128 KiB; docs/perf-notes.md session
+  /// SM streamed 0.5-1.3% faster than three stages' 128 KiB; docs/perf-notes.md session
   /// 2026-12-02). hd64 keeps three (not measured: HIPFLASH_DECODE_HD64_STAGES).
   static constexpr int kStages = kHeadDim == 64 ? HIPFLASH_DECODE_HD64_STAGES : 2;
   static constexpr int kThreads = kNWarps * 32;
@@ -72,7 +72,8 @@ struct DecodeHeadsTile {
   static constexpr int kHeadTile = kBlockN * kHeadDim;  ///< one head's K (or V) tile, elements
   static constexpr int kSmemKV = kHeads * kHeadTile;     ///< a stage's K (or V), every head
   static constexpr int kSmemStage = 2 * kSmemKV;
-  /// K+V bytes per stage: 32 KiB (hd64), 64 KiB (hd128); three stages, in flight two.
+  /// K+V bytes per stage: 32 KiB (hd64), 64 KiB (hd128); three stages (the hook's default),
+  /// all but one in flight.
   static constexpr int kStages = HIPFLASH_DECODE_HEADS_STAGES;
   static_assert(kStages >= 2, "a stage in flight while the warps work on another");
   /// Q (every head's 16 rows) is loaded into the last stage, which the ring first fills after
