@@ -248,8 +248,8 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
   }
   // Packed GQA decode with eight kv heads or more: the head-group decode kernel on sm_90 for
   // every such call where HIPFLASH_DECODE_HEADS=1 (head dims 64 and 128), else the decode
-  // kernel for these 300-key calls (by default it takes only long ones, from 32k keys:
-  // tests/python/test_gpu.py's test_long_gqa_decode_kernel checks that choice on the GPU).
+  // kernel for these 300-key calls (by default it takes only long ones, from 128k keys
+  // with 32 head groups x batches; the selector's gtest checks that rule).
   const bool heads = major * 10 + minor == 90 && env_on("HIPFLASH_DECODE_HEADS");
   for (auto [hq, hkv, d] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 128}, {48, 12, 64},
                             {32, 16, 256}, {8, 2, 128}}) {

@@ -130,17 +130,17 @@ TEST(Selector, HeadGroupDecodeByDefaultWhereMeasuredAhead) {
     q.keys = keys;
     return select_kernel(q, kSm90, caps).kind;
   };
-  for (auto [batch, keys, want] : {std::tuple<int64_t, int64_t, bool>{32, 32768, true},
-                                   {32, 131072, true}, {8, 32768, true}, {8, 65536, true},
-                                   {32, 32767, false}, {32, 4096, false}, {7, 131072, false},
+  for (auto [batch, keys, want] : {std::tuple<int64_t, int64_t, bool>{32, 131072, true},
+                                   {64, 262144, true}, {32, 131071, false}, {32, 65536, false},
+                                   {32, 4096, false}, {31, 131072, false}, {8, 131072, false},
                                    {1, 131072, false}}) {
     EXPECT_EQ(kind(batch, keys, measured), want ? KernelKind::decode_heads : KernelKind::decode)
         << "B=" << batch << " Sk=" << keys;
     EXPECT_EQ(kind(batch, keys, off), KernelKind::decode) << "B=" << batch << " Sk=" << keys;
   }
-  p.heads_kv = 16;  // two head groups a batch: B = 4 makes the eight tiles
-  EXPECT_EQ(kind(4, 32768, measured), KernelKind::decode_heads);
-  EXPECT_EQ(kind(3, 32768, measured), KernelKind::decode);
+  p.heads_kv = 16;  // two head groups a batch: B = 16 makes the 32 tiles
+  EXPECT_EQ(kind(16, 131072, measured), KernelKind::decode_heads);
+  EXPECT_EQ(kind(15, 131072, measured), KernelKind::decode);
   p.head_dim = 64;  // not measured at hd64: HIPFLASH_DECODE_HEADS=1 only
   p.heads_kv = 8;
   EXPECT_EQ(kind(32, 131072, measured), KernelKind::decode);

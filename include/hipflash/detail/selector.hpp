@@ -82,14 +82,14 @@ inline constexpr int64_t kDecodeMaxRows = 16;
 /// (its block: eight kv heads, a warp each; with fewer, warps would compute on zeros).
 inline constexpr int64_t kDecodeHeadsPerBlock = 8;
 
-/// Where the head-group decode kernel is ahead of the decode kernel (H200, e1a37b6, hd128,
-/// GQA 32/8; docs/perf-notes.md session 2026-12-01 (11)): its blocks each read a batch's kv
-/// heads for a long key range, so it needs both many such ranges and long ones. At 32 head
-/// groups x batches it gains 0.8-1.8% from 32k keys on and loses 0.7-5% at 16k and below; at
-/// 8 it gains 0.7-1.3% from 64k on, is level at 32k and loses 1-4% below; at 1 (B = 1) the
-/// many short splits and their combine lose 5-45% everywhere.
-inline constexpr int64_t kDecodeHeadsMinTiles = 8;       ///< batch x head groups
-inline constexpr int64_t kDecodeHeadsMinKeys = 32768;
+/// Where the head-group decode kernel is ahead of the decode kernel (H200, 6e85654, hd128,
+/// GQA 32/8, both kernels on the rings of 95509ff; docs/perf-notes.md session 2026-12-02 (2)):
+/// its blocks each read a batch's kv heads for a long key range, so it needs both many such
+/// ranges and long ones. At 32 head groups x batches it gains 0.5% at 128k keys, is level at
+/// 64k and loses 0.6% at 32k and 2.6-3.4% at 16k and below; at 8 it loses 0.2-1.5% from 32k to
+/// 128k; at 1 (B = 1) the many short splits and their combine lose 5-45% everywhere.
+inline constexpr int64_t kDecodeHeadsMinTiles = 32;      ///< batch x head groups
+inline constexpr int64_t kDecodeHeadsMinKeys = 131072;
 
 /// Which packed GQA decode calls the head-group decode kernel takes (CUDA builds).
 enum class HeadGroupDecode : uint8_t {
