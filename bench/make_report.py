@@ -136,14 +136,17 @@ def peer_target_lines(rows):
 
 
 def _every_cell_lines(title, unit, ratios, geomean=False):
-    """The line of a ">= 1.00x in every cell" target over [(label, ratio)], or []."""
+    """The line of a ">= 1.00x in every cell" target over [(label, ratio)], or []. Ratios to
+    three decimals, and the cells below 1.00x by name: a 0.997x must not read as 1.00x."""
     if not ratios:
         return []
     low = min(ratios, key=lambda c: c[1])
-    met = sum(1 for _, r in ratios if r >= 1.0)
+    below = [f"{c} {r:.3f}x" for c, r in ratios if r < 1.0]
+    met = len(ratios) - len(below)
     geo = f", geomean {rep.geomean([r for _, r in ratios]):.2f}x" if geomean else ""
+    listed = f"; below 1.00x: {', '.join(below)}" if below else ""
     return [f"**{title}** ({unit}; target >= 1.00x in every cell): {met} of {len(ratios)} "
-            f"cells met{geo}, lowest {low[1]:.2f}x ({low[0]}).", ""]
+            f"cells met{geo}, lowest {low[1]:.3f}x ({low[0]}){listed}.", ""]
 
 
 def _lse_costs(rows, suite):

@@ -40,7 +40,7 @@ def test_cudnn_line_met_and_head_dims_against_flash():
     lines = make_report.peer_target_lines(rows)
     assert next(x for x in lines if "vs torch-cudnn" in x).endswith("; met.")
     dims = next(x for x in lines if "head dims 96 and 256" in x)
-    assert "1 of 2 cells met, lowest 0.90x (hd96 S=1k)" in dims
+    assert "1 of 2 cells met, lowest 0.900x (hd96 S=1k); below 1.00x: hd96 S=1k 0.900x." in dims
 
 
 def test_decode_line_takes_the_faster_cudnn():
@@ -49,5 +49,5 @@ def test_decode_line_takes_the_faster_cudnn():
             + cell("decode", "B=8 Sk=4k", {"hipflash+lse": 100.0, "torch-cudnn": 80.0,
                                            "cudnn-sdpa-gqa": None}, metric="gbps"))
     line = next(x for x in make_report.peer_target_lines(rows) if x.startswith("**decode"))
-    assert "1 of 2 cells met" in line and "lowest 0.80x (B=1 Sk=4k)" in line
+    assert "1 of 2 cells met" in line and "lowest 0.800x (B=1 Sk=4k)" in line
     assert "geomean 1.00x" in line  # sqrt(0.8 * 1.25)
