@@ -11,6 +11,9 @@
 #ifndef HIPFLASH_DECODE_HD64_STAGES  // a tuning hook: the decode kernel's ring at hd64
 #define HIPFLASH_DECODE_HD64_STAGES 3
 #endif
+#ifndef HIPFLASH_DECODE_CLUSTER  // a tuning hook (0: off): DecodeTile::kCluster
+#define HIPFLASH_DECODE_CLUSTER 0
+#endif
 #ifndef HIPFLASH_DECODE_HEADS_STAGES  // a tuning hook: the head-group decode kernel's ring
 #define HIPFLASH_DECODE_HEADS_STAGES 3
 #endif
@@ -31,6 +34,14 @@ struct DecodeTile {
   /// 2026-12-02). hd64 keeps three (not measured: HIPFLASH_DECODE_HD64_STAGES).
   static constexpr int kStages = kHeadDim == 64 ? HIPFLASH_DECODE_HD64_STAGES : 2;
   static constexpr int kThreads = kNWarps * 32;
+  /// Under the tuning hook (prepared, not measured yet): an unsplit call with one query block
+  /// a (batch, kv head) launches in clusters of kCluster blocks on sm_90 — kCluster kv heads of
+  /// a batch — whose blocks issue each key block's loads only after the whole cluster issued the
+  /// previous one's, so that the cluster reads its key rows ([B, Sk, Hkv, D]: the kv heads of a
+  /// key adjacent) at about the same time, as the head-group kernel's one block does.
+  static constexpr int kCluster = HIPFLASH_DECODE_CLUSTER;
+  static_assert(kCluster == 0 || kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8,
+                "clusters of 2, 4 or 8 blocks (the portable cluster sizes)");
   static constexpr int kChunks = kHeadDim / 8;  ///< 16-byte chunks per row
   static constexpr int kDSteps = kHeadDim / 16;  ///< k-steps of Q K^T
   static constexpr int kDTiles = kHeadDim / 8;   ///< 8-column output tiles

@@ -84,11 +84,22 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);
   const WarpKeyLanes<kRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
 
+  // Launched in a cluster (DecodeTile::kCluster): every block of the cluster has the same key
+  // range, so they all take the barrier the same number of times.
+  [[maybe_unused]] bool in_step = false;
+  if constexpr (Cfg::kCluster > 1) in_step = port::cluster_blocks() > 1;
+
   for (int i = 0; i < num_n; ++i) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // block i landed; every warp is done with block i - 1's stage
     if (i == 0) q_lanes.load(qf);
+    if constexpr (Cfg::kCluster > 1) {
+      if (in_step && i > 0) port::cluster_wait();  // the cluster issued the last block's loads
+    }
     load_kv(i + kStages - 1);  // into the stage block i - 1 used
+    if constexpr (Cfg::kCluster > 1) {
+      if (in_step) port::cluster_arrive_relaxed();
+    }
 
     const uint32_t sK = smem_addr(sRing + (i % kStages) * Cfg::kSmemStage);
     const int n = n_begin + i;
@@ -106,6 +117,9 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     });
   }
   softmax.finalize();
+  if constexpr (Cfg::kCluster > 1) {
+    if (in_step && num_n > 0) port::cluster_wait();  // the last arrive's
+  }
 
   // ---- Merge the warps' partial states (the ring is reused as the merge buffer) ----
   cp_async_wait<0>();

@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "backend.hpp"  // device_arch
 #include "gpu/device_guard.hpp"
@@ -38,6 +39,24 @@ template <class Tile>
 struct HeadsPerTile<Tile, std::void_t<decltype(Tile::kHeads)>>
     : std::integral_constant<int, Tile::kHeads> {};
 
+/// Blocks a cluster for a call: Launch::cluster(p, num_m_blocks) where the launch traits have
+/// it (sm_90 devices only), else 1.
+template <class Launch, class = void>
+struct ClusterOf {
+  static int get(const FwdParams&, int64_t /*num_m_blocks*/) { return 1; }
+};
+template <class Launch>
+struct ClusterOf<Launch, std::void_t<decltype(Launch::cluster(std::declval<const FwdParams&>(),
+                                                              int64_t{}))>> {
+  static int get(const FwdParams& p, int64_t num_m_blocks) {
+    const int n = Launch::cluster(p, num_m_blocks);
+    if (n <= 1) return 1;
+    int device = 0;
+    port::check(port::get_device(&device), "querying the current device");
+    return device_arch(device).version >= 90 ? n : 1;
+  }
+};
+
 /// The one launch path of the forward kernels. `Launch` is a kernel's launch traits:
 ///   Tile       kBlockM (query rows per work tile), kThreads, kSmemBytes (dynamic shared memory),
 ///              optionally kHeads (heads per work tile, HeadsPerTile; else one)
@@ -49,6 +68,8 @@ struct HeadsPerTile<Tile, std::void_t<decltype(Tile::kHeads)>>
 ///              the kernel's arguments after (p, num_m_blocks), as a tuple: none for most
 ///              kernels; the TMA tensor maps and the tile divisors for the warp-specialised
 ///              sm90 kernel
+///   cluster(p, num_m_blocks)
+///              optional: blocks a cluster (consecutive tiles; ClusterOf), 1 for none
 template <class Launch>
 void launch_fwd(const FwdParams& p, port::stream_t stream) {
   using Tile = typename Launch::Tile;
@@ -67,13 +88,22 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
                  " thread blocks (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
   auto extra = Launch::prepare(p, num_m_blocks, tiles);
   set_smem_once_per_device<Launch::kKernel>(Tile::kSmemBytes, Launch::kName);
+  const int cluster = ClusterOf<Launch>::get(p, num_m_blocks);
+  port::error_t err = port::kSuccess;
   std::apply(
       [&](const auto&... args) {
-        Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes,
-                          stream>>>(p, int(num_m_blocks), args...);
+        if (cluster > 1) {
+          err = port::launch_kernel_in_clusters(Launch::kKernel, dim3(unsigned(blocks)),
+                                                dim3(Tile::kThreads), Tile::kSmemBytes, stream,
+                                                unsigned(cluster), p, int(num_m_blocks), args...);
+        } else {
+          Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes,
+                            stream>>>(p, int(num_m_blocks), args...);
+          err = port::get_last_error();
+        }
       },
       extra);
-  if (const port::error_t err = port::get_last_error(); err != port::kSuccess)
+  if (err != port::kSuccess)
     port::check(err, (std::string("launching the ") + Launch::kName + " forward kernel").c_str());
 }
 

@@ -261,6 +261,64 @@ inline error_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, s
 #endif
 }
 
+// ---- Thread block clusters (NVIDIA sm_90+) ----------------------------------------------------
+// A grid launched in clusters of n consecutive blocks (launch_kernel_in_clusters) may keep its
+// clusters' blocks in step: every thread arrives, and later waits until every thread of the
+// cluster has arrived. The calls must alternate, arrive first, in every thread of the cluster.
+// Elsewhere, or launched without clusters, a block is a cluster of one and these do nothing.
+
+/// Blocks in this block's cluster (1 without clusters).
+__device__ __forceinline__ unsigned cluster_blocks() {
+#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+#else
+  return 1;
+#endif
+}
+
+/// Arrives at the cluster barrier without ordering memory (relaxed); every thread, warps whole.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+/// Waits until every thread of the cluster has arrived; every thread, warps whole.
+__device__ __forceinline__ void cluster_wait() {
+#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+/// kernel<<<grid, block, smem, s>>>(args...) in clusters of `cluster_x` consecutive blocks
+/// along x (NVIDIA sm_90+ devices, grid.x a multiple of cluster_x: the caller knows both).
+template <class... Params, class... Args>
+inline error_t launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, dim3 block,
+                                         size_t smem, stream_t s, unsigned cluster_x,
+                                         Args&&... args) {
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_x;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+#else
+  (void)cluster_x;
+  kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
+  return hipGetLastError();
+#endif
+}
+
 /// Stops the kernel loudly: the body an unsupported target compiles to.
 __device__ __forceinline__ void trap() {
 #if defined(HIPFLASH_PLATFORM_AMD)
