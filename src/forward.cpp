@@ -25,6 +25,7 @@ struct LastKernel {
   KernelKey key{};
   Arch arch{};
   bool long_rows = false;  ///< sm90_ws ran its long-row tile (gpu::Launched)
+  int cluster = 1;         ///< blocks a cluster of the launch (gpu::Launched)
 };
 thread_local LastKernel t_last_kernel;
 
@@ -275,7 +276,9 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
   }
   t_last_kernel = {LastKernel::gpu, plan.sel.kind, plan.sel.key, plan.arch};
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  t_last_kernel.long_rows = gpu::run_forward(p, plan.sel, loc.index, stream, ws).long_rows;
+  const gpu::Launched launched = gpu::run_forward(p, plan.sel, loc.index, stream, ws);
+  t_last_kernel.long_rows = launched.long_rows;
+  t_last_kernel.cluster = launched.cluster;
 }
 
 Location resolve_location_of(Location loc) {
@@ -299,7 +302,8 @@ std::string last_kernel_name() {
     case LastKernel::gpu: break;
   }
   return std::string("fwd_") + kernel_kind_name(k.kind) + "_" + k.key.name() +
-         (k.long_rows ? "_longrows_" : "_") + k.arch.name();
+         (k.long_rows ? "_longrows" : "") +
+         (k.cluster > 1 ? "_cluster" + std::to_string(k.cluster) : "") + "_" + k.arch.name();
 }
 std::string build_info() { return gpu::build_info(); }
 bool gpu_available() {

@@ -40,7 +40,7 @@ struct HeadsPerTile<Tile, std::void_t<decltype(Tile::kHeads)>>
     : std::integral_constant<int, Tile::kHeads> {};
 
 /// Blocks a cluster for a call: Launch::cluster(p, num_m_blocks) where the launch traits have
-/// it (sm_90 devices only), else 1.
+/// it (NVIDIA sm_90+ devices only), else 1.
 template <class Launch, class = void>
 struct ClusterOf {
   static int get(const FwdParams&, int64_t /*num_m_blocks*/) { return 1; }
@@ -49,11 +49,16 @@ template <class Launch>
 struct ClusterOf<Launch, std::void_t<decltype(Launch::cluster(std::declval<const FwdParams&>(),
                                                               int64_t{}))>> {
   static int get(const FwdParams& p, int64_t num_m_blocks) {
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
     const int n = Launch::cluster(p, num_m_blocks);
     if (n <= 1) return 1;
     int device = 0;
     port::check(port::get_device(&device), "querying the current device");
     return device_arch(device).version >= 90 ? n : 1;
+#else
+    (void)p, (void)num_m_blocks;
+    return 1;  // clusters are NVIDIA's
+#endif
   }
 };
 
@@ -89,6 +94,7 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
   auto extra = Launch::prepare(p, num_m_blocks, tiles);
   set_smem_once_per_device<Launch::kKernel>(Tile::kSmemBytes, Launch::kName);
   const int cluster = ClusterOf<Launch>::get(p, num_m_blocks);
+  if (cluster > 1) note_cluster(cluster);
   port::error_t err = port::kSuccess;
   std::apply(
       [&](const auto&... args) {

@@ -263,6 +263,32 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
   }
 }
 
+TEST_F(Gpu, DecodeClustersAreNamed) {
+  // Under the tuning hook HIPFLASH_DECODE_CLUSTER (a build flag, off by default) an unsplit
+  // decode call on sm_90 launches in clusters of that many kv heads, its blocks in step, and
+  // the kernel's name says so; a split call does not. Both checked against the reference.
+#if defined(HIPFLASH_DECODE_CLUSTER) && HIPFLASH_DECODE_CLUSTER > 1
+  int device = 0, major = 0, minor = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
+  const std::string clustered = "_cluster" + std::to_string(HIPFLASH_DECODE_CLUSTER) + "_";
+  for (int splits : {1, 3}) {
+    // 3 batches x 8 kv heads; 3001 keys end inside a 64-key block.
+    Dense t = make({DType::bf16, 3, 1, 3001, 32, 8, 128, false, -1, -1, splits});
+    run_gpu(t);
+    const std::string name = last_kernel_name();
+    if (name.rfind("fwd_decode_heads_", 0) == 0 || name.rfind("fwd_decode_", 0) != 0)
+      GTEST_SKIP() << "not the decode kernel here: " << name;
+    const bool want = splits == 1 && major >= 9;
+    EXPECT_EQ(name.find(clustered) != std::string::npos, want) << name;
+    EXPECT_REF_OK(check_rows(t)) << " kernel " << name;
+  }
+#else
+  GTEST_SKIP() << "built without the HIPFLASH_DECODE_CLUSTER hook (off by default)";
+#endif
+}
+
 TEST_F(Gpu, LongRowTileIsNamed) {
   // Calls with long rows run the sm90_ws kernel's long-row tile (masked hd64: three consumers;
   // unmasked hd128: 176-key blocks), and the launch says so (the name is what the launcher
