@@ -253,7 +253,9 @@ inline error_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, s
   if (programmatic && stream_capturing(s)) programmatic = false;
 #endif
   cfg.numAttrs = programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // returned here: not the next launch's
+  return err;
 #else
   (void)programmatic;
   kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
@@ -311,7 +313,9 @@ inline error_t launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, d
   cfg.stream = s;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // returned here: not the next launch's
+  return err;
 #else
   (void)cluster_x;
   kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
