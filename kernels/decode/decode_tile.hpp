@@ -34,9 +34,9 @@ struct DecodeTile {
   /// 2026-12-02). hd64 keeps three (not measured: HIPFLASH_DECODE_HD64_STAGES).
   static constexpr int kStages = kHeadDim == 64 ? HIPFLASH_DECODE_HD64_STAGES : 2;
   static constexpr int kThreads = kNWarps * 32;
-  /// Under the tuning hook (prepared, not measured yet): an unsplit call with one query block
-  /// a (batch, kv head) launches in clusters of kCluster blocks on sm_90 — kCluster kv heads of
-  /// a batch — whose blocks issue each key block's loads only after the whole cluster issued the
+  /// Under the tuning hook (prepared, not measured yet): a call with one query block a (batch,
+  /// kv head) launches in clusters of kCluster blocks on sm_90 — kCluster kv heads of a (batch,
+  /// split) — whose blocks issue each key block's loads only after the whole cluster issued the
   /// previous one's, so that the cluster reads its key rows ([B, Sk, Hkv, D]: the kv heads of a
   /// key adjacent) at about the same time, as the head-group kernel's one block does.
   static constexpr int kCluster = HIPFLASH_DECODE_CLUSTER;

@@ -16,16 +16,16 @@ struct DecodeLaunch : NoPrepare {
   static constexpr auto kKernel = decode::fwd_decode_kernel<Traits, kPaged>;
   static constexpr const char* kName = kPaged ? "decode (paged KV cache)" : "decode";
   static_assert(Tile::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
-  /// Blocks a cluster on sm_90 (launch_fwd): Tile::kCluster kv heads of a batch, where that
-  /// tuning hook is set and the call is unsplit with one query block a (batch, kv head), so
-  /// that a cluster's blocks are consecutive heads of one batch (BlockInfo's tile order) with
-  /// the same key range; else 1.
+  /// Blocks a cluster on sm_90 (launch_fwd): Tile::kCluster heads of a (batch, split) — the kv
+  /// heads of a packed GQA decode — where that tuning hook is set and the call has one query
+  /// block a (batch, head) and a multiple of kCluster heads (the kernel's clustered_tile maps
+  /// a cluster's blocks to them); else 1.
   static int cluster(const FwdParams& p, int64_t num_m_blocks) {
     constexpr int n = Tile::kCluster;
     if constexpr (n <= 1) {
       return 1;
     } else {
-      return num_m_blocks == 1 && p.num_splits == 1 && p.heads_q % n == 0 ? n : 1;
+      return num_m_blocks == 1 && p.heads_q % n == 0 ? n : 1;
     }
   }
 };
