@@ -18,8 +18,10 @@ static void launch_programmatic(int64_t blocks, const FwdParams& p, port::stream
   port::check(port::get_device(&device), "querying the current device");
   const bool programmatic =
       waits.get(device, [] { return port::waits_for_prerequisite_grids(kKernel); });
+  port::LaunchOptions how;
+  how.programmatic = programmatic;
   port::check(port::launch_kernel(kKernel, dim3(unsigned(blocks)), dim3(combine::kThreads), 0,
-                                  stream, programmatic, p),
+                                  stream, how, p),
               "launching the split-K combine kernel");
 }
 

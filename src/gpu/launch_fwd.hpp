@@ -99,9 +99,10 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
   std::apply(
       [&](const auto&... args) {
         if (cluster > 1) {
-          err = port::launch_kernel_in_clusters(Launch::kKernel, dim3(unsigned(blocks)),
-                                                dim3(Tile::kThreads), Tile::kSmemBytes, stream,
-                                                unsigned(cluster), p, int(num_m_blocks), args...);
+          port::LaunchOptions how;
+          how.cluster_x = unsigned(cluster);
+          err = port::launch_kernel(Launch::kKernel, dim3(unsigned(blocks)), dim3(Tile::kThreads),
+                                    Tile::kSmemBytes, stream, how, p, int(num_m_blocks), args...);
         } else {
           Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes,
                             stream>>>(p, int(num_m_blocks), args...);

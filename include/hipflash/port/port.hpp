@@ -195,11 +195,12 @@ __device__ __forceinline__ bool all_lanes(bool pred) { return __all_sync(0xfffff
 #endif  // shuffles
 
 // ---- Programmatic dependent launch (NVIDIA sm_90+) ------------------------------------------
-// A kernel launched with launch_kernel(..., programmatic = true) may start while the work before
-// it in the stream is still running: it must call wait_prerequisite_grids() before it reads or
-// writes memory that work touches. A kernel in front of it may call allow_dependent_launch() so
-// that the dependent's blocks are placed as soon as all of its own blocks have started (without
-// it, when they have all exited). Both are no-ops on other targets, where the launch is plain.
+// A kernel launched with launch_kernel and LaunchOptions::programmatic may start while the work
+// before it in the stream is still running: it must call wait_prerequisite_grids() before it
+// reads or writes memory that work touches. A kernel in front of it may call
+// allow_dependent_launch() so that the dependent's blocks are placed as soon as all of its own
+// blocks have started (without it, when they have all exited). Both are no-ops on other
+// targets, where the launch is plain.
 
 /// Waits until the grids this one depends on have completed and their writes are visible.
 __device__ __forceinline__ void wait_prerequisite_grids() {
@@ -233,38 +234,8 @@ inline bool waits_for_prerequisite_grids(void (*kernel)(Params...)) {
 #endif
 }
 
-/// kernel<<<grid, block, smem, s>>>(args...); with `programmatic` (NVIDIA sm_90+ devices; the
-/// caller knows the device) as a programmatic dependent of the work before it in s.
-template <class... Params, class... Args>
-inline error_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                             stream_t s, bool programmatic, Args&&... args) {
-#if defined(HIPFLASH_PLATFORM_NVIDIA)
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cfg.attrs = attr;
-#if CUDART_VERSION < 12030
-  // Capturing a programmatic launch into a graph needs CUDA 12.3+: launch plainly there.
-  if (programmatic && stream_capturing(s)) programmatic = false;
-#endif
-  cfg.numAttrs = programmatic ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (err != cudaSuccess) (void)cudaGetLastError();  // returned here: not the next launch's
-  return err;
-#else
-  (void)programmatic;
-  kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
-  return hipGetLastError();
-#endif
-}
-
 // ---- Thread block clusters (NVIDIA sm_90+) ----------------------------------------------------
-// A grid launched in clusters of n consecutive blocks (launch_kernel_in_clusters) may keep its
+// A grid launched in clusters of n consecutive blocks (launch_kernel's cluster_x) may keep its
 // clusters' blocks in step: every thread arrives, and later waits until every thread of the
 // cluster has arrived. The calls must alternate, arrive first, in every thread of the cluster.
 // Elsewhere, or launched without clusters, a block is a cluster of one and these do nothing.
@@ -294,30 +265,47 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-/// kernel<<<grid, block, smem, s>>>(args...) in clusters of `cluster_x` consecutive blocks
-/// along x (NVIDIA sm_90+ devices, grid.x a multiple of cluster_x: the caller knows both).
+/// How launch_kernel launches beyond the grid (NVIDIA sm_90+ devices; the caller knows the
+/// device): as a programmatic dependent of the work before it in the stream, and in clusters
+/// of `cluster_x` consecutive blocks along x (grid.x a multiple of it).
+struct LaunchOptions {
+  bool programmatic = false;
+  unsigned cluster_x = 1;
+};
+
+/// kernel<<<grid, block, smem, s>>>(args...) with `how`'s attributes (a plain launch on AMD).
 template <class... Params, class... Args>
-inline error_t launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, dim3 block,
-                                         size_t smem, stream_t s, unsigned cluster_x,
-                                         Args&&... args) {
+inline error_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             stream_t s, LaunchOptions how, Args&&... args) {
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster_x;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+#if CUDART_VERSION < 12030
+  // Capturing a programmatic launch into a graph needs CUDA 12.3+: launch plainly there.
+  if (how.programmatic && stream_capturing(s)) how.programmatic = false;
+#endif
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (how.programmatic) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (how.cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = how.cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = n;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) (void)cudaGetLastError();  // returned here: not the next launch's
   return err;
 #else
-  (void)cluster_x;
+  (void)how;
   kernel<<<grid, block, smem, s>>>(std::forward<Args>(args)...);
   return hipGetLastError();
 #endif
