@@ -35,6 +35,9 @@
 #if __CUDA_ARCH__ >= 800
 #define HIPFLASH_HAS_MMA_SYNC 1  // mma.sync m16n8k16 bf16/f16, ldmatrix, cp.async
 #endif
+#if __CUDA_ARCH__ >= 900
+#define HIPFLASH_HAS_SM90_CONTROL 1  // griddepcontrol, thread block clusters
+#endif
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define HIPFLASH_HAS_WGMMA 1  // sm_90a: wgmma, setmaxnreg
 #endif
@@ -204,14 +207,14 @@ __device__ __forceinline__ bool all_lanes(bool pred) { return __all_sync(0xfffff
 
 /// Waits until the grids this one depends on have completed and their writes are visible.
 __device__ __forceinline__ void wait_prerequisite_grids() {
-#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(HIPFLASH_HAS_SM90_CONTROL)
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 /// Lets the grid launched programmatically after this one start (its blocks then wait).
 __device__ __forceinline__ void allow_dependent_launch() {
-#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(HIPFLASH_HAS_SM90_CONTROL)
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -242,7 +245,7 @@ inline bool waits_for_prerequisite_grids(void (*kernel)(Params...)) {
 
 /// Blocks in this block's cluster (1 without clusters).
 __device__ __forceinline__ unsigned cluster_blocks() {
-#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(HIPFLASH_HAS_SM90_CONTROL)
   unsigned n;
   asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
   return n;
@@ -253,14 +256,14 @@ __device__ __forceinline__ unsigned cluster_blocks() {
 
 /// Arrives at the cluster barrier without ordering memory (relaxed); every thread, warps whole.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(HIPFLASH_HAS_SM90_CONTROL)
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #endif
 }
 
 /// Waits until every thread of the cluster has arrived; every thread, warps whole.
 __device__ __forceinline__ void cluster_wait() {
-#if defined(HIPFLASH_PLATFORM_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(HIPFLASH_HAS_SM90_CONTROL)
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
