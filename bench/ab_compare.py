@@ -75,6 +75,9 @@ def main() -> int:
     def fmt(v: float | str | None) -> str:
         return "-" if v is None else v if isinstance(v, str) else f"{v:.0f}"
 
+    if not cells:
+        print("no cells in any run (did AB_CELLS match none?)")
+        return 1
     width = max(len(c) for c in cells) + 2
     print(f"{'cell':<{width}}" + "".join(f"{b:>20}" for b in builds) + f"{PEER:>12}")
     ratios: dict[str, list[float]] = {b: [] for b in builds}

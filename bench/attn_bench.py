@@ -836,7 +836,11 @@ def main(argv=None):
         cells = [c for c in cells if c.backends]
     if args.cells:
         pattern = re.compile(args.cells)
+        labels = [c.label for c in cells]
         cells = [c for c in cells if pattern.search(c.label)]
+        if not cells:  # a typo in the pattern must not pass for an empty, successful run
+            sys.exit(f"attn_bench: --cells {args.cells!r} matches no cell of the {args.suite} "
+                     f"suite (labels: {', '.join(labels[:6])}{', ...' if len(labels) > 6 else ''})")
     if args.max_cells:
         cells = cells[:args.max_cells]
     out_dir = args.out or os.path.join(HERE, "results", args.suite)
@@ -984,6 +988,8 @@ def run_merge_suite(args, device):
     cells = MERGE_CELLS if device == "cuda" else MERGE_TINY
     if args.cells:
         cells = [c for c in cells if re.search(args.cells, c[0])]
+        if not cells:
+            sys.exit(f"attn_bench: --cells {args.cells!r} matches no merge cell")
     rows = []
     for label, n, T, H, D in cells:
         g = torch.Generator(device=device).manual_seed(zlib.crc32(label.encode()))
