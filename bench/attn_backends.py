@@ -13,6 +13,7 @@ when the cell's inputs are built.
 
 import glob
 import os
+import re
 import sys
 
 import torch
@@ -125,6 +126,21 @@ def _no_top_left_causal(cell):
 
 _HF = None
 _HF_ERR = None
+
+
+def select_cells(cells, pattern, label, what):
+    """The cells whose label(cell) matches the --cells regex `pattern` (all when it is empty);
+    exits naming the labels when it matches none, so a typo never passes for an empty,
+    successful run."""
+    if not pattern:
+        return cells
+    labels = [label(c) for c in cells]
+    kept = [c for c, name in zip(cells, labels) if re.search(pattern, name)]
+    if not kept:
+        more = ", ..." if len(labels) > 6 else ""
+        sys.exit(f"--cells {pattern!r} matches no cell of the {what} suite "
+                 f"(labels: {', '.join(labels[:6])}{more})")
+    return kept
 
 
 def import_hipflash(extra_path=None):

@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import random
-import re
 import shlex
 import statistics
 import subprocess
@@ -834,13 +833,7 @@ def main(argv=None):
         for c in cells:
             c.backends = [b for b in c.backends if b in keep]
         cells = [c for c in cells if c.backends]
-    if args.cells:
-        pattern = re.compile(args.cells)
-        labels = [c.label for c in cells]
-        cells = [c for c in cells if pattern.search(c.label)]
-        if not cells:  # a typo in the pattern must not pass for an empty, successful run
-            sys.exit(f"attn_bench: --cells {args.cells!r} matches no cell of the {args.suite} "
-                     f"suite (labels: {', '.join(labels[:6])}{', ...' if len(labels) > 6 else ''})")
+    cells = ab.select_cells(cells, args.cells, lambda c: c.label, args.suite)
     if args.max_cells:
         cells = cells[:args.max_cells]
     out_dir = args.out or os.path.join(HERE, "results", args.suite)
@@ -986,10 +979,7 @@ def run_merge_suite(args, device):
     timer = Timer(device, *budget)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
     cells = MERGE_CELLS if device == "cuda" else MERGE_TINY
-    if args.cells:
-        cells = [c for c in cells if re.search(args.cells, c[0])]
-        if not cells:
-            sys.exit(f"attn_bench: --cells {args.cells!r} matches no merge cell")
+    cells = ab.select_cells(cells, args.cells, lambda c: c[0], "merge")
     rows = []
     for label, n, T, H, D in cells:
         g = torch.Generator(device=device).manual_seed(zlib.crc32(label.encode()))

@@ -98,9 +98,7 @@ def run_train_suite(args, device, timer, meta, out_dir):
     dtype = torch.bfloat16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
     cells = train_cells(device)
-    if args.cells:
-        import re
-        cells = [c for c in cells if re.search(args.cells, c[0])]
+    cells = ab.select_cells(cells, args.cells, lambda c: c[0], "train")
     names = BACKENDS if not args.backends else [b for b in BACKENDS if b in args.backends.split(",")]
     rows = []
     host_loops = TRAIN_HOST_LOOPS if device == "cuda" else (1, 2, 2)
