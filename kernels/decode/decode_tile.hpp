@@ -14,6 +14,9 @@
 #ifndef HIPFLASH_DECODE_CLUSTER  // a tuning hook (0: off): DecodeTile::kCluster
 #define HIPFLASH_DECODE_CLUSTER 0
 #endif
+#ifndef HIPFLASH_DECODE_CLUSTER_STEP  // with the cluster hook: 0 places the blocks, no barrier
+#define HIPFLASH_DECODE_CLUSTER_STEP 1
+#endif
 #ifndef HIPFLASH_DECODE_HEADS_STAGES  // a tuning hook: the head-group decode kernel's ring
 #define HIPFLASH_DECODE_HEADS_STAGES 3
 #endif
@@ -42,6 +45,9 @@ struct DecodeTile {
   static constexpr int kCluster = HIPFLASH_DECODE_CLUSTER;
   static_assert(kCluster == 0 || kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8,
                 "clusters of 2, 4 or 8 blocks (the portable cluster sizes)");
+  /// With HIPFLASH_DECODE_CLUSTER_STEP 0 a cluster's blocks only share a GPC (the launch places
+  /// them together) and take no barrier: each streams at its own pace.
+  static constexpr bool kClusterStep = HIPFLASH_DECODE_CLUSTER_STEP != 0;
   static constexpr int kChunks = kHeadDim / 8;  ///< 16-byte chunks per row
   static constexpr int kDSteps = kHeadDim / 16;  ///< k-steps of Q K^T
   static constexpr int kDTiles = kHeadDim / 8;   ///< 8-column output tiles

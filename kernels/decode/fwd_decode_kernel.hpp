@@ -87,7 +87,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   // Launched in a cluster (DecodeTile::kCluster; clustered_tile): the cluster's blocks share a
   // (batch, split) and so the key range, and all take the barrier the same number of times.
   [[maybe_unused]] bool in_step = false;
-  if constexpr (Cfg::kCluster > 1) in_step = port::cluster_blocks() > 1;
+  if constexpr (Cfg::kCluster > 1 && Cfg::kClusterStep) in_step = port::cluster_blocks() > 1;
 
   for (int i = 0; i < num_n; ++i) {
     cp_async_wait<kStages - 2>();
