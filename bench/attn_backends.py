@@ -231,6 +231,35 @@ class Hipflash(Backend):
             return ""
 
 
+class HipflashBhsd(Hipflash):
+    """hipflash with the LSE on K and V stored [B, Hkv, Sk, D] (the layout the decode suite gives
+    cuDNN, and FlashInfer's "HND"), passed as [B, Sk, Hkv, D] views: SPEC §2 takes any strides
+    with a contiguous last dimension, so a cache kept head-major needs no copy. Q and out stay
+    [B, Sq, Hq, D]. With the bshd cuDNN below it makes the layout-for-layout comparison."""
+    kinds = ("dense",)
+    layout = "bhsd"
+
+    def __init__(self, hipflash_path=None):
+        super().__init__(True, hipflash_path)
+        self.name = "hipflash+lse-bhsd"
+
+    def prepare(self, cell, inp):
+        from attn_ref import normalize_lse
+
+        hf = import_hipflash(self.path)
+        _, kb, vb = inp.bhsd()
+        k = [_bhsd_to_bshd(x) for x in kb]
+        v = [_bhsd_to_bshd(x) for x in vb]
+
+        def run(i, out=None):
+            return hf.flash_attn_func(inp.q[i], k[i], v[i], softmax_scale=cell.scale,
+                                      causal=cell.causal, return_lse=True, out=out)
+
+        def extract(res):
+            return res[0], normalize_lse(res[1], cell.B, cell.Hq, cell.Sq)
+        return run, extract
+
+
 def paged_copy(x, page, perm):
     """x [B, Sk, H, D] as a paged cache [B * Sk / page, page, H, D]: page j of sequence b (its
     rows j * page ...) is stored at page perm[b * Sk / page + j]."""
@@ -358,6 +387,18 @@ class CudnnSdpaGqa(Backend):
                 return F.scaled_dot_product_attention(q[i], k[i], v[i], is_causal=causal,
                                                       scale=scale, enable_gqa=gqa)
         return run, _dense_extract(cell, "bhsd")
+
+
+class CudnnSdpaGqaBshd(CudnnSdpaGqa):
+    """cudnn-sdpa-gqa on the [B, S, H, D] tensors themselves, as [B, H, S, D] views: how a user
+    whose cache is FlashAttention's layout calls cuDNN (the strided rows hipflash+lse reads)."""
+    name, layout = "cudnn-sdpa-gqa-bshd", "bshd"
+
+    def prepare(self, cell, inp):
+        class Views:  # the cell's inputs, seen [B, H, S, D]
+            def bhsd(self):
+                return tuple([x.transpose(1, 2) for x in xs] for xs in (inp.q, inp.k, inp.v))
+        return super().prepare(cell, Views())
 
 
 class FA2Native(Backend):
@@ -529,7 +570,8 @@ class TorchMath(Backend):
 def make_backends(hipflash_path=None):
     """Every backend by name."""
     bs = [Hipflash(False, hipflash_path), Hipflash(True, hipflash_path),
-          HipflashPaged(16, hipflash_path), HipflashPaged(256, hipflash_path), TorchFlash(),
+          HipflashPaged(16, hipflash_path), HipflashPaged(256, hipflash_path),
+          HipflashBhsd(hipflash_path), CudnnSdpaGqaBshd(), TorchFlash(),
           TorchCudnn(True), TorchCudnn(False), TorchEfficient(True), TorchEfficient(False),
           Flex(), FA2Native(), CudnnSdpaGqa(), EfficientVarlen(), TorchSdpa(), TorchMath()]
     return {b.name: b for b in bs}

@@ -57,6 +57,9 @@ DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 HF = ["hipflash", "hipflash+lse"]
 DENSE_PEERS = ["torch-flash", "torch-cudnn", "torch-efficient"]
 DECODE_PEERS = ["fa2-native", "cudnn-sdpa-gqa", "torch-flash", "torch-cudnn", "torch-efficient"]
+# The decode suite's layout-for-layout pair: hipflash on cuDNN's [B, Hkv, Sk, D] memory, cuDNN on
+# hipflash's [B, Sk, Hkv, D] (each through a view; the headline ratios stay each in its own).
+DECODE_LAYOUTS = ["hipflash+lse-bhsd", "cudnn-sdpa-gqa-bshd"]
 VARLEN_PEERS = ["fa2-native", "efficient-varlen"]
 LSE_OVERHEAD = ["hipflash", "hipflash+lse", "torch-cudnn-nolse", "torch-cudnn",
                 "torch-efficient-nolse", "torch-efficient"]
@@ -229,7 +232,7 @@ def build_suite(name, dtype, flex, decode_dim=128):
     full_grid = fa_grid([512, 1024, 2048, 4096, 8192, 16384], [64, 128], [False, True], dtype,
                         HF + DENSE_PEERS)
     full_decode = decode([4096, 8192, 16384, 32768, 65536, 131072], [1, 8, 32], dtype,
-                         HF + DECODE_PEERS, D=decode_dim)
+                         HF + DECODE_PEERS + DECODE_LAYOUTS, D=decode_dim)
     full_varlen = varlen([("mixed 128..4k", 16384, 128, 4096), ("short 16..512", 16384, 16, 512)],
                          [64, 128], [False, True], dtype, HF + VARLEN_PEERS)
     full_lse = (fa_grid([1024, 4096, 16384], [128], [False], dtype, LSE_OVERHEAD, "lse-overhead")
@@ -278,7 +281,8 @@ def build_suite(name, dtype, flex, decode_dim=128):
                                   group=f"head dim 64, {'causal' if causal else 'non-causal'}",
                                   xlabel=str(S)).finish())
         for Sk in (512, 1024):
-            cells.append(Cell("decode", "dense", 2, 1, Sk, 8, 2, 64, False, dtype, HF + peers,
+            cells.append(Cell("decode", "dense", 2, 1, Sk, 8, 2, 64, False, dtype,
+                              HF + DECODE_LAYOUTS[:1] + peers,
                               label=f"B=2 Sk={Sk}", group="batch 2", xlabel=str(Sk)).finish())
         cells += varlen([("mixed 16..200", 600, 16, 200)], [64], [False, True], dtype,
                         HF + ["torch-math"])

@@ -44,6 +44,14 @@ SUITE_NOTES = {
           "as fast; the target for hipflash and hipflash+lse, back to back, is <= 1.00x against "
           "fa2-native). fa2-native (`aten._flash_attention_forward`) has no LSE switch: it "
           "always computes and returns the LSE. Counts in *Host timing* above.",
+    "decode": "Each library reads K/V in the layout its users keep a cache in: hipflash, "
+              "hipflash+lse and fa2-native [B, Sk, Hkv, D], the SDPA backends a contiguous "
+              "[B, Hkv, Sk, D] copy made outside the timing. Layout for layout: "
+              "hipflash+lse-bhsd is hipflash with the LSE on that [B, Hkv, Sk, D] copy "
+              "(through a [B, Sk, Hkv, D] view: any strides with a contiguous last dimension), "
+              "cudnn-sdpa-gqa-bshd is cuDNN with native GQA on the [B, Sk, Hkv, D] tensors "
+              "(through [B, Hkv, Sk, D] views). The ratio columns compare hipflash and "
+              "hipflash+lse, in their own layout, with the best peer in either layout.",
     "serving": "hipflash+lse reads a contiguous cache (the plain forward: the same decode kernel "
                "and row source, no block table); hipflash-paged16 / -paged256 call "
                "`flash_attn_with_kvcache` on a copy of the same K/V in pages of 16 / 256 rows, "
@@ -73,6 +81,7 @@ COLORS = {
     "torch-efficient-nolse": "#c5b0d5", "flex": "#8c564b", "fa2-native": "#17becf",
     "cudnn-sdpa-gqa": "#bcbd22", "efficient-varlen": "#e377c2", "torch-sdpa": "#7f7f7f",
     "torch-math": "#aec7e8", "hipflash-paged16": "#ff7f0e", "hipflash-paged256": "#ffbb78",
+    "hipflash+lse-bhsd": "#c49c94", "cudnn-sdpa-gqa-bshd": "#dbdb8d",
 }
 
 
