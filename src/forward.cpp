@@ -209,6 +209,9 @@ Problem make_problem(const FwdParams& p) {
   prob.heads_kv = p.heads_kv;
   prob.batch = p.batch;
   prob.keys = p.seqlen_k;
+  const auto below = [](int64_t a, int64_t b) { return (a < 0 ? -a : a) < (b < 0 ? -b : b); };
+  prob.kv_heads_in_rows =
+      below(p.k_head_stride, p.k_row_stride) && below(p.v_head_stride, p.v_row_stride);
   return prob;
 }
 

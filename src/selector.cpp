@@ -41,7 +41,8 @@ bool head_group_decode(const Problem& p, int hd, const Arch& arch, const BuildCa
   if (caps.decode_heads == HeadGroupDecode::always) return true;
   // Measured at hd128 only: hd64 runs it under HIPFLASH_DECODE_HEADS=1 alone.
   const int64_t tiles = p.batch * ((p.heads_kv + kDecodeHeadsPerBlock - 1) / kDecodeHeadsPerBlock);
-  return hd == 128 && tiles >= kDecodeHeadsMinTiles && p.keys >= kDecodeHeadsMinKeys;
+  return hd == 128 && tiles >= kDecodeHeadsMinTiles && p.keys >= kDecodeHeadsMinKeys &&
+         p.kv_heads_in_rows;
 }
 
 }  // namespace

@@ -138,6 +138,13 @@ TEST(Selector, HeadGroupDecodeByDefaultWhereMeasuredAhead) {
         << "B=" << batch << " Sk=" << keys;
     EXPECT_EQ(kind(batch, keys, off), KernelKind::decode) << "B=" << batch << " Sk=" << keys;
   }
+  p.kv_heads_in_rows = false;  // a head-major cache: the decode kernel by default
+  EXPECT_EQ(kind(32, 131072, measured), KernelKind::decode);
+  EXPECT_EQ(kind(64, 262144, measured), KernelKind::decode);
+  BuildCaps forced = measured;
+  forced.decode_heads = HeadGroupDecode::always;
+  EXPECT_EQ(kind(32, 131072, forced), KernelKind::decode_heads) << "it runs them when told";
+  p.kv_heads_in_rows = true;
   p.heads_kv = 16;  // two head groups a batch: B = 16 makes the 32 tiles
   EXPECT_EQ(kind(16, 131072, measured), KernelKind::decode_heads);
   EXPECT_EQ(kind(15, 131072, measured), KernelKind::decode);

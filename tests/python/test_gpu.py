@@ -6,6 +6,7 @@ on the GPU too (fp32, TF32 off: see conftest.py). Budget: about three minutes on
 HIPFLASH_TEST_DEVICE=cpu runs the same checks on CPU tensors (the large cases are skipped):
 a way to check this file itself on a machine without a GPU.
 """
+import math
 import os
 
 import pytest
@@ -206,6 +207,35 @@ def test_long_gqa_decode_kernel(b, sk):
         heads = os.environ.get("HIPFLASH_DECODE_HEADS", "")[:1] == "1"
         assert name.startswith("fwd_decode_heads_" if heads else "fwd_decode_"), name
         assert heads or not name.startswith("fwd_decode_heads_"), name
+
+
+@large
+def test_long_gqa_decode_kernel_follows_the_cache_layout():
+    """B = 32, Sk = 128k, GQA 32/8, hd128 (16 GiB of K and V a layout): by default on sm_90 the
+    head-group decode kernel takes the [B, Sk, Hkv, D] cache, whose key rows hold every kv head,
+    and the decode kernel the same keys kept head-major ([B, Hkv, Sk, D], passed as a view).
+    K = 0, V = 1 make the result exact: out = 1, LSE = log(Sk)."""
+    if not (torch.cuda.get_device_capability() == (9, 0) and "sm90" in hipflash.build_info()):
+        pytest.skip("the head-group decode kernel is an sm_90 kernel of sm_90a builds")
+    if torch.cuda.mem_get_info()[0] < 20 * 2**30:
+        pytest.skip("needs 20 GiB of free GPU memory")
+    b, sk, hq, hkv, d = 32, 131072, 32, 8, 128
+    setting = os.environ.get("HIPFLASH_DECODE_HEADS", "")[:1]
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    for head_major in (False, True):
+        shape = (b, hkv, sk, d) if head_major else (b, sk, hkv, d)
+        k = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+        v = torch.ones(shape, device="cuda", dtype=torch.bfloat16)
+        if head_major:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True)
+        name = hipflash.last_kernel_name()
+        del k, v
+        assert torch.equal(out, torch.ones_like(out)), "out"
+        torch.testing.assert_close(lse, torch.full_like(lse, math.log(sk)), rtol=0, atol=1e-5)
+        heads = setting == "1" or (setting != "0" and not head_major)
+        assert name.startswith("fwd_decode_heads_" if heads else "fwd_decode_"), (head_major, name)
+        assert heads or not name.startswith("fwd_decode_heads_"), (head_major, name)
 
 
 # ---- Determinism, poisoned buffers, streams --------------------------------------------------

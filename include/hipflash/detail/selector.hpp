@@ -72,6 +72,10 @@ struct Problem {
   int64_t heads_kv = 1;  ///< kv heads (the head-group decode kernel's groups)
   int64_t batch = 1;
   int64_t keys = 0;  ///< seqlen_k (a KV cache's capacity)
+  /// The kv heads of a key row lie within the row, for K and V alike (head strides below the
+  /// row strides): [B, Sk, Hkv, D] tensors and paged caches, where a key row of every head is
+  /// one run of memory; not a head-major [B, Hkv, Sk, D] cache passed as a view.
+  bool kv_heads_in_rows = true;
 };
 
 /// Problems with at most this many query rows per (batch, head) take the decode kernel
@@ -87,7 +91,11 @@ inline constexpr int64_t kDecodeHeadsPerBlock = 8;
 /// its blocks each read a batch's kv heads for a long key range, so it needs both many such
 /// ranges and long ones. At 32 head groups x batches it gains 0.5% at 128k keys, is level at
 /// 64k and loses 0.6% at 32k and 2.6-3.4% at 16k and below; at 8 it loses 0.2-1.5% from 32k to
-/// 128k; at 1 (B = 1) the many short splits and their combine lose 5-45% everywhere.
+/// 128k; at 1 (B = 1) the many short splits and their combine lose 5-45% everywhere. It reads
+/// a block's kv heads as whole key rows, which only a row-major cache has (Problem::
+/// kv_heads_in_rows): on a head-major one ([B, Hkv, Sk, D] views) the decode kernel, one
+/// contiguous run per (batch, kv head), read 1.0% faster at B = 32, 128k keys (H200, 9631ce4,
+/// session 2026-12-02 (4) step 3), so such calls keep it.
 inline constexpr int64_t kDecodeHeadsMinTiles = 32;      ///< batch x head groups
 inline constexpr int64_t kDecodeHeadsMinKeys = 131072;
 
