@@ -153,13 +153,15 @@ def _every_cell_lines(title, unit, ratios, geomean=False):
     three decimals, and the cells below 1.00x by name: a 0.997x must not read as 1.00x."""
     if not ratios:
         return []
+    def fmt(r):  # a ratio below 1 that rounds to 1.000 gets a fourth decimal
+        return f"{r:.4f}x" if r < 1.0 and f"{r:.3f}" == "1.000" else f"{r:.3f}x"
     low = min(ratios, key=lambda c: c[1])
-    below = [f"{c} {r:.3f}x" for c, r in ratios if r < 1.0]
+    below = [f"{c} {fmt(r)}" for c, r in ratios if r < 1.0]
     met = len(ratios) - len(below)
     geo = f", geomean {rep.geomean([r for _, r in ratios]):.2f}x" if geomean else ""
     listed = f"; below 1.00x: {', '.join(below)}" if below else ""
     return [f"**{title}** ({unit}; target >= 1.00x in every cell): {met} of {len(ratios)} "
-            f"cells met{geo}, lowest {low[1]:.3f}x ({low[0]}){listed}.", ""]
+            f"cells met{geo}, lowest {fmt(low[1])} ({low[0]}){listed}.", ""]
 
 
 def _lse_costs(rows, suite):

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 python3 bench/make_report.py \
   bench/results/h200-2026-12-01j/full:fa-grid,head-dims,lse-overhead,varlen,host-overhead \
-  bench/results/h200-2026-12-02/decode \
+  bench/results/h200-2026-12-02b/decode \
   bench/results/h200-2026-12-02/serving \
   --allow-partial \
   --append bench/results/h200-2026-11-30d/train \
