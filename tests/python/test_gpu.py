@@ -518,6 +518,39 @@ def test_kvcache_splits_match(num_splits):
     check_kv_per_sequence(out, lse, q, k, v, [5000, 17])
 
 
+@pytest.mark.parametrize("sq", [1, 5])
+@pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
+@pytest.mark.parametrize("page", [0, 16, 256], ids=lambda p: f"page{p}" if p else "contiguous")
+def test_kvcache_head_major_equals_row_major(page, append, sq):
+    """A head-major cache (contiguous [B, Hkv, S, D] or pages [num_blocks, Hkv, page, D], as
+    FlashInfer's "HND") passed as a [.., S or page, Hkv, D] view: bitwise the row-major cache's
+    out and LSE, and the appended rows land in the head-major storage (GQA 32/8: Sq = 1 is the
+    packed decode kernel, Sq = 5 the generic one)."""
+    lens = [3 * 256 + 7, 0, 256, 100]
+    pg = page or 256
+    capacity = ((max(lens) + append + pg - 1) // pg) * pg
+    k, v, k_pages, v_pages, table = make_kv_cache(lens, capacity, 8, 128, torch.bfloat16, pg,
+                                                  seed=11 + pg, device=DEVICE)
+    if not page:
+        k_pages, v_pages, table = k, v, None
+    k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k_pages, v_pages))
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(4, sq, 32, 128, generator=g).bfloat16().to(DEVICE)
+    k_new = torch.randn(4, append, 8, 128, generator=g).bfloat16().to(DEVICE) if append else None
+    v_new = torch.randn(4, append, 8, 128, generator=g).bfloat16().to(DEVICE) if append else None
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(causal=True, return_lse=True, block_table=table)
+    out, lse = hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, seqlens, **kw)
+    out_hm, lse_hm = hipflash.flash_attn_with_kvcache(q, k_hm, v_hm, k_new, v_new, seqlens, **kw)
+    sync()
+    assert_bitwise_equal(out_hm, out, "out")
+    assert_bitwise_equal(lse_hm, lse, "lse")
+    for a, b in ((k_hm, k_pages), (v_hm, v_pages)):
+        assert_bitwise_equal(a.contiguous(), b, "cache")
+    if table is None:
+        check_kv_per_sequence(out, lse, q, k, v, [n + append for n in lens], causal=True)
+
+
 @pytest.mark.parametrize("page", [16, 256])
 def test_kvcache_full_caches_without_cache_seqlens(page):
     # cache_seqlens=None: every sequence fills its cache, and no lengths are copied back to the

@@ -45,6 +45,40 @@ def test_paged_equals_contiguous_bitwise(page, heads, causal, append):
             assert torch.isnan(k[i, n + append:].float()).all()
 
 
+def head_major(x):
+    """x's values stored head-major ([B or pages, Hkv, rows, D] in memory, FlashInfer's "HND"
+    and the Hugging Face cache's layout), seen as x's shape: a view with free strides."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
+@pytest.mark.parametrize("page", [0, 16, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+def test_head_major_cache_equals_row_major_bitwise(page, append):
+    """A head-major cache (contiguous [B, Hkv, S, D] or pages [num_blocks, Hkv, page, D]) passed
+    as a [.., S or page, Hkv, D] view: the same out and LSE, bitwise, as the row-major cache
+    holding the same rows, and the appended rows land in the head-major storage."""
+    lens = [2 * 16 + 5, 0, 16, 17]
+    pg = page or 16
+    capacity = ((max(lens) + append + pg - 1) // pg) * pg
+    k, v, k_pages, v_pages, table = make_cache(lens, capacity, 2, 64, torch.bfloat16, pg)
+    if not page:
+        k_pages, v_pages, table = k, v, None
+    k_hm, v_hm = head_major(k_pages), head_major(v_pages)
+    assert k_hm.stride(2) > k_hm.stride(1)  # the heads are the outer dimension of the rows
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(4, 2, 8, 64, generator=g).bfloat16()
+    k_new = torch.randn(4, append, 2, 64, generator=g).bfloat16() if append else None
+    v_new = torch.randn(4, append, 2, 64, generator=g).bfloat16() if append else None
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(causal=True, num_splits=2, return_lse=True, block_table=table)
+    out, lse = hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, seqlens, **kw)
+    out_hm, lse_hm = hipflash.flash_attn_with_kvcache(q, k_hm, v_hm, k_new, v_new, seqlens, **kw)
+    assert_bitwise_equal(out_hm, out, "out")
+    assert_bitwise_equal(lse_hm, lse, "lse")
+    for a, b in ((k_hm, k_pages), (v_hm, v_pages)):  # appended alike; NaN past the lengths
+        assert_bitwise_equal(a.contiguous(), b, "cache")
+
+
 def test_window_and_long_query_chunk():
     lens, page = [5, 100, 0], 16
     k, v, k_pages, v_pages, table = make_cache(lens, 128, 2, 64, torch.float16, page, seed=2)
