@@ -8,7 +8,9 @@ any other exception is caught by the runner and recorded as "n/a: <error>".
 
 Layouts: hipflash and FlashAttention-2's own entry point (``aten._flash_attention_forward``) take
 [B, S, H, D]; the SDPA ops and FlexAttention take [B, H, S, D], given as contiguous copies made
-when the cell's inputs are built.
+when the cell's inputs are built. The decode suite's layout-for-layout pair reads the other
+side's memory through views: hipflash+lse-bhsd the [B, H, S, D] copies, cudnn-sdpa-gqa-bshd the
+[B, S, H, D] tensors.
 """
 
 import glob

@@ -153,8 +153,11 @@ def _every_cell_lines(title, unit, ratios, geomean=False):
     three decimals, and the cells below 1.00x by name: a 0.997x must not read as 1.00x."""
     if not ratios:
         return []
-    def fmt(r):  # a ratio below 1 that rounds to 1.000 gets a fourth decimal
-        return f"{r:.4f}x" if r < 1.0 and f"{r:.3f}" == "1.000" else f"{r:.3f}x"
+    def fmt(r):  # three decimals; a ratio below 1 gets as many more as it takes to read so
+        d = 3
+        while r < 1.0 and d < 8 and float(f"{r:.{d}f}") >= 1.0:
+            d += 1
+        return f"{r:.{d}f}x"
     low = min(ratios, key=lambda c: c[1])
     below = [f"{c} {fmt(r)}" for c, r in ratios if r < 1.0]
     met = len(ratios) - len(below)

@@ -60,7 +60,7 @@ __device__ __forceinline__ void load_head_rows(T* dst, const Src& src, const Res
 }
 
 /// The same row source `heads` kv heads further on (its base moved by heads * head_stride):
-/// contiguous rows and a paged cache's pages alike hold every head of a row.
+/// contiguous and paged sources alike address a head by that stride, whatever the layout.
 template <class Src>
 __device__ __forceinline__ Src other_head(Src src, int heads, int64_t head_stride) {
   src.base += heads * head_stride;

@@ -214,26 +214,30 @@ def test_long_gqa_decode_kernel_follows_the_cache_layout():
     """B = 32, Sk = 128k, GQA 32/8, hd128 (16 GiB of K and V a layout): by default on sm_90 the
     head-group decode kernel takes the [B, Sk, Hkv, D] cache, whose key rows hold every kv head,
     and the decode kernel the same keys kept head-major ([B, Hkv, Sk, D], passed as a view).
-    K = 0, V = 1 make the result exact: out = 1, LSE = log(Sk)."""
+    K = 0 and V = b * Hkv + h + 1 (whole numbers, exact in bf16) make the result exact whatever
+    the splits: out = the value of the query head's kv head, LSE = log(Sk) to rounding."""
     if not (torch.cuda.get_device_capability() == (9, 0) and "sm90" in hipflash.build_info()):
         pytest.skip("the head-group decode kernel is an sm_90 kernel of sm_90a builds")
     if torch.cuda.mem_get_info()[0] < 20 * 2**30:
         pytest.skip("needs 20 GiB of free GPU memory")
     b, sk, hq, hkv, d = 32, 131072, 32, 8, 128
-    setting = os.environ.get("HIPFLASH_DECODE_HEADS", "")[:1]
+    setting = os.environ.get("HIPFLASH_DECODE_HEADS", "")[:1]  # as src/gpu/gpu_backend.cu
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    value = torch.arange(1, b * hkv + 1, device="cuda", dtype=torch.float32).view(b, hkv)
+    want = value.repeat_interleave(hq // hkv, 1)[:, None, :, None].expand(b, 1, hq, d)
     for head_major in (False, True):
         shape = (b, hkv, sk, d) if head_major else (b, sk, hkv, d)
         k = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
-        v = torch.ones(shape, device="cuda", dtype=torch.bfloat16)
+        per_head = value.view(b, hkv, 1, 1) if head_major else value.view(b, 1, hkv, 1)
+        v = per_head.to(torch.bfloat16).expand(shape).contiguous()
         if head_major:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True)
         name = hipflash.last_kernel_name()
         del k, v
-        assert torch.equal(out, torch.ones_like(out)), "out"
+        assert torch.equal(out.float(), want), "out"
         torch.testing.assert_close(lse, torch.full_like(lse, math.log(sk)), rtol=0, atol=1e-5)
-        heads = setting == "1" or (setting != "0" and not head_major)
+        heads = setting == "1" or (setting == "" and not head_major)
         assert name.startswith("fwd_decode_heads_" if heads else "fwd_decode_"), (head_major, name)
         assert heads or not name.startswith("fwd_decode_heads_"), (head_major, name)
 
@@ -518,14 +522,14 @@ def test_kvcache_splits_match(num_splits):
     check_kv_per_sequence(out, lse, q, k, v, [5000, 17])
 
 
-@pytest.mark.parametrize("sq", [1, 5])
+@pytest.mark.parametrize("sq", [1, 5, 33])
 @pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
 @pytest.mark.parametrize("page", [0, 16, 256], ids=lambda p: f"page{p}" if p else "contiguous")
 def test_kvcache_head_major_equals_row_major(page, append, sq):
     """A head-major cache (contiguous [B, Hkv, S, D] or pages [num_blocks, Hkv, page, D], as
     FlashInfer's "HND") passed as a [.., S or page, Hkv, D] view: bitwise the row-major cache's
-    out and LSE, and the appended rows land in the head-major storage (GQA 32/8: Sq = 1 is the
-    packed decode kernel, Sq = 5 the generic one)."""
+    out and LSE, and the appended rows land in the head-major storage (GQA 32/8: Sq = 1 runs
+    the packed decode kernel, Sq = 5 the decode kernel unpacked, Sq = 33 the generic one)."""
     lens = [3 * 256 + 7, 0, 256, 100]
     pg = page or 256
     capacity = ((max(lens) + append + pg - 1) // pg) * pg
@@ -541,8 +545,13 @@ def test_kvcache_head_major_equals_row_major(page, append, sq):
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     kw = dict(causal=True, return_lse=True, block_table=table)
     out, lse = hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, seqlens, **kw)
+    name = hipflash.last_kernel_name()
     out_hm, lse_hm = hipflash.flash_attn_with_kvcache(q, k_hm, v_hm, k_new, v_new, seqlens, **kw)
+    name_hm = hipflash.last_kernel_name()
     sync()
+    if not ON_CPU:
+        assert name == name_hm, (name, name_hm)
+        assert name.startswith("fwd_generic_" if sq > 16 else "fwd_decode_"), name
     assert_bitwise_equal(out_hm, out, "out")
     assert_bitwise_equal(lse_hm, lse, "lse")
     for a, b in ((k_hm, k_pages), (v_hm, v_pages)):

@@ -51,3 +51,23 @@ def test_decode_line_takes_the_faster_cudnn():
     line = next(x for x in make_report.peer_target_lines(rows) if x.startswith("**decode"))
     assert "1 of 2 cells met" in line and "lowest 0.800x (B=1 Sk=4k)" in line
     assert "geomean 1.00x" in line  # sqrt(0.8 * 1.25)
+
+
+def test_decode_lines_layout_for_layout_and_a_ratio_just_below_one():
+    # hipflash+lse in its own layout against every cuDNN (the bshd one included); then each
+    # layout on its own: hipflash+lse-bhsd against the bhsd cuDNNs, hipflash+lse against the
+    # bshd one. 0.99996x must not read as 1.000x (nor 1.0000x) among the cells below 1.00x.
+    rows = (cell("decode", "B=32 Sk=64k", {"hipflash+lse": 99.996, "cudnn-sdpa-gqa": 100.0,
+                                           "torch-cudnn": 99.0, "hipflash+lse-bhsd": 101.0,
+                                           "cudnn-sdpa-gqa-bshd": 98.0}, metric="gbps")
+            + cell("decode", "B=1 Sk=4k", {"hipflash+lse": 100.0, "cudnn-sdpa-gqa": 90.0,
+                                           "hipflash+lse-bhsd": 80.0,
+                                           "cudnn-sdpa-gqa-bshd": 125.0}, metric="gbps"))
+    lines = [x for x in make_report.peer_target_lines(rows) if x.startswith("**decode")]
+    head, bhsd, bshd = lines
+    assert "0 of 2 cells met" in head and "B=32 Sk=64k 0.99996x" in head
+    assert "B=1 Sk=4k 0.800x" in head  # the bshd cuDNN is the fastest cuDNN there
+    assert "[B, Hkv, Sk, D]" in bhsd and "1 of 2 cells met" in bhsd
+    assert "below 1.00x: B=1 Sk=4k 0.889x." in bhsd  # 80 / 90: the bshd cuDNN is not its peer
+    assert "[B, Sk, Hkv, D]" in bshd and "1 of 2 cells met, geomean 0.90x" in bshd
+    assert "B=32 Sk=64k" not in bshd.split("below")[1]  # 99.996 / 98 is ahead

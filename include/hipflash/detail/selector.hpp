@@ -73,8 +73,9 @@ struct Problem {
   int64_t batch = 1;
   int64_t keys = 0;  ///< seqlen_k (a KV cache's capacity)
   /// The kv heads of a key row lie within the row, for K and V alike (head strides below the
-  /// row strides): [B, Sk, Hkv, D] tensors and paged caches, where a key row of every head is
-  /// one run of memory; not a head-major [B, Hkv, Sk, D] cache passed as a view.
+  /// row strides): [B, Sk, Hkv, D] tensors and row-major ("NHD") pages, where a key row of every
+  /// head is one run of memory; not a head-major cache ([B, Hkv, Sk, D], "HND" pages) passed
+  /// as a view.
   bool kv_heads_in_rows = true;
 };
 
@@ -95,7 +96,8 @@ inline constexpr int64_t kDecodeHeadsPerBlock = 8;
 /// a block's kv heads as whole key rows, which only a row-major cache has (Problem::
 /// kv_heads_in_rows): on a head-major one ([B, Hkv, Sk, D] views) the decode kernel, one
 /// contiguous run per (batch, kv head), read 1.0% faster at B = 32, 128k keys (H200, 9631ce4,
-/// session 2026-12-02 (4) step 3), so such calls keep it.
+/// session 2026-12-02 (4) step 3: one dense cell; head-major pages and larger calls follow the
+/// same rule unmeasured), so such calls keep it.
 inline constexpr int64_t kDecodeHeadsMinTiles = 32;      ///< batch x head groups
 inline constexpr int64_t kDecodeHeadsMinKeys = 131072;
 
