@@ -19,13 +19,18 @@ struct DecodeLaunch : NoPrepare {
   /// Blocks a cluster on sm_90 (launch_fwd): Tile::kCluster heads of a (batch, split) — the kv
   /// heads of a packed GQA decode — where that tuning hook is set and the call has one query
   /// block a (batch, head) and a multiple of kCluster heads (the kernel's clustered_tile maps
-  /// a cluster's blocks to them); else 1.
+  /// a cluster's blocks to them); else 1. Clusters placed without the barrier
+  /// (HIPFLASH_DECODE_CLUSTER_STEP=0) take unsplit calls only: a split B = 8 call lost 25% in
+  /// them where unsplit B = 32 calls gained 0.1-0.2% (docs/perf-notes.md session 2026-12-02
+  /// (4) step 2).
   static int cluster(const FwdParams& p, int64_t num_m_blocks) {
     constexpr int n = Tile::kCluster;
     if constexpr (n <= 1) {
       return 1;
     } else {
-      return num_m_blocks == 1 && p.heads_q % n == 0 ? n : 1;
+      const bool placed_only = !Tile::kClusterStep;
+      return num_m_blocks == 1 && p.heads_q % n == 0 && !(placed_only && p.num_splits > 1) ? n
+                                                                                            : 1;
     }
   }
 };
