@@ -217,14 +217,20 @@ class Hipflash(Backend):
 
         from attn_ref import normalize_lse
 
+        k, v = self.dense_kv(inp)
+
         def run(i, out=None):
-            return hf.flash_attn_func(inp.q[i], inp.k[i], inp.v[i], softmax_scale=cell.scale,
+            return hf.flash_attn_func(inp.q[i], k[i], v[i], softmax_scale=cell.scale,
                                       causal=cell.causal, return_lse=L, out=out)
 
         def extract(res):
             out, lse = res if L else (res, None)
             return out, normalize_lse(lse, cell.B, cell.Hq, cell.Sq)
         return run, extract
+
+    def dense_kv(self, inp):
+        """The K and V input sets a dense cell's calls read ([B, S, H, D])."""
+        return inp.k, inp.v
 
     def kernel_name(self):
         try:
@@ -245,21 +251,9 @@ class HipflashBhsd(Hipflash):
         super().__init__(True, hipflash_path)
         self.name = "hipflash+lse-bhsd"
 
-    def prepare(self, cell, inp):
-        from attn_ref import normalize_lse
-
-        hf = import_hipflash(self.path)
-        _, kb, vb = inp.bhsd()
-        k = [_bhsd_to_bshd(x) for x in kb]
-        v = [_bhsd_to_bshd(x) for x in vb]
-
-        def run(i, out=None):
-            return hf.flash_attn_func(inp.q[i], k[i], v[i], softmax_scale=cell.scale,
-                                      causal=cell.causal, return_lse=True, out=out)
-
-        def extract(res):
-            return res[0], normalize_lse(res[1], cell.B, cell.Hq, cell.Sq)
-        return run, extract
+    def dense_kv(self, inp):
+        _, k, v = inp.bhsd()
+        return [_bhsd_to_bshd(x) for x in k], [_bhsd_to_bshd(x) for x in v]
 
 
 def paged_copy(x, page, perm):
@@ -380,7 +374,7 @@ class CudnnSdpaGqa(Backend):
             raise Unavailable("torch.nn.attention.sdpa_kernel not in this PyTorch")
         _no_top_left_causal(cell)
         F = torch.nn.functional
-        q, k, v = inp.bhsd()
+        q, k, v = self.inputs(inp)
         causal, scale = cell.causal, cell.scale
         gqa = cell.Hq != cell.Hkv
 
@@ -390,17 +384,18 @@ class CudnnSdpaGqa(Backend):
                                                       scale=scale, enable_gqa=gqa)
         return run, _dense_extract(cell, "bhsd")
 
+    def inputs(self, inp):
+        """The q, k and v input sets its calls read, [B, H, S, D]."""
+        return inp.bhsd()
+
 
 class CudnnSdpaGqaBshd(CudnnSdpaGqa):
     """cudnn-sdpa-gqa on the [B, S, H, D] tensors themselves, as [B, H, S, D] views: how a user
     whose cache is FlashAttention's layout calls cuDNN (the strided rows hipflash+lse reads)."""
     name, layout = "cudnn-sdpa-gqa-bshd", "bshd"
 
-    def prepare(self, cell, inp):
-        class Views:  # the cell's inputs, seen [B, H, S, D]
-            def bhsd(self):
-                return tuple([x.transpose(1, 2) for x in xs] for xs in (inp.q, inp.k, inp.v))
-        return super().prepare(cell, Views())
+    def inputs(self, inp):
+        return tuple([x.transpose(1, 2) for x in xs] for xs in (inp.q, inp.k, inp.v))
 
 
 class FA2Native(Backend):

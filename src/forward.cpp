@@ -3,6 +3,7 @@
 // Every check below runs before any output is touched or any kernel is launched.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -209,9 +210,8 @@ Problem make_problem(const FwdParams& p) {
   prob.heads_kv = p.heads_kv;
   prob.batch = p.batch;
   prob.keys = p.seqlen_k;
-  const auto below = [](int64_t a, int64_t b) { return (a < 0 ? -a : a) < (b < 0 ? -b : b); };
-  prob.kv_heads_in_rows =
-      below(p.k_head_stride, p.k_row_stride) && below(p.v_head_stride, p.v_row_stride);
+  prob.kv_heads_in_rows = std::abs(p.k_head_stride) < std::abs(p.k_row_stride) &&
+                          std::abs(p.v_head_stride) < std::abs(p.v_row_stride);
   return prob;
 }
 

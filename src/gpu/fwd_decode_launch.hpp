@@ -28,9 +28,8 @@ struct DecodeLaunch : NoPrepare {
     if constexpr (n <= 1) {
       return 1;
     } else {
-      const bool placed_only = !Tile::kClusterStep;
-      return num_m_blocks == 1 && p.heads_q % n == 0 && !(placed_only && p.num_splits > 1) ? n
-                                                                                            : 1;
+      if (num_m_blocks != 1 || p.heads_q % n != 0) return 1;
+      return Tile::kClusterStep || p.num_splits == 1 ? n : 1;
     }
   }
 };

@@ -190,6 +190,12 @@ def view_in_nan_storage(t, pad=8):
 # ---- KV cache (SPEC §7) ----------------------------------------------------------------------
 
 
+def head_major(x):
+    """x's values stored head-major ([B or pages, H, rows, D] in memory, FlashInfer's "HND" and
+    the Hugging Face cache's layout), seen as x's shape: a view with free strides."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def make_kv_cache(lens, capacity, hkv, d, dtype, page, seed=0, device="cpu"):
     """A contiguous cache [B, capacity, Hkv, D] with NaN past each sequence's keys, and a paged
     copy [num_blocks, page, Hkv, D] (pages shuffled, spare pages NaN) with its block table."""

@@ -19,6 +19,7 @@ from reference import (
     check_lse,
     check_kv_per_sequence,
     check_out,
+    head_major,
     make_chunked_prefill,
     make_kv_cache,
     make_qkv,
@@ -537,7 +538,7 @@ def test_kvcache_head_major_equals_row_major(page, append, sq):
                                                   seed=11 + pg, device=DEVICE)
     if not page:
         k_pages, v_pages, table = k, v, None
-    k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k_pages, v_pages))
+    k_hm, v_hm = head_major(k_pages), head_major(v_pages)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(4, sq, 32, 128, generator=g).bfloat16().to(DEVICE)
     k_new = torch.randn(4, append, 8, 128, generator=g).bfloat16().to(DEVICE) if append else None

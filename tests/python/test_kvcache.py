@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hipflash
-from reference import assert_bitwise_equal, check_attention
+from reference import assert_bitwise_equal, check_attention, head_major
 from reference import check_kv_per_sequence as check_per_sequence
 from reference import make_chunked_prefill
 from reference import make_kv_cache as make_cache
@@ -43,12 +43,6 @@ def test_paged_equals_contiguous_bitwise(page, heads, causal, append):
                 pos = n + j
                 assert torch.equal(k_pages[table[i, pos // page], pos % page], k_new[i, j])
             assert torch.isnan(k[i, n + append:].float()).all()
-
-
-def head_major(x):
-    """x's values stored head-major ([B or pages, Hkv, rows, D] in memory, FlashInfer's "HND"
-    and the Hugging Face cache's layout), seen as x's shape: a view with free strides."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
