@@ -24,7 +24,7 @@ void check_like(const TensorRef& t, const char* name, const TensorRef& like, con
   HIPFLASH_CHECK_AS(dtype_error, t.dtype == like.dtype, name, " must have dtype ",
                     dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
   HIPFLASH_CHECK(t.loc == like.loc, name, " must be on the device of ", like_name);
-  HIPFLASH_CHECK(t.strides[t.rank - 1] == 1 || t.sizes[t.rank - 1] <= 1, name,
+  HIPFLASH_CHECK(detail::last_dim_contiguous(t), name,
                  " must have a contiguous last dimension (stride 1)");
   const char* why = "";
   HIPFLASH_CHECK(detail::indexable(t, &why), name, " cannot be indexed in 64 bits: ", why);
@@ -129,17 +129,11 @@ void check_grads(const TensorRef& dout, const TensorRef& q, const TensorRef& k, 
   const std::pair<const TensorRef*, const char*> inputs[] = {
       {&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}};
   for (auto [g, gname] : grads) {
-    HIPFLASH_CHECK(detail::self_overlap(*g) == detail::Overlap::none, gname,
-                   " must not overlap itself");
-    for (auto [t, tname] : inputs)
-      HIPFLASH_CHECK(detail::overlap(*g, *t) == detail::Overlap::none, gname, " must not alias ",
-                     tname);
-    for (const TensorRef* t : extra)
-      HIPFLASH_CHECK(detail::overlap(*g, *t) == detail::Overlap::none, gname,
-                     " must not alias cu_seqlens");
+    detail::check_no_self_overlap(*g, gname);
+    for (auto [t, tname] : inputs) detail::check_disjoint(*g, gname, *t, tname);
+    for (const TensorRef* t : extra) detail::check_disjoint(*g, gname, *t, "cu_seqlens");
     for (auto [h, hname] : grads)
-      HIPFLASH_CHECK(g == h || detail::overlap(*g, *h) == detail::Overlap::none, gname,
-                     " must not alias ", hname);
+      if (g != h) detail::check_disjoint(*g, gname, *h, hname);
   }
   HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu || gpu::build_caps().gpu,
                     "q is on a GPU but this hipflash was built without GPU kernels "

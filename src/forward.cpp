@@ -16,6 +16,8 @@
 namespace hipflash {
 namespace {
 
+using detail::check_disjoint;
+using detail::check_no_self_overlap;
 using detail::shape_str;
 
 /// What the last call on this thread ran; its name is built only when asked for (the string
@@ -60,32 +62,9 @@ void check_half_dtype(const TensorRef& t, const char* name, DType expected) {
 }
 
 void check_last_dim(const TensorRef& t, const char* name) {
-  HIPFLASH_CHECK(t.strides[t.rank - 1] == 1 || t.sizes[t.rank - 1] <= 1, name,
+  HIPFLASH_CHECK(detail::last_dim_contiguous(t), name,
                  " must have a contiguous last dimension (stride 1), got stride ",
                  t.strides[t.rank - 1]);
-}
-
-/// An output `w` must share no element with `r` (element-exact: interleaved disjoint views of
-/// one buffer are fine; a layout the check cannot settle is refused, never guessed).
-void check_disjoint(const TensorRef& w, const char* w_name, const TensorRef& r, const char* r_name) {
-  const detail::Overlap o = detail::overlap(w, r);
-  HIPFLASH_CHECK(o == detail::Overlap::none, w_name, " must not alias ", r_name,
-                 o == detail::Overlap::some ? " (they share elements)"
-                     : " (their strides interleave in a way hipflash cannot prove disjoint; "
-                       "pass separate buffers)");
-}
-
-/// An output must not write one element twice (an expanded, stride-0 view, or folded strides).
-void check_no_self_overlap(const TensorRef& t, const char* name) {
-  const detail::Overlap o = detail::self_overlap(t);
-  HIPFLASH_CHECK(o == detail::Overlap::none, name, " must not overlap itself (", shape_str(t),
-                 " with strides ", [&] {
-                   std::string s = "[";
-                   for (int i = 0; i < t.rank; ++i)
-                     s += (i ? ", " : "") + std::to_string(t.strides[i]);
-                   return s + "]";
-                 }(), o == detail::Overlap::some ? " maps two indices to one element)"
-                                                 : " may map two indices to one element)");
 }
 
 void check_location(const TensorRef& t, const char* name, Location expected) {
@@ -181,10 +160,12 @@ void fill_window(FwdParams& p, const FwdOptions& opts) {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// Whether a TMA tensor map can describe the dense operands (Problem::tma_compatible): the
-/// 4-d map (head dim, row, head, batch) needs every stride of a dimension longer than one
-/// positive, a multiple of 16 bytes and below 2^40 bytes (a size-1 dimension's is not used).
+/// 4-d map (head dim, row, head, batch) has no empty dimension (an empty key range, Sk = 0,
+/// takes a kernel that writes out = 0 and lse = -inf without one), and needs every stride of a
+/// dimension longer than one positive, a multiple of 16 bytes and below 2^40 bytes (a size-1
+/// dimension's is not used).
 bool tma_describable(const FwdParams& p) {
-  if (p.is_varlen()) return false;
+  if (p.is_varlen() || p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
   const int64_t bytes = dtype_size(p.dtype);
   return tma_strides_ok(bytes, p.seqlen_q, p.q_row_stride, p.heads_q, p.q_head_stride, p.batch,
                         p.q_batch_stride) &&
@@ -420,6 +401,12 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
                    ", got ", shape_str(out));
   HIPFLASH_CHECK(opts.max_seqlen_q >= 0 && opts.max_seqlen_k >= 0,
                  "max_seqlen_q and max_seqlen_k must be >= 0");
+  // No sequence is longer than its tensor: a larger maximum is a wrong argument (it would size
+  // the padded LSE and the launch grid), refused before anything is allocated or launched.
+  HIPFLASH_CHECK(opts.max_seqlen_q <= total_q, "max_seqlen_q = ", opts.max_seqlen_q,
+                 " exceeds the rows of q (total_q = ", total_q, "): no sequence can be that long");
+  HIPFLASH_CHECK(opts.max_seqlen_k <= total_k, "max_seqlen_k = ", opts.max_seqlen_k,
+                 " exceeds the rows of k (total_k = ", total_k, "): no sequence can be that long");
   check_common(q, k, v, out, opts, d);
   check_disjoint(out, "out", cu_q, "cu_seqlens_q");
   check_disjoint(out, "out", cu_k, "cu_seqlens_k");

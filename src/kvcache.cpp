@@ -20,15 +20,9 @@ static_assert(hipflash::common::PagedRows<float>::kMinRows == hipflash::kMinPage
 namespace hipflash {
 namespace {
 
+using detail::check_disjoint;
+using detail::check_no_self_overlap;
 using detail::shape_str;
-
-void check_disjoint(const TensorRef& w, const char* w_name, const TensorRef& r, const char* r_name) {
-  const detail::Overlap o = detail::overlap(w, r);
-  HIPFLASH_CHECK(o == detail::Overlap::none, w_name, " must not alias ", r_name,
-                 o == detail::Overlap::some ? " (they share elements)"
-                                            : " (hipflash cannot prove them disjoint; pass "
-                                              "separate buffers)");
-}
 
 /// A cache-like operand: rank 4, sizes >= 0, indexable in 64 bits, q's dtype and device,
 /// contiguous last dimension.
@@ -42,7 +36,7 @@ void check_operand(const TensorRef& t, const char* name, const TensorRef& q, con
   HIPFLASH_CHECK_AS(dtype_error, t.dtype == q.dtype, name, " must have dtype ",
                     dtype_name(q.dtype), " (the dtype of q), got ", dtype_name(t.dtype));
   HIPFLASH_CHECK(t.loc == q.loc, name, " must be on the device of q");
-  HIPFLASH_CHECK(t.strides[3] == 1 || t.sizes[3] <= 1, name,
+  HIPFLASH_CHECK(detail::last_dim_contiguous(t), name,
                  " must have a contiguous last dimension (stride 1), got stride ", t.strides[3]);
   HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
 }
@@ -55,7 +49,7 @@ void check_index(const TensorRef& t, const char* name, int rank, const char* lay
                  shape_str(t));
   const char* why = "";
   HIPFLASH_CHECK(detail::indexable(t, &why), name, " cannot be indexed in 64 bits: ", why);
-  HIPFLASH_CHECK(t.strides[rank - 1] == 1 || t.sizes[rank - 1] <= 1, name,
+  HIPFLASH_CHECK(detail::last_dim_contiguous(t), name,
                  " must have a contiguous last dimension (stride 1)");
   HIPFLASH_CHECK(t.loc == q.loc, name, " must be on the device of q");
   HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
@@ -192,8 +186,11 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                    "k must have shape [batch, seqlen_new, heads_kv, head_dim] = [", batch,
                    ", *, ", k_cache.sizes[2], ", ", k_cache.sizes[3], "], got ", shape_str(*k_new));
     s_new = k_new->sizes[1];
-    // The caches are written first, then read with q: nothing they are read with may share
-    // their memory.
+    // The caches are written first, then read with q: no row of one may be another row's
+    // (an expanded, stride-0 cache would take every sequence's rows into one place), and
+    // nothing they are read with may share their memory.
+    check_no_self_overlap(k_cache, "k_cache");
+    check_no_self_overlap(v_cache, "v_cache");
     check_disjoint(k_cache, "k_cache", v_cache, "v_cache");
     for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
       for (auto [r, r_name] : {std::pair{k_new, "k"}, {v_new, "v"}, {&q, "q"}})
@@ -288,6 +285,9 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
   const int64_t max_blocks = block_table.sizes[1];
   HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 40) / page, "block_table has too many columns");
   const int64_t capacity = max_blocks * page;
+  HIPFLASH_CHECK(opts.max_seqlen_k <= capacity, "max_seqlen_k = ", opts.max_seqlen_k,
+                 " exceeds what a sequence's pages hold (max_blocks_per_seq * page_size = ",
+                 capacity, ")");
   // varlen_forward's checks of q, out, lse, cu_seqlens and the options, against the cache seen
   // as [2^31, Hkv, D] rows of stride 0 (more rows than an int32 cu_seqlens_k can count: the
   // shape and dtype checks apply, each sequence's length against its pages is checked below).

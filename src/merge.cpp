@@ -47,10 +47,11 @@ void merge_on_cpu(const MergeParams& p) {
       // -inf parts are empty (weight 0, never read); a NaN LSE reaches the total and every
       // weight.
       const int64_t row = p.lses_offset(t, h);
-      const SoftmaxState total = p.total_state(row);
+      const float shift = p.row_shift(row);
+      const SoftmaxState total = p.total_state(row, shift);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < p.parts; ++i) {
-        const SoftmaxState part = p.part_state(i, row);
+        const SoftmaxState part = p.part_state(i, row, shift);
         if (!part.live()) continue;
         const float w = detail::combine_weight(part, total);
         const int64_t o = p.outs_offset(i, t, h);
@@ -58,7 +59,7 @@ void merge_on_cpu(const MergeParams& p) {
       }
       const int64_t o = p.out_offset(t, h);
       for (int64_t d = 0; d < p.head_dim; ++d) store(p.out, p.dtype, o + d, acc[size_t(d)]);
-      if (p.lse) p.lse[p.lse_offset(t, h)] = total.lse();
+      if (p.lse) p.lse[p.lse_offset(t, h)] = MergeParams::merged_lse(total, shift);
     }
 }
 
@@ -96,13 +97,13 @@ void merge_attn_states(const TensorRef& outs, const TensorRef& lses, const Tenso
                  "out must have shape [rows, heads, head_dim] = [", rows, ", ", heads, ", ", dim,
                  "], got ", shape_str(out));
   for (auto [t, name] : {std::pair{&outs, "outs"}, {&out, "out"}})
-    HIPFLASH_CHECK(t->strides[t->rank - 1] == 1 || t->sizes[t->rank - 1] <= 1, name,
+    HIPFLASH_CHECK(detail::last_dim_contiguous(*t), name,
                    " must have a contiguous last dimension (stride 1)");
   HIPFLASH_CHECK(outs.loc == out.loc && lses.loc == out.loc,
                  "outs, lses and out must be on the same device");
-  HIPFLASH_CHECK(detail::self_overlap(out) == detail::Overlap::none, "out must not overlap itself");
+  detail::check_no_self_overlap(out, "out");
   for (auto [t, name] : {std::pair{&outs, "outs"}, {&lses, "lses"}})
-    HIPFLASH_CHECK(detail::overlap(out, *t) == detail::Overlap::none, "out must not alias ", name);
+    detail::check_disjoint(out, "out", *t, name);
   if (lse) {
     const int want = dense ? 3 : 2;
     check_tensor(*lse, "lse", want, dense ? "[batch, heads, seqlen]" : "[heads, rows]");
@@ -112,9 +113,9 @@ void merge_attn_states(const TensorRef& outs, const TensorRef& lses, const Tenso
       HIPFLASH_CHECK(lse->sizes[d] == lses.sizes[d + 1], "lse must have shape ",
                      "lses.shape[1:], got ", shape_str(*lse));
     HIPFLASH_CHECK(lse->loc == out.loc, "lse must be on the device of out");
+    detail::check_no_self_overlap(*lse, "lse");
     for (auto [t, name] : {std::pair{&outs, "outs"}, {&lses, "lses"}, {&out, "out"}})
-      HIPFLASH_CHECK(detail::overlap(*lse, *t) == detail::Overlap::none, "lse must not alias ",
-                     name);
+      detail::check_disjoint(*lse, "lse", *t, name);
   }
 
   MergeParams p;

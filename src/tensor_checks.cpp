@@ -1,6 +1,8 @@
 // hipflash — 64-bit indexability and element-exact overlap of strided views (see the header).
 #include "tensor_checks.hpp"
 
+#include "hipflash/errors.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cstdlib>
@@ -142,6 +144,24 @@ Overlap self_overlap(const TensorRef& t) {
     reach += (term.count - 1) * term.step;
   }
   return Overlap::none;
+}
+
+void check_disjoint(const TensorRef& w, const char* w_name, const TensorRef& r, const char* r_name) {
+  const Overlap o = overlap(w, r);
+  HIPFLASH_CHECK(o == Overlap::none, w_name, " must not alias ", r_name,
+                 o == Overlap::some ? " (they share elements)"
+                                    : " (their strides interleave in a way hipflash cannot prove "
+                                      "disjoint; pass separate buffers)");
+}
+
+void check_no_self_overlap(const TensorRef& t, const char* name) {
+  const Overlap o = self_overlap(t);
+  if (o == Overlap::none) return;
+  std::string strides = "[";
+  for (int i = 0; i < t.rank; ++i) strides += (i ? ", " : "") + std::to_string(t.strides[i]);
+  HIPFLASH_CHECK(false, name, " must not overlap itself (", shape_str(t), " with strides ",
+                 strides, "]", o == Overlap::some ? " maps two indices to one element)"
+                                                  : " may map two indices to one element)");
 }
 
 }  // namespace hipflash::detail

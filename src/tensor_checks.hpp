@@ -29,8 +29,25 @@ enum class Overlap { none, some, unknown };
 /// Whether two views share a byte (empty views share nothing).
 Overlap overlap(const TensorRef& a, const TensorRef& b);
 
+/// Whether `t`'s last dimension is contiguous (stride 1), as every kernel's vector loads need;
+/// a last dimension of one element, or an empty tensor (autograd's expanded zero-size
+/// gradients have stride 0), has no stride to respect. The one spelling of SPEC §4's
+/// "contiguous last dimension" rule.
+inline bool last_dim_contiguous(const TensorRef& t) {
+  return t.rank == 0 || t.strides[t.rank - 1] == 1 || t.sizes[t.rank - 1] <= 1 || t.numel() == 0;
+}
+
 /// Whether two different indices of `t` reach the same byte (a stride-0 dimension of size > 1,
 /// or strides that fold onto each other). `unknown` where it could not be proved either way.
 Overlap self_overlap(const TensorRef& t);
+
+/// Throws invalid_argument unless the output `w` shares no element with `r` (element-exact:
+/// interleaved disjoint views of one buffer are fine; a layout the search cannot settle is
+/// refused, never guessed).
+void check_disjoint(const TensorRef& w, const char* w_name, const TensorRef& r, const char* r_name);
+
+/// Throws invalid_argument unless the output `t` writes no element twice (an expanded, stride-0
+/// view, or strides that fold onto each other).
+void check_no_self_overlap(const TensorRef& t, const char* name);
 
 }  // namespace hipflash::detail

@@ -31,8 +31,10 @@ namespace hipflash {
 inline constexpr int kMaxMergeParts = 256;
 
 /// Merges N = outs.sizes[0] partial attention results (see the header comment for layouts).
-/// outs: bf16, f16 or f32, last dimension contiguous; lses: fp32, contiguous; out: the dtype of
-/// outs, any strides with a contiguous last dimension; lse: fp32 contiguous, or nullptr.
+/// outs: bf16, f16 or f32, last dimension contiguous, other strides free; lses: fp32, any
+/// strides (views such as a slice of a larger LSE, or a transposed one, are read in place);
+/// out: the dtype of outs, any strides with a contiguous last dimension; lse: fp32, any strides,
+/// or nullptr. out and lse must not overlap themselves, each other or the parts.
 void merge_attn_states(const TensorRef& outs, const TensorRef& lses, const TensorRef& out,
                        const TensorRef* lse, Stream stream = nullptr);
 

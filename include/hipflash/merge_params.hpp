@@ -49,18 +49,36 @@ struct MergeParams {
     return t * out_row_stride + h * out_head_stride;
   }
 
+  /// The shift of a row whose part-0 LSE is at `row`: its largest finite LSE (0 if it has
+  /// none). Every part's state is taken relative to it, so that the base-2 maxima stay finite
+  /// for every finite LSE (lse * log2(e) overflows fp32 above ~2.4e38) and the differences
+  /// that weigh the parts keep their bits at any magnitude; the merged LSE adds it back
+  /// (merged_lse). ±inf and NaN LSEs keep their meaning: -inf - shift is still empty, +inf and
+  /// NaN still reach the total.
+  HIPFLASH_HD float row_shift(int64_t row) const {
+    float shift = detail::kNegInf;
+    for (int64_t i = 0; i < parts; ++i) {
+      const float x = lses[row + i * lses_part_stride];
+      if (x > shift && x < -detail::kNegInf) shift = x;  // finite: NaN and +inf compare false
+    }
+    return shift == detail::kNegInf ? 0.f : shift;
+  }
   /// Part i's softmax state of the row whose part-0 LSE is at `row` (lses_offset), rebuilt from
-  /// its natural-log LSE.
-  HIPFLASH_HD detail::SoftmaxState part_state(int64_t i, int64_t row) const {
-    return detail::SoftmaxState::from_lse(lses[row + i * lses_part_stride]);
+  /// its natural-log LSE relative to the row's shift.
+  HIPFLASH_HD detail::SoftmaxState part_state(int64_t i, int64_t row, float shift) const {
+    return detail::SoftmaxState::from_lse(lses[row + i * lses_part_stride] - shift);
   }
   /// The merged state of that row: every part's state merged in part order (the split-K
   /// combine's math; -inf parts are empty, a NaN LSE makes the total NaN). CPU and GPU run
   /// this same sequence of operations.
-  HIPFLASH_HD detail::SoftmaxState total_state(int64_t row) const {
+  HIPFLASH_HD detail::SoftmaxState total_state(int64_t row, float shift) const {
     detail::SoftmaxState total;
-    for (int64_t i = 0; i < parts; ++i) total.merge(part_state(i, row));
+    for (int64_t i = 0; i < parts; ++i) total.merge(part_state(i, row, shift));
     return total;
+  }
+  /// The natural-log LSE of a merged state (total_state) of a row with that shift.
+  HIPFLASH_HD static float merged_lse(const detail::SoftmaxState& total, float shift) {
+    return total.lse() + shift;
   }
 };
 

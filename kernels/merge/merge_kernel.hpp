@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
     const auto load_states = [&](int64_t i0, SoftmaxState (&s)[kBatch]) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
-        if (i0 + j < p.parts) s[j] = p.part_state(i0 + j, row);
+        if (i0 + j < p.parts) s[j] = p.part_state(i0 + j, row, shift);
     };
     // The states of parts [i0, i0 + kBatch): the first batch's as kept, later ones loaded.
     const auto states_of = [&](int64_t i0, SoftmaxState (&s)[kBatch]) {
@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     };
     load_batch(0);
+    const float shift = p.row_shift(row);  // the LSEs' first loads; load_states reads them again
     load_states(0, first);
     SoftmaxState total;
     for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < kVec; ++e) r[e] = B::from_float(acc[e]);
       store_words<W, kVec>(out + p.out_offset(t, h) + c, r);
     }
-    if (p.lse != nullptr && c == 0) p.lse[lse_at] = total.lse();
+    if (p.lse != nullptr && c == 0) p.lse[lse_at] = MergeParams::merged_lse(total, shift);
   }
 }
 

@@ -69,12 +69,12 @@ def _check_tensor(x, name):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
 
-def _check_same_device(q, named):
+def _check_same_device(q, named, first="q"):
     """Every tensor on q's device: checked here, before any data pointer is taken."""
     for name, t in named:
         if t.device != q.device:
             raise ValueError(
-                f"{name} is on {t.device} but q is on {q.device}; "
+                f"{name} is on {t.device} but {first} is on {q.device}; "
                 "all tensors must be on the same device"
             )
 
@@ -108,6 +108,7 @@ def _int(value, name):
 
 
 _INT64_MAX = 2**63 - 1
+_INT32_MAX = 2**31 - 1
 _INTERRUPTED = "hipflash: the call was interrupted"
 
 
@@ -142,6 +143,41 @@ def _call(op, *args):
         raise
 
 
+_NO_DOUBLE_BACKWARD = (
+    "hipflash: the attention backward is not differentiable (no double backward): the "
+    "gradients of a backward run with create_graph=True cannot be differentiated again"
+)
+
+
+class _SecondOrderRefused(torch.autograd.Function):
+    """Identity on the gradients of a backward run under create_graph=True: they carry a graph
+    (as any differentiable result does), and differentiating through them raises the error
+    above instead of silently treating the attention as a constant. PyTorch's
+    once_differentiable does the same only when the incoming gradient itself requires grad."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_NO_DOUBLE_BACKWARD)
+
+
+def _first_order(*grads):
+    """The gradients as returned to autograd: as they are, or behind _SecondOrderRefused when
+    the backward runs under create_graph=True (grad mode on)."""
+    if not torch.is_grad_enabled():
+        return grads
+    return _SecondOrderRefused.apply(*(g.detach().requires_grad_() for g in grads))
+
+
+def _grad_output(dout):
+    """autograd's incoming gradient as the backward takes it: a contiguous last dimension
+    (out.sum() hands over an expanded, stride-0 one)."""
+    return dout.contiguous()
+
+
 class _FlashAttnFunc(torch.autograd.Function):
     """flash_attn_func with gradients: the forward saves (q, k, v, out, lse), the backward
     recomputes P from that LSE (torch.ops.hipflash.bwd). The LSE output is not differentiable."""
@@ -155,11 +191,11 @@ class _FlashAttnFunc(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ops.bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        with torch.no_grad():
+            dq, dk, dv = _ops.bwd(_grad_output(dout), q, k, v, out, lse, *ctx.args)
+        return _first_order(dq, dk, dv) + (None,) * 6
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -176,13 +212,14 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, scale, causal, left, right, deterministic, lse_layout = ctx.args
-        dq, dk, dv = _ops.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q,
-                                     max_k, scale, causal, left, right, deterministic, lse_layout)
-        return (dq, dk, dv) + (None,) * 11
+        with torch.no_grad():
+            dq, dk, dv = _ops.varlen_bwd(_grad_output(dout), q, k, v, out, lse, cu_q, cu_k,
+                                         max_q, max_k, scale, causal, left, right, deterministic,
+                                         lse_layout)
+        return _first_order(dq, dk, dv) + (None,) * 11
 
 
 def _wants_grad(*tensors):
@@ -357,7 +394,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if lse_layout == "packed":
             lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         elif cu_seqlens_q.dim() == 1 and cu_seqlens_q.numel() >= 1 and \
-                0 <= max_seqlen_q <= 2**46 // max(1, (cu_seqlens_q.numel() - 1) * q.shape[1]):
+                0 <= max_seqlen_q <= q.shape[0]:
             lse = torch.empty((cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q),
                               dtype=torch.float32, device=q.device)
     _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -409,7 +446,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _check_tensor(v, "v")
         named += [("k", k), ("v", v)]
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        n = _int(cache_seqlens, "cache_seqlens")
+        n = _bounded(_int(cache_seqlens, "cache_seqlens"), "cache_seqlens", 0, _INT32_MAX)
         cache_seqlens = torch.full((q.shape[0] if q.dim() >= 1 else 0,), n, dtype=torch.int32,
                                    device=q.device)
     if cache_seqlens is not None:
@@ -449,10 +486,11 @@ def merge_attn_states(out_a, lse_a, out_b=None, lse_b=None):
     for name, t in (("out_a", out_a), ("lse_a", lse_a)) + (
             (("out_b", out_b), ("lse_b", lse_b)) if out_b is not None else ()):
         _check_tensor(t, name)
+    _check_same_device(out_a, [("lse_a", lse_a)] + (
+        [("out_b", out_b), ("lse_b", lse_b)] if out_b is not None else []), first="out_a")
     if out_b is not None:
-        if out_a.dtype != out_b.dtype or lse_a.dtype != lse_b.dtype or \
-                out_a.device != out_b.device or lse_a.device != lse_b.device:
-            raise TypeError("the two parts must have one dtype and device: out "
+        if out_a.dtype != out_b.dtype or lse_a.dtype != lse_b.dtype:
+            raise TypeError("the two parts must have one dtype: out "
                             f"{out_a.dtype}/{out_b.dtype}, lse {lse_a.dtype}/{lse_b.dtype}")
         if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
             raise ValueError(f"the parts' shapes differ: out {tuple(out_a.shape)} vs "

@@ -8,9 +8,61 @@ torch (Debian's 1.13) has no torch.compile to serve and traces the operators wit
 torch.jit.trace as they are.
 """
 
+import re
+
 import torch
 
 from . import _C  # noqa: F401  (loading the extension registers torch.ops.hipflash)
+
+_NAMES = ("fwd", "fwd_out", "varlen_fwd", "varlen_fwd_out", "varlen_fwd_paged",
+          "merge_attn_states", "fwd_kvcache", "bwd", "varlen_bwd")
+
+# PyTorch's schema matcher answers an argument of the wrong type with its whole value ("Value:
+# [0, 1, 2, ...]": tens of thousands of characters for a long list) and the declaration. A call
+# of torch.ops.hipflash.<op> gets a TypeError of one line instead, naming the argument; every
+# other error passes through unchanged (hipflash's own errors are short already).
+_WRONG_TYPE = re.compile(r"(\w+::\w+)\(\) Expected a value of type '([^']*)' for argument "
+                         r"'(\w+)' but instead found type '([^']*)'")
+_SCHEMA_MISMATCH = ("Expected a value of type", "missing value for argument",
+                    "failed to match any schema", "expected at most", "Unknown keyword argument")
+_MAX_MESSAGE = 240
+
+
+def _short_schema_error(message):
+    """The one-line TypeError message of a schema mismatch, or None for any other error."""
+    if not any(s in message for s in _SCHEMA_MISMATCH):
+        return None
+    m = _WRONG_TYPE.search(message)
+    if m:
+        op, want, arg, got = m.groups()
+        return f"{op}: argument '{arg}' must be {want}, got {got}"
+    first = next((line for line in message.splitlines() if "hipflash::" in line),
+                 message.splitlines()[0] if message else message)
+    return first.split(" Declaration:")[0][:_MAX_MESSAGE]
+
+
+def _with_short_schema_errors(packet):
+    """Gives one torch.ops.hipflash.<op> packet the short schema errors above (its class
+    becomes a subclass of PyTorch's that only wraps __call__; the overloads, e.g. .default,
+    which hipflash's own functions call, are PyTorch's objects as they are)."""
+    base = type(packet)
+
+    class _Packet(base):
+        def __call__(self, *args, **kwargs):
+            try:
+                return base.__call__(self, *args, **kwargs)
+            except RuntimeError as e:
+                short = _short_schema_error(str(e))
+                if short is None:
+                    raise
+                raise TypeError(short) from None
+
+    _Packet.__name__ = _Packet.__qualname__ = base.__name__
+    packet.__class__ = _Packet
+
+
+for _name in _NAMES:
+    _with_short_schema_errors(getattr(torch.ops.hipflash, _name))
 
 fwd = torch.ops.hipflash.fwd.default
 fwd_out = torch.ops.hipflash.fwd_out.default
@@ -46,7 +98,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if lse_layout == "packed":
             shape = (q.shape[1], q.shape[0])
         elif lse_layout == "padded" and cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1 \
-                and max_seqlen_q >= 0:  # as the real kernel: otherwise it allocates nothing
+                and 0 <= max_seqlen_q <= q.shape[0]:  # as the real kernel: otherwise it
+            # allocates nothing (the launcher refuses the call)
             shape = (cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q)
     return out, _lse_like(q, shape)
 

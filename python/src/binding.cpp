@@ -259,7 +259,8 @@ at::Tensor varlen_lse(const at::Tensor& q, const at::Tensor& cu_seqlens_q, int64
                       bool return_lse, const std::string& lse_layout) {
   if (return_lse && q.dim() == 3) {
     if (lse_layout == "packed") return alloc_lse(q, true, {q.size(1), q.size(0)});
-    if (lse_layout == "padded" && cu_seqlens_q.dim() == 1 && cu_seqlens_q.numel() >= 1)
+    if (lse_layout == "padded" && cu_seqlens_q.dim() == 1 && cu_seqlens_q.numel() >= 1 &&
+        max_seqlen_q <= q.size(0))  // a longer maximum is refused by the launcher
       return alloc_lse(q, true, {cu_seqlens_q.numel() - 1, q.size(1), max_seqlen_q});
   }
   return alloc_lse(q, false, {});

@@ -1,0 +1,211 @@
+"""Regression tests of calls a new user makes that once lost data, crashed or misled (issue 38):
+empty key and query extents on every entry point, the backward of empty problems, double
+backward, merges of huge finite LSEs and of strided LSE parts.
+
+Runs on the CPU backend everywhere and on the GPU kernels where torch sees a GPU and this build
+has them (the `device` parameter; CI has no GPU: those cases skip with the reason).
+"""
+import math
+
+import pytest
+import torch
+
+import hipflash
+from reference import assert_bitwise_equal, make_qkv, make_varlen
+
+GPU = torch.cuda.is_available() and hipflash.gpu_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU kernels; this "
+    f"build: {hipflash.build_info()!r}"))]
+BF16 = torch.bfloat16
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- Empty key ranges: out 0, lse -inf, on every path (the TMA kernel's included) -------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [64, 128, 256, 96])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_empty_key_range(device, d, causal, splits, with_out):
+    q, k, v = make_qkv(2, 128, 0, 8, 8, d, BF16, device=device)
+    out = torch.full_like(q, float("nan")) if with_out else None
+    res, lse = hipflash.flash_attn_func(q, k, v, causal=causal, num_splits=splits,
+                                        return_lse=True, out=out)
+    sync(device)
+    assert res.shape == q.shape and lse.shape == (2, 8, 128)
+    assert (res == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 5, 7), (2, 0, 7), (2, 0, 0), (0, 0, 0)],
+                         ids=["b0", "sq0", "sq0-sk0", "all0"])
+def test_empty_query_extent(device, shape):
+    b, sq, sk = shape
+    q, k, v = make_qkv(b, sq, sk, 4, 2, 128, BF16, device=device)
+    out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True)
+    sync(device)
+    assert out.shape == q.shape and lse.shape == (b, 4, sq)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lse_layout", ["padded", "packed"])
+def test_varlen_without_keys(device, lse_layout):
+    q, k, v, cu_q, cu_k = make_varlen([3, 5, 0], [0, 0, 0], 4, 2, 128, BF16, device=device)
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 0, return_lse=True,
+                                               lse_layout=lse_layout)
+    sync(device)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sq", [1, 40])
+def test_kvcache_without_keys(device, paged, sq):
+    q = torch.randn(2, sq, 8, 128, dtype=BF16, device=device)
+    if paged:
+        k_cache = torch.randn(3, 16, 2, 128, dtype=BF16, device=device)
+        table = torch.tensor([[0], [2]], dtype=torch.int32, device=device)
+    else:
+        k_cache, table = torch.randn(2, 0, 2, 128, dtype=BF16, device=device), None
+    lens = torch.zeros(2, dtype=torch.int32, device=device) if paged else None
+    out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=lens,
+                                                block_table=table, return_lse=True)
+    sync(device)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_with_an_empty_half(device):
+    """Serving and ring attention split the keys; one half may be empty: the merge is the other
+    half, bitwise."""
+    q, k, v = make_qkv(2, 128, 96, 8, 8, 128, BF16, device=device)
+    full = hipflash.flash_attn_func(q, k, v, return_lse=True)
+    empty = hipflash.flash_attn_func(q, k[:, :0], v[:, :0], return_lse=True)
+    for a, b in ((full, empty), (empty, full)):
+        out, lse = hipflash.merge_attn_states(a[0], a[1], b[0], b[1])
+        sync(device)
+        assert_bitwise_equal(out, full[0], "out")
+        assert_bitwise_equal(lse, full[1], "lse")
+
+
+# ---- The backward of empty problems, as autograd calls it ---------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 5, 7), (2, 0, 7), (2, 5, 0)], ids=["b0", "sq0", "sk0"])
+def test_backward_of_empty_problem(device, shape):
+    b, sq, sk = shape
+    q, k, v = (t.requires_grad_() for t in make_qkv(b, sq, sk, 4, 2, 64, BF16, device=device))
+    out = hipflash.flash_attn_func(q, k, v, causal=True)
+    out.sum().backward()  # autograd hands over an expanded (stride-0) gradient
+    sync(device)
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_backward_of_empty_sequences(device):
+    q, k, v, cu_q, cu_k = make_varlen([0, 0], [0, 0], 4, 2, 64, BF16, device=device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 0, 0)
+    out.sum().backward()
+    sync(device)
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape
+
+
+# ---- Double backward: refused by name, never a silently constant attention ----------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_double_backward_is_refused(device, varlen):
+    if varlen:
+        q, k, v, cu_q, cu_k = make_varlen([5, 3], [7, 4], 4, 2, 64, BF16, device=device)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, causal=True)
+    else:
+        q, k, v = (t.requires_grad_() for t in make_qkv(2, 5, 7, 4, 2, 64, BF16, device=device))
+        out = hipflash.flash_attn_func(q, k, v, causal=True)
+    dq, dk = torch.autograd.grad(out.float().square().sum(), (q, k), create_graph=True)
+    assert dq.requires_grad and dq.grad_fn is not None  # a graph, not silently constants
+    with pytest.raises(RuntimeError, match="hipflash: the attention backward is not differentiable"):
+        (dq.float().sum() + dk.float().sum()).backward()
+    # First-order gradients are unchanged by the guard.
+    dq1, = torch.autograd.grad(out.float().square().sum(), q, retain_graph=True)
+    assert_bitwise_equal(dq1, dq.detach(), "dq")
+
+
+# ---- merge_attn_states: every finite LSE, strided LSE parts -------------------------------------
+
+
+def merge_ref(outs, lses):
+    """fp64 merge of stacked parts: lse = max + log(sum exp(lse_i - max)), out = sum w_i out_i
+    with w_i = exp(lse_i - max) / sum exp(lse_j - max)."""
+    lses64 = lses.double()
+    m = lses64.max(0).values
+    w = torch.exp(lses64 - m)
+    lse = m + torch.log(w.sum(0))
+    weights = w / w.sum(0)  # exp(lse_i - lse), without rounding lse first  [N, B, H, S]
+    out = (weights.permute(0, 1, 3, 2)[..., None] * outs.double()).sum(0)
+    return out, lse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pair", [(3.0e38, 3.0e38 - 2e31), (3.3e38, -3.3e38), (-3.0e38, -3.0e38),
+                                  (2.5e38, 2.5e38), (-3.4e38, 1.0)],
+                         ids=["near-max", "max-and-min", "near-min", "tie", "min-and-one"])
+def test_merge_huge_finite_lses(device, pair):
+    g = torch.Generator().manual_seed(5)
+    outs = torch.randn(2, 1, 3, 2, 64, generator=g).to(BF16).to(device)
+    lses = torch.tensor(pair, dtype=torch.float32).view(2, 1, 1, 1).expand(2, 1, 2, 3)
+    lses = lses.contiguous().to(device)
+    out, lse = hipflash.merge_attn_states(outs, lses)
+    sync(device)
+    ref_out, ref_lse = merge_ref(outs.cpu(), lses.cpu())
+    assert torch.isfinite(lse).all() and torch.isfinite(out.float()).all()
+    rel = ((lse.cpu().double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)).max().item()
+    assert rel < 1e-6, rel
+    assert (out.cpu().double() - ref_out).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_keeps_the_non_finite_rules(device):
+    """-inf parts are empty, +inf and NaN reach the result: the huge-LSE fix changes none."""
+    outs = torch.ones(2, 4, 1, 64, dtype=BF16, device=device)
+    lses = torch.tensor([[-math.inf, 1.0, math.nan, math.inf],
+                         [-math.inf, -math.inf, 0.0, 0.0]], device=device).view(2, 1, 4)
+    out, lse = hipflash.merge_attn_states(outs, lses)
+    sync(device)
+    assert lse[0, 0].item() == -math.inf and (out[0] == 0).all()
+    assert lse[0, 1].item() == 1.0 and (out[1] == 1).all()
+    assert math.isnan(lse[0, 2].item()) and torch.isnan(out[2].float()).all()
+    assert not math.isfinite(lse[0, 3].item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dense", [True, False])
+def test_merge_strided_lse_parts(device, dense):
+    """LSE parts that are views (a slice of a wider LSE, a transposed one) merge as their
+    contiguous copies do, bitwise."""
+    g = torch.Generator().manual_seed(9)
+    if dense:  # parts [N, B, S, H, D], LSEs [N, B, H, S]
+        outs = torch.randn(3, 2, 5, 4, 64, generator=g).to(BF16).to(device)
+        wide = torch.randn(3, 2, 4, 10, generator=g).to(device)
+        lses = wide[..., ::2]  # every other row: stride 2
+    else:  # packed parts [N, T, H, D], LSEs [N, H, T]
+        outs = torch.randn(3, 7, 4, 64, generator=g).to(BF16).to(device)
+        lses = torch.randn(3, 7, 4, generator=g).to(device).transpose(1, 2)
+    assert not lses.is_contiguous()
+    out, lse = hipflash.merge_attn_states(outs, lses)
+    want_out, want_lse = hipflash.merge_attn_states(outs, lses.contiguous())
+    sync(device)
+    assert_bitwise_equal(out, want_out, "out")
+    assert_bitwise_equal(lse, want_lse, "lse")
