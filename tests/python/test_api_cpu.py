@@ -212,13 +212,17 @@ def test_varlen_masks_and_splits(causal, window, num_splits):
 
 
 def test_varlen_larger_max_seqlen_is_fine():
-    """max_seqlen may exceed every length (it only sizes the padded LSE)."""
+    """max_seqlen may exceed every length, up to the tensor's rows (it sizes the padded LSE);
+    beyond them no sequence can exist, and the call is refused."""
     lens = [3, 9]
     q, k, v, cu_q, cu_k = make_varlen(lens, lens, 2, 2, 32, torch.bfloat16, seed=11)
-    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 30, return_lse=True)
-    assert lse.shape == (2, 2, 20)
-    _, _, lse_ref = varlen_attention_ref(q, k, v, cu_q, cu_k, 20)
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, return_lse=True)
+    assert lse.shape == (2, 2, 12)
+    _, _, lse_ref = varlen_attention_ref(q, k, v, cu_q, cu_k, 12)
     check_lse(lse, lse_ref)
+    for max_q, max_k in ((13, 12), (12, 13)):
+        with pytest.raises(ValueError, match="no sequence can be that long"):
+            hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True)
 
 
 # ---- Strided inputs --------------------------------------------------------------------------

@@ -354,16 +354,9 @@ def test_bad_numbers_give_short_typed_errors(kwargs, exc, match):
 
 
 def test_varlen_huge_max_seqlen():
+    """A maximum beyond the tensors' rows is refused at once, before any allocation."""
     q, k, v, cq, ck = varlen_inputs("cpu")
-    want = hipflash.flash_attn_varlen_func(q, k, v, cq, ck, 40, 40, return_lse=True,
-                                           lse_layout="packed")
-    start = time.monotonic()
-    got = hipflash.flash_attn_varlen_func(q, k, v, cq, ck, 2**40, 40, return_lse=True,
-                                          lse_layout="packed")
-    assert time.monotonic() - start < 5.0
-    assert_bitwise_equal(got[0], want[0])
-    assert_bitwise_equal(got[1], want[1])
-    for max_q in (2**62, 2**70):
+    for max_q in (2**40, 2**62, 2**70):
         with pytest.raises(ValueError) as info:
             hipflash.flash_attn_varlen_func(q, k, v, cq, ck, max_q, 40)
         assert len(str(info.value)) < 300

@@ -1,0 +1,23 @@
+// SPEC §4 on the CPU backend: every row of tests/cpp/bad_input_cases.hpp, on host memory.
+#include "bad_input_cases.hpp"
+
+namespace hipflash::test::bad_input {
+namespace {
+
+class BadInput : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BadInput, RefusedAndNothingWritten) {
+  run_bad_input_case(
+      GetParam(), [](HostTensor& t) { return t.ref; }, [](HostTensor& t) -> HostTensor& { return t; },
+      Location{Location::cpu, 0}, Location{Location::gpu, 0});
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadInput, ::testing::ValuesIn(cases()),
+                         [](const auto& info) {
+                           std::string id = info.param.id;
+                           for (char& ch : id) if (ch == '-') ch = '_';
+                           return id;
+                         });
+
+}  // namespace
+}  // namespace hipflash::test::bad_input

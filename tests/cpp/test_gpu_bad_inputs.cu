@@ -1,0 +1,47 @@
+// SPEC §4 on the GPU: every row of tests/cpp/bad_input_cases.hpp with its buffers in device
+// memory (copies of the host buffers; views and aliases keep their offsets), read back after
+// the refused call and compared bit for bit. The cross-device rows put one buffer on the host.
+#include <map>
+#include <memory>
+
+#include "bad_input_cases.hpp"
+#include "gpu_test_util.hpp"
+
+namespace hipflash::test::bad_input {
+namespace {
+
+class GpuBadInput : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!gpu_available())
+      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
+  }
+};
+
+TEST_P(GpuBadInput, RefusedAndNothingWritten) {
+  std::map<const HostTensor*, std::unique_ptr<DeviceTensor>> device;
+  auto place = [&](HostTensor& t) {
+    auto& d = device[&t];
+    d = std::make_unique<DeviceTensor>(t);
+    return d->ref;
+  };
+  std::vector<std::unique_ptr<HostTensor>> read;
+  auto read_back = [&](HostTensor& t) -> HostTensor& {
+    read.push_back(std::make_unique<HostTensor>(t));
+    device.at(&t)->download(*read.back());
+    return *read.back();
+  };
+  run_bad_input_case(GetParam(), place, read_back, Location{Location::gpu, 0},
+                     Location{Location::cpu, 0});
+  sync();  // nothing was launched, and nothing failed late either
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, GpuBadInput, ::testing::ValuesIn(cases()),
+                         [](const auto& info) {
+                           std::string id = info.param.id;
+                           for (char& ch : id) if (ch == '-') ch = '_';
+                           return id;
+                         });
+
+}  // namespace
+}  // namespace hipflash::test::bad_input
