@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(kThreads)
       lse_at = p.lse_offset(t, h);
     }
 
+    float shift;  // the row's (MergeParams::row_shift), set once the first pieces are in flight
     // The pieces of parts [i0, i0 + kBatch): plain loads, used only after the LSEs arrive.
     common::PackedVec<kDType, kVec> v[kBatch];
     const auto load_batch = [&](int64_t i0) {
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     };
     load_batch(0);
-    const float shift = p.row_shift(row);  // the LSEs' first loads; load_states reads them again
+    shift = p.row_shift(row);  // the LSEs' first loads; load_states reads them again
     load_states(0, first);
     SoftmaxState total;
     for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
