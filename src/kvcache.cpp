@@ -286,7 +286,7 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
   HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 40) / page, "block_table has too many columns");
   const int64_t capacity = max_blocks * page;
   HIPFLASH_CHECK(opts.max_seqlen_k <= capacity, "max_seqlen_k = ", opts.max_seqlen_k,
-                 " exceeds what a sequence's pages hold (max_blocks_per_seq * page_size = ",
+                 " exceeds what a sequence's cache holds (max_blocks_per_seq * page_size = ",
                  capacity, ")");
   // varlen_forward's checks of q, out, lse, cu_seqlens and the options, against the cache seen
   // as [2^31, Hkv, D] rows of stride 0 (more rows than an int32 cu_seqlens_k can count: the

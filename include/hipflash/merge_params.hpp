@@ -57,10 +57,15 @@ struct MergeParams {
   /// NaN still reach the total.
   HIPFLASH_HD float row_shift(int64_t row) const {
     float shift = detail::kNegInf;
-    for (int64_t i = 0; i < parts; ++i) {
-      const float x = lses[row + i * lses_part_stride];
-      if (x > shift && x < -detail::kNegInf) shift = x;  // finite: NaN and +inf compare false
-    }
+    for (int64_t i = 0; i < parts; ++i) shift = fold_shift(shift, lses[row + i * lses_part_stride]);
+    return finish_shift(shift);
+  }
+  /// row_shift's steps, for a caller that holds some LSEs already: fold each in (start from
+  /// -inf), then finish.
+  HIPFLASH_HD static float fold_shift(float shift, float lse) {
+    return lse > shift && lse < -detail::kNegInf ? lse : shift;  // finite: NaN, +inf compare false
+  }
+  HIPFLASH_HD static float finish_shift(float shift) {
     return shift == detail::kNegInf ? 0.f : shift;
   }
   /// Part i's softmax state of the row whose part-0 LSE is at `row` (lses_offset), rebuilt from

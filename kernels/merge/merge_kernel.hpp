@@ -85,7 +85,6 @@ __global__ void __launch_bounds__(kThreads)
       lse_at = p.lse_offset(t, h);
     }
 
-    float shift;  // the row's (MergeParams::row_shift), set once the first pieces are in flight
     // The pieces of parts [i0, i0 + kBatch): plain loads, used only after the LSEs arrive.
     common::PackedVec<kDType, kVec> v[kBatch];
     const auto load_batch = [&](int64_t i0) {
@@ -96,6 +95,7 @@ __global__ void __launch_bounds__(kThreads)
     // The parts' states kBatch at a time (all LSE loads of a batch in flight together), merged
     // in part order: MergeParams::total_state's sequence of operations, unrolled.
     SoftmaxState first[kBatch];  // the first batch's states, kept for the weights
+    float shift = detail::kNegInf;  // the row's (MergeParams::row_shift), found below
     const auto load_states = [&](int64_t i0, SoftmaxState (&s)[kBatch]) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
@@ -110,9 +110,20 @@ __global__ void __launch_bounds__(kThreads)
         load_states(i0, s);
       }
     };
+    // The first batch's pieces, then its LSEs, all in flight together; the row's shift
+    // (MergeParams::row_shift) from those LSEs and any later part's, then their states.
     load_batch(0);
-    shift = p.row_shift(row);  // the LSEs' first loads; load_states reads them again
-    load_states(0, first);
+    float first_lse[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      first_lse[j] = j < p.parts ? p.lses[row + j * p.lses_part_stride] : detail::kNegInf;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) shift = MergeParams::fold_shift(shift, first_lse[j]);
+    for (int64_t i = kBatch; i < p.parts; ++i)
+      shift = MergeParams::fold_shift(shift, p.lses[row + i * p.lses_part_stride]);
+    shift = MergeParams::finish_shift(shift);
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) first[j] = SoftmaxState::from_lse(first_lse[j] - shift);
     SoftmaxState total;
     for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
       SoftmaxState s[kBatch];

@@ -226,7 +226,7 @@ inline std::vector<Case> cases() {
        inv, "k must have shape"},
       // varlen_paged_forward (chunked prefill)
       {"varlen-paged-max-seqlen-k", E::varlen_paged,
-       [](Call& c) { c.vopts.max_seqlen_k = 33; }, inv, "exceeds what a sequence's pages hold"},
+       [](Call& c) { c.vopts.max_seqlen_k = 33; }, inv, "cache holds"},
       {"varlen-paged-table-dtype", E::varlen_paged, [](Call& c) { c.Table.dtype = DType::f32; },
        inv, "int32"},
       // merge_attn_states
