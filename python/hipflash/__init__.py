@@ -265,7 +265,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
     LSE; the LSE output itself has no gradient); flash_attn_varlen_func likewise. With out=,
-    inputs that require grad raise RuntimeError: no backward there.
+    inputs that require grad raise RuntimeError: no backward there. The backward is not itself
+    differentiable: gradients taken with create_graph=True carry a graph whose backward raises
+    RuntimeError naming hipflash (never silently constant).
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
@@ -322,8 +324,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q: (batch_size + 1,), int32, on q's device: non-decreasing prefix sums of the
             query lengths.
         cu_seqlens_k: (batch_size + 1,), int32, on q's device: likewise for the keys.
-        max_seqlen_q: int >= every query length (sizes the padded LSE and the launch).
-        max_seqlen_k: int >= every key length.
+        max_seqlen_q: int >= every query length and <= total_q (sizes the padded LSE and the
+            launch; no sequence can be longer than q, so a larger value raises ValueError).
+        max_seqlen_k: int >= every key length and <= total_k.
         softmax_scale, causal, window_size, num_splits, return_lse, out: as for
             :func:`flash_attn_func`.
         lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
