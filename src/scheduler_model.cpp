@@ -11,10 +11,10 @@ namespace hipflash::common {
 /// Costs are in key blocks: a tile costs its key blocks plus its exposed prologue and epilogue —
 /// a key block's worth with one block per tile (its Q and first K/V loads and its output store
 /// overlap nothing), a quarter on the walk (the next tile's loads run under the last one's
-/// epilogue). On the H200 (docs/perf-notes.md session 2026-12-01 (4)) the walk led by up to
-/// 13% at causal S <= 4k and lost 1.3x at hd128 S = 16k, where a few rounds of 1 .. 128
-/// key-block tiles leave it 1.5x unbalanced; the model picks each side there. Varlen and
-/// KV-cache lengths live on the device: no model, one block per tile.
+/// epilogue). Measured on the H200, the walk led by up to 13% at causal S <= 4k and lost 1.3x
+/// at hd128 S = 16k, where a few rounds of 1 .. 128 key-block tiles leave it 1.5x unbalanced;
+/// the model picks each side there (docs/design-decisions.md#persistent-grid-and-tile-order).
+/// Varlen and KV-cache lengths live on the device: no model, one block per tile.
 bool snake_walk_pays(const FwdParams& p, TileKeyBlocks key_blocks, int64_t num_m_blocks,
                      int64_t tiles, int64_t blocks) {
   constexpr double kOneBlockPerTileCost = 1.0, kWalkTileCost = 0.25;

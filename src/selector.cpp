@@ -137,8 +137,8 @@ int num_splits_heuristic(int64_t work_items, int64_t num_processors, int64_t blo
   // The time of s splits in units of one work item's keys: ceil(items * s / slots) rounds of
   // the resident slots, each 1/s of an item long. Slots, not multiprocessors: one block alone
   // on a multiprocessor reads a paged cache at 0.87-0.90x of a contiguous one, two there at
-  // 0.96-1.00x (H200, cd4bc3e, docs/perf-notes.md), and paged and contiguous calls must split
-  // alike (bitwise the same result, SPEC §7).
+  // 0.96-1.00x (H200, docs/design-decisions.md#split-k-and-combine), and paged and contiguous
+  // calls must split alike (bitwise the same result, SPEC §7).
   auto cost = [&](int64_t s) {
     return double((work_items * s + slots - 1) / slots) / double(s);
   };

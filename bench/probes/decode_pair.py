@@ -2,7 +2,7 @@
 # D = 128, bf16) called a few times by hipflash (LSE on, [B, Sk, Hkv, D]) or by cuDNN
 # (F.scaled_dot_product_attention with enable_gqa on its [B, Hkv, Sk, D] copy), for Nsight
 # Compute to profile one launch of each: where the last percent against cuDNN at B = 32 goes
-# (perf-notes "Next": decode against cuDNN). HIPFLASH_DECODE_HEADS picks hipflash's kernel.
+# (docs/design-decisions.md#decode). HIPFLASH_DECODE_HEADS picks hipflash's kernel.
 # The calls run inside the NVTX range "decode" (ncu --nvtx --nvtx-include "decode/" profiles
 # them and not the inputs' set-up).
 # Usage: python3 bench/probes/decode_pair.py BUILD_DIR/python hipflash|cudnn B SK

@@ -1,6 +1,6 @@
 # hipflash — development probe (not a benchmark of record): one FA-grid cell's forward, LSE off
-# or on, called a few times, for Nsight Compute to profile one launch of each (perf-notes
-# session 2026-12-01 (7): the LSE-on cost at short rows).
+# or on, called a few times, for Nsight Compute to profile one launch of each (the LSE-on cost
+# at short rows: docs/design-decisions.md#lse-cost).
 # Usage: python3 bench/probes/lse_pair.py BUILD_DIR/python off|on [B S H D [causal]]
 import sys
 

@@ -3,8 +3,8 @@
 # process, with the SM clock and power the driver reports after each: the benchmark's own way
 # (attn_bench.matmul_rate: events per call behind a sleep kernel), calls back to back between
 # two events (as a GEMM profiler times them), the same with out= and with all-zero inputs.
-# perf-notes session 2026-12-01 (8): the benchmark measured 687 TFLOP/s where KINDS.md saw
-# 769-798.
+# The benchmark measured 687 TFLOP/s where a short warm burst (KINDS.md) saw 769-798: the
+# product runs at the power limit when sustained (docs/design-decisions.md#benchmark-method).
 # Usage: python3 bench/probes/matmul_probe.py
 import os
 import subprocess

@@ -33,15 +33,17 @@ struct DecodeTile {
   /// K+V bytes per stage: 16 KiB (hd64), 32 KiB (hd128), 64 KiB (hd256). Two stages — one key
   /// block in flight while the warps work on the other — from hd128 on: on the H200 the decode
   /// calls read faster with fewer bytes in flight (hd128, two blocks an SM: 64 KiB in flight an
-  /// SM streamed 0.5-1.3% faster than three stages' 128 KiB; docs/perf-notes.md session
-  /// 2026-12-02). hd64 keeps three (not measured: HIPFLASH_DECODE_HD64_STAGES).
+  /// SM streamed 0.5-1.3% faster than three stages' 128 KiB). hd64 keeps three: its 16 KiB
+  /// stages read 10-13% slower with two (HIPFLASH_DECODE_HD64_STAGES). See
+  /// docs/design-decisions.md#decode-kernel.
   static constexpr int kStages = kHeadDim == 64 ? HIPFLASH_DECODE_HD64_STAGES : 2;
   static constexpr int kThreads = kNWarps * 32;
-  /// Under the tuning hook (prepared, not measured yet): a call with one query block a (batch,
-  /// kv head) launches in clusters of kCluster blocks on sm_90 — kCluster kv heads of a (batch,
-  /// split) — whose blocks issue each key block's loads only after the whole cluster issued the
-  /// previous one's, so that the cluster reads its key rows ([B, Sk, Hkv, D]: the kv heads of a
-  /// key adjacent) at about the same time, as the head-group kernel's one block does.
+  /// Under the tuning hook (off by default: measured 1.5-3.2% slower on the H200,
+  /// docs/design-decisions.md#decode): a call with one query block a (batch, kv head) launches in
+  /// clusters of kCluster blocks on sm_90 — kCluster kv heads of a (batch, split) — whose blocks
+  /// issue each key block's loads only after the whole cluster issued the previous one's, so that
+  /// the cluster reads its key rows ([B, Sk, Hkv, D]: the kv heads of a key adjacent) at about
+  /// the same time, as the head-group kernel's one block does.
   static constexpr int kCluster = HIPFLASH_DECODE_CLUSTER;
   static_assert(kCluster == 0 || kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8,
                 "clusters of 2, 4 or 8 blocks (the portable cluster sizes)");

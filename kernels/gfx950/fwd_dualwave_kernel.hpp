@@ -14,7 +14,7 @@
 // busy while the other wave's softmax (exp, max, sum: VALU) runs, and each MFMA is scheduled
 // with the LDS reads of its operand (sched_group_barrier). Not done (yet): the upstream design's
 // staggered start of the second wave group, and its softmax pipelined across key blocks
-// (the exps of one block under the MFMAs of the next) — docs/perf-notes.md.
+// (the exps of one block under the MFMAs of the next) — docs/design-decisions.md#amd-gfx950.
 #pragma once
 
 #include "atoms/gfx950.hpp"

@@ -6,7 +6,7 @@ namespace hipflash::sm90 {
 /// A thread block is kWarpgroups warpgroups, each owning 64 query rows (one wgmma M), that
 /// share K and V: the keys are walked in blocks of kBlockN, K and V double-buffered in shared
 /// memory. Large N keeps the Q K^T wgmma off the shared-memory bandwidth limit.
-/// Measured on the H200: docs/perf-notes.md.
+/// Measured on the H200: docs/design-decisions.md#forward-before-the-tma-kernel.
 template <int kHeadDim>
 struct TileConfig;
 template <>

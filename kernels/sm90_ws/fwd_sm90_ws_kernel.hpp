@@ -214,7 +214,7 @@ struct Consumer {
   /// they hold the mask in a few ints (common::RowMask) and only the thread's lane, warpgroup
   /// and column quad, so that ptxas keeps the key loop spill-free (BlockInfo and the whole
   /// thread place held through it spilled 96-124 bytes at the long-row tile, 60-100 at hd256;
-  /// lean hd256 measured +2-4% at causal 1k / 4k: docs/perf-notes.md session 2026-12-01 (8)).
+  /// lean hd256 measured +2-4% at causal 1k / 4k: docs/design-decisions.md#registers).
   /// The others keep the place and BlockInfo's per-block mask.
   static constexpr bool kLean = Traits::kMasked && (Cfg::kConsumers == 3 || kHD == 256);
   using Place = std::conditional_t<kLean, consumer::LeanThreadPlace, consumer::ThreadPlace>;
@@ -322,8 +322,8 @@ struct Consumer {
   /// is staged panel-major (common::staged_swizzle: the TMA's 128-byte swizzle of [64 x 64]
   /// boxes), and a warpgroup's staged rows go out in one bulk tensor store per 64-column panel
   /// by its first thread, where out's map exists (o_ok); the LSEs by the threads as before
-  /// (docs/perf-notes.md session 2026-12-01 (10): +2-4% at short hd64 rows, hd64 causal 512 +5%
-  /// with LSE).
+  /// (measured on the H200: +2-4% at short hd64 rows, hd64 causal 512 +5% with LSE;
+  /// docs/design-decisions.md#key-loop-tile-boundary-and-epilogue).
   static constexpr bool kTmaStore = kOutByTma<kHD> && Cfg::kOwnStaging && !Traits::kSplit;
   static constexpr int kPanelRows = kTmaStore ? kBM : 0;  ///< the staged tile's layout
   __device__ __forceinline__ bool tma_store_on() const { return kTmaStore && maps.o_ok; }

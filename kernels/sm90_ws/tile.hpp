@@ -133,11 +133,11 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
 /// sk - sq / 2 (bottom-right aligned), a window at most its width —, sequences long enough
 /// (4k rows) that the last, partly empty 192-row tile costs under 3% of the rows, and 192-row
 /// tiles enough for two per multiprocessor (`heads` = batch x query heads), so that no SM the
-/// 128-row tiles would have used sits idle. Measured on the H200 (docs/perf-notes.md session
-/// 2026-12-01 (6)): three consumers lose 16% at S = 1k causal, are level at 4k and 6-7% faster
-/// at 8k and 16k. Unmasked hd128 (and hd96, padded to it): HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS
-/// keys or more (the 176-key blocks, session 2026-12-01 (8): -15% at S = 512, -5% at 1k, level
-/// at 4k, +3-4% at 16k). A pure function of the call; the launcher decides with it.
+/// 128-row tiles would have used sits idle. Measured on the H200
+/// (docs/design-decisions.md#tiles-per-head-dim): three consumers lose 16% at S = 1k causal, are
+/// level at 4k and 6-7% faster at 8k and 16k. Unmasked hd128 (and hd96, padded to it):
+/// HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS keys or more (the 176-key blocks: -15% at S = 512, -5% at
+/// 1k, level at 4k, +3-4% at 16k). A pure function of the call; the launcher decides with it.
 inline bool long_row_tile(int head_dim, bool masked, bool split, int64_t seqlen_q,
                           int64_t seqlen_k, int64_t window_left, int64_t window_right,
                           int64_t heads, int64_t num_sms) {

@@ -21,8 +21,7 @@ struct DecodeLaunch : NoPrepare {
   /// block a (batch, head) and a multiple of kCluster heads (the kernel's clustered_tile maps
   /// a cluster's blocks to them); else 1. Clusters placed without the barrier
   /// (HIPFLASH_DECODE_CLUSTER_STEP=0) take unsplit calls only: a split B = 8 call lost 25% in
-  /// them where unsplit B = 32 calls gained 0.1-0.2% (docs/perf-notes.md session 2026-12-02
-  /// (4) step 2).
+  /// them where unsplit B = 32 calls gained 0.1-0.2% on one H200 (docs/design-decisions.md#decode).
   static int cluster(const FwdParams& p, int64_t num_m_blocks) {
     constexpr int n = Tile::kCluster;
     if constexpr (n <= 1) {

@@ -182,7 +182,7 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
   for (int d : {32, 64, 96, 128, 256})
     EXPECT_EQ(select_kernel(dense(d), kSm90, caps).kind, KernelKind::sm90_ws) << d;
   Problem short_causal = dense(64);  // short causal rows too (no cp.async exception since
-  short_causal.masked = true;         // the tile decode by divisors: perf-notes session (9))
+  short_causal.masked = true;         // the tile decode by divisors: design-decisions.md)
   for (int64_t rows : {17, 512, 513})
     for (int d : {64, 128}) {
       short_causal.query_rows = rows;

@@ -87,17 +87,16 @@ inline constexpr int64_t kDecodeMaxRows = 16;
 /// (its block: eight kv heads, a warp each; with fewer, warps would compute on zeros).
 inline constexpr int64_t kDecodeHeadsPerBlock = 8;
 
-/// Where the head-group decode kernel is ahead of the decode kernel (H200, 6e85654, hd128,
-/// GQA 32/8, both kernels on the rings of 95509ff; docs/perf-notes.md session 2026-12-02 (2)):
+/// Where the head-group decode kernel is ahead of the decode kernel (H200, hd128, GQA 32/8, the
+/// decode kernel on its two-stage ring; docs/design-decisions.md#head-group-kernel):
 /// its blocks each read a batch's kv heads for a long key range, so it needs both many such
 /// ranges and long ones. At 32 head groups x batches it gains 0.5% at 128k keys, is level at
 /// 64k and loses 0.6% at 32k and 2.6-3.4% at 16k and below; at 8 it loses 0.2-1.5% from 32k to
 /// 128k; at 1 (B = 1) the many short splits and their combine lose 5-45% everywhere. It reads
 /// a block's kv heads as whole key rows, which only a row-major cache has (Problem::
 /// kv_heads_in_rows): on a head-major one ([B, Hkv, Sk, D] views) the decode kernel, one
-/// contiguous run per (batch, kv head), read 1.0% faster at B = 32, 128k keys (H200, 9631ce4,
-/// session 2026-12-02 (4) step 3: one dense cell; head-major pages and larger calls follow the
-/// same rule unmeasured), so such calls keep it.
+/// contiguous run per (batch, kv head), read 1.0% faster at B = 32, 128k keys (H200, one dense
+/// cell; head-major pages and larger calls follow the same rule unmeasured), so such calls keep it.
 inline constexpr int64_t kDecodeHeadsMinTiles = 32;      ///< batch x head groups
 inline constexpr int64_t kDecodeHeadsMinKeys = 131072;
 

@@ -31,8 +31,8 @@ using ::hipflash::atom::sm80::pack2;
 /// threadIdx.x, read where it is used. In a persistent kernel's tile loop the compiler hoists
 /// everything derived from threadIdx.x (fragment rows, epilogue addresses) out of the loop, and
 /// those registers then live through the key loop: ptxas spilled 32-332 bytes in the sm90_ws
-/// consumers (docs/perf-notes.md). A volatile read cannot be hoisted, so they are recomputed
-/// per tile, which costs a few instructions a tile.
+/// consumers (docs/design-decisions.md#registers). A volatile read cannot be hoisted, so they are
+/// recomputed per tile, which costs a few instructions a tile.
 __device__ __forceinline__ int thread_index() {
   int t;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
@@ -203,7 +203,7 @@ __device__ __forceinline__ void write_split(const FwdParams& p, const Info& bi,
 /// kChunks 16-byte chunks; the warp's rows start at srow0 = 16 warp + g), and with kLse their
 /// LSEs into sL — by every lane of the row's quad, the same value to the same word: a store
 /// by one lane would be a divergent branch, whose reconvergence and exposed lg2 latency cost
-/// 1-2% of a short-row kernel (docs/perf-notes.md session 2026-12-01 (8)). The caller syncs
+/// 1-2% of a short-row kernel (docs/design-decisions.md#lse-cost). The caller syncs
 /// before (the tile's smem is free) and after (all staged). kPanelRows: the tile's layout
 /// (common::staged_swizzle; 0 row-major).
 template <DType kDT, bool kLse, int kChunks, int kHD, int kPanelRows = 0, class T>
