@@ -9,5 +9,5 @@ python3 bench/make_report.py \
   bench/results/h200-2026-12-02/serving \
   --allow-partial \
   --append bench/results/h200-2026-11-30d/train \
-  --append bench/results/h200-2026-12-01b/merge \
+  --append bench/results/h200-2026-12-04/merge \
   --note-file bench/results/benchmarks-note.md
