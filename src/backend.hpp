@@ -75,11 +75,9 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream);
 bool stream_capturing(Stream stream);
 
 /// What a forward launch chose beyond the selection, for last_kernel_name(): whether the
-/// sm90_ws kernel ran its long-row tile (sm90ws::long_row_tile, decided at launch), and the
-/// blocks a cluster of the forward kernel's launch (1: no clusters).
+/// sm90_ws kernel ran its long-row tile (sm90ws::long_row_tile, decided at launch).
 struct Launched {
   bool long_rows = false;
-  int cluster = 1;
 };
 
 /// Launches the selected forward (and, for num_splits > 1, the combine) on `stream`.

@@ -28,7 +28,6 @@ struct LastKernel {
   KernelKey key{};
   Arch arch{};
   bool long_rows = false;  ///< sm90_ws ran its long-row tile (gpu::Launched)
-  int cluster = 1;         ///< blocks a cluster of the launch (gpu::Launched)
 };
 thread_local LastKernel t_last_kernel;
 
@@ -262,7 +261,6 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
   if (p.batch == 0 || p.seqlen_q == 0) return;
   const gpu::Launched launched = gpu::run_forward(p, plan.sel, loc.index, stream, ws);
   t_last_kernel.long_rows = launched.long_rows;
-  t_last_kernel.cluster = launched.cluster;
 }
 
 Location resolve_location_of(Location loc) {
@@ -286,8 +284,7 @@ std::string last_kernel_name() {
     case LastKernel::gpu: break;
   }
   return std::string("fwd_") + kernel_kind_name(k.kind) + "_" + k.key.name() +
-         (k.long_rows ? "_longrows" : "") +
-         (k.cluster > 1 ? "_cluster" + std::to_string(k.cluster) : "") + "_" + k.arch.name();
+         (k.long_rows ? "_longrows" : "") + "_" + k.arch.name();
 }
 std::string build_info() { return gpu::build_info(); }
 bool gpu_available() {

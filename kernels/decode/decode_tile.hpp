@@ -8,19 +8,6 @@
 
 #include "hipflash/port/port.hpp"
 
-#ifndef HIPFLASH_DECODE_HD64_STAGES  // a tuning hook: the decode kernel's ring at hd64
-#define HIPFLASH_DECODE_HD64_STAGES 3
-#endif
-#ifndef HIPFLASH_DECODE_CLUSTER  // a tuning hook (0: off): DecodeTile::kCluster
-#define HIPFLASH_DECODE_CLUSTER 0
-#endif
-#ifndef HIPFLASH_DECODE_CLUSTER_STEP  // with the cluster hook: 0 places the blocks, no barrier
-#define HIPFLASH_DECODE_CLUSTER_STEP 1
-#endif
-#ifndef HIPFLASH_DECODE_HEADS_STAGES  // a tuning hook: the head-group decode kernel's ring
-#define HIPFLASH_DECODE_HEADS_STAGES 3
-#endif
-
 namespace hipflash::decode {
 
 template <int kHeadDim_>
@@ -34,22 +21,10 @@ struct DecodeTile {
   /// block in flight while the warps work on the other — from hd128 on: on the H200 the decode
   /// calls read faster with fewer bytes in flight (hd128, two blocks an SM: 64 KiB in flight an
   /// SM streamed 0.5-1.3% faster than three stages' 128 KiB). hd64 keeps three: its 16 KiB
-  /// stages read 10-13% slower with two (HIPFLASH_DECODE_HD64_STAGES). See
+  /// stages read 10-13% slower with two. See
   /// docs/design-decisions.md#decode-kernel.
-  static constexpr int kStages = kHeadDim == 64 ? HIPFLASH_DECODE_HD64_STAGES : 2;
+  static constexpr int kStages = kHeadDim == 64 ? 3 : 2;
   static constexpr int kThreads = kNWarps * 32;
-  /// Under the tuning hook (off by default: measured 1.5-3.2% slower on the H200,
-  /// docs/design-decisions.md#decode): a call with one query block a (batch, kv head) launches in
-  /// clusters of kCluster blocks on sm_90 — kCluster kv heads of a (batch, split) — whose blocks
-  /// issue each key block's loads only after the whole cluster issued the previous one's, so that
-  /// the cluster reads its key rows ([B, Sk, Hkv, D]: the kv heads of a key adjacent) at about
-  /// the same time, as the head-group kernel's one block does.
-  static constexpr int kCluster = HIPFLASH_DECODE_CLUSTER;
-  static_assert(kCluster == 0 || kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8,
-                "clusters of 2, 4 or 8 blocks (the portable cluster sizes)");
-  /// With HIPFLASH_DECODE_CLUSTER_STEP 0 a cluster's blocks only share a GPC (the launch places
-  /// them together) and take no barrier: each streams at its own pace.
-  static constexpr bool kClusterStep = HIPFLASH_DECODE_CLUSTER_STEP != 0;
   static constexpr int kChunks = kHeadDim / 8;  ///< 16-byte chunks per row
   static constexpr int kDSteps = kHeadDim / 16;  ///< k-steps of Q K^T
   static constexpr int kDTiles = kHeadDim / 8;   ///< 8-column output tiles
@@ -93,7 +68,7 @@ struct DecodeHeadsTile {
   static constexpr int kSmemStage = 2 * kSmemKV;
   /// K+V bytes per stage: 32 KiB (hd64), 64 KiB (hd128); three stages (the hook's default),
   /// all but one in flight.
-  static constexpr int kStages = HIPFLASH_DECODE_HEADS_STAGES;
+  static constexpr int kStages = 3;
   static_assert(kStages >= 2, "a stage in flight while the warps work on another");
   /// Q (every head's 16 rows) is loaded into the last stage, which the ring first fills after
   /// every warp has read its Q into registers.

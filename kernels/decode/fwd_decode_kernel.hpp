@@ -84,22 +84,11 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);
   const WarpKeyLanes<kRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
 
-  // Launched in a cluster (DecodeTile::kCluster; clustered_tile): the cluster's blocks share a
-  // (batch, split) and so the key range, and all take the barrier the same number of times.
-  [[maybe_unused]] bool in_step = false;
-  if constexpr (Cfg::kCluster > 1 && Cfg::kClusterStep) in_step = port::cluster_blocks() > 1;
-
   for (int i = 0; i < num_n; ++i) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // block i landed; every warp is done with block i - 1's stage
     if (i == 0) q_lanes.load(qf);
-    if constexpr (Cfg::kCluster > 1) {
-      if (in_step && i > 0) port::cluster_wait();  // the cluster issued the last block's loads
-    }
     load_kv(i + kStages - 1);  // into the stage block i - 1 used
-    if constexpr (Cfg::kCluster > 1) {
-      if (in_step) port::cluster_arrive_relaxed();
-    }
 
     const uint32_t sK = smem_addr(sRing + (i % kStages) * Cfg::kSmemStage);
     const int n = n_begin + i;
@@ -117,9 +106,6 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     });
   }
   softmax.finalize();
-  if constexpr (Cfg::kCluster > 1) {
-    if (in_step && num_n > 0) port::cluster_wait();  // the last arrive's
-  }
 
   // ---- Merge the warps' partial states (the ring is reused as the merge buffer) ----
   cp_async_wait<0>();
@@ -197,17 +183,6 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 /// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
 using Scheduler = common::StaticScheduler;
 
-/// In a launch in clusters of n blocks (DecodeTile::kCluster; one query block a (batch, head)),
-/// the cluster's ranks are n consecutive heads of one (batch, split): block index
-/// ((b * heads / n + g) * splits + s) * n + r runs tile ((b * heads + g * n + r) * splits + s),
-/// BlockInfo's (split, head, batch) order. The identity without clusters (n = 1).
-__device__ __forceinline__ int64_t clustered_tile(const FwdParams& p, int64_t index, int64_t n) {
-  const int64_t r = index % n, rest = index / n;
-  const int64_t s = rest % p.num_splits, bg = rest / p.num_splits;
-  const int64_t groups = p.heads_q / n, b = bg / groups, g = bg % groups;
-  return ((b * p.heads_q + g * n + r) * p.num_splits) + s;
-}
-
 /// The decode forward kernel: one thread block per (16-row query block, split, head, batch);
 /// kPaged: K and V from the pages of a KV cache's block table.
 template <class Traits, bool kPaged = false>
@@ -217,12 +192,7 @@ __global__ void __launch_bounds__(DecodeTile<Traits::kHeadDim>::kThreads)
   // A split kernel's combine pass waits for this grid (griddepcontrol); its blocks may be
   // placed as soon as every block here has started.
   if constexpr (Traits::kSplit) port::allow_dependent_launch();
-  Scheduler::run([&](int64_t tile) {
-    if constexpr (DecodeTile<Traits::kHeadDim>::kCluster > 1) {
-      if (const unsigned n = port::cluster_blocks(); n > 1) tile = clustered_tile(p, tile, n);
-    }
-    fwd_block<Traits, kPaged>(p, tile, num_m_blocks);
-  });
+  Scheduler::run([&](int64_t tile) { fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
 #else
   port::trap();  // the decode kernel exists for mma.sync targets only; the selector knows
 #endif  // HIPFLASH_HAS_MMA_SYNC

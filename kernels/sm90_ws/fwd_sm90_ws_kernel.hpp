@@ -42,16 +42,13 @@ namespace hipflash::sm90ws {
 struct alignas(64) TensorMap {
   uint64_t opaque[16];
 };
-#ifndef HIPFLASH_SM90WS_HD128_TMA_STORE  // a tuning hook: 1 stores hd128's staged rows by TMA too
-#define HIPFLASH_SM90WS_HD128_TMA_STORE 0
-#endif
 /// Head dims whose staged output rows go out by TMA (where the tile stages them apart from Q):
 /// out then gets a tensor map (the launcher) and the consumers a bulk store (Consumer).
 template <int kHeadDim>
 inline constexpr bool kOutByTma =
-    kHeadDim == 64 || (kHeadDim == 128 && HIPFLASH_SM90WS_HD128_TMA_STORE);
+    kHeadDim == 64;
 /// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64]; at
-/// hd64 (and hd128 with HIPFLASH_SM90WS_HD128_TMA_STORE) also out's (boxes of a warpgroup's
+/// hd64 also out's (boxes of a warpgroup's
 /// 64 rows), where one can describe it (o_ok).
 struct TmaMaps {
   TensorMap q, k, v;
@@ -65,13 +62,9 @@ struct TmaMaps {
 /// Sk / kBlockN-fold in cost, which a fixed stride deals out unevenly: the snake
 /// (common::SnakeScheduler), or one block per tile where its host model finds the snake
 /// unbalanced (long causal rows).
-#ifndef HIPFLASH_SM90WS_PERSISTENT  // a tuning hook: 0 launches one block per tile everywhere
-#define HIPFLASH_SM90WS_PERSISTENT 1
-#endif
 template <class Traits>
-using Scheduler = std::conditional_t<
-    !HIPFLASH_SM90WS_PERSISTENT, common::StaticScheduler,
-    std::conditional_t<Traits::kMasked, common::SnakeScheduler, common::PersistentScheduler>>;
+using Scheduler =
+    std::conditional_t<Traits::kMasked, common::SnakeScheduler, common::PersistentScheduler>;
 
 #if defined(HIPFLASH_HAS_WGMMA)
 
@@ -318,7 +311,7 @@ struct Consumer {
   __device__ __forceinline__ int stager() const {
     return consumer::thread_index() - (Cfg::kOwnStaging ? 128 * place.wg : 0);
   }
-  /// hd64, and hd128 with HIPFLASH_SM90WS_HD128_TMA_STORE, in a buffer of their own: the tile
+  /// hd64, in a buffer of their own: the tile
   /// is staged panel-major (common::staged_swizzle: the TMA's 128-byte swizzle of [64 x 64]
   /// boxes), and a warpgroup's staged rows go out in one bulk tensor store per 64-column panel
   /// by its first thread, where out's map exists (o_ok); the LSEs by the threads as before

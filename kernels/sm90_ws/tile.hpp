@@ -18,33 +18,17 @@ namespace hipflash::sm90ws {
 /// own: masked hd64 the three consumers of unmasked calls, unmasked hd128 176-key blocks (half
 /// again as much GEMM per softmax step; their K / V ring leaves no room to stage the output
 /// apart from Q, which short rows pay for).
-#ifndef HIPFLASH_SM90WS_HD128_BLOCK_N  // a tuning hook: unmasked hd128's key block, short rows
-#define HIPFLASH_SM90WS_HD128_BLOCK_N 128
-#endif
-#ifndef HIPFLASH_SM90WS_HD128_LONG_BLOCK_N  // a tuning hook: unmasked hd128's, long rows
-#define HIPFLASH_SM90WS_HD128_LONG_BLOCK_N 176
-#endif
 template <int kHeadDim, bool kMasked, bool kLongRows>
 struct TileConfig;
-#ifndef HIPFLASH_SM90WS_HD64_CONSUMERS  // a tuning hook for unmasked hd64: 2 or 3
-#define HIPFLASH_SM90WS_HD64_CONSUMERS 3
-#endif
-#ifndef HIPFLASH_SM90WS_HD64_MASKED_CONSUMERS  // a tuning hook for masked hd64: 1 or 2
-#define HIPFLASH_SM90WS_HD64_MASKED_CONSUMERS 2
-#endif
 template <bool kMasked, bool kLongRows>
 struct TileConfig<64, kMasked, kLongRows> {
-  static constexpr int kConsumers =
-      kMasked && !kLongRows ? HIPFLASH_SM90WS_HD64_MASKED_CONSUMERS : HIPFLASH_SM90WS_HD64_CONSUMERS;
+  static constexpr int kConsumers = kMasked && !kLongRows ? 2 : 3;
   static constexpr int kBlockN = 128, kStages = 2;
-  static_assert(kConsumers >= 1 && kConsumers <= 3, "hd64 tuning hooks: 1 to 3 consumers");
 };
 template <bool kMasked, bool kLongRows>
 struct TileConfig<128, kMasked, kLongRows> {
   static constexpr int kConsumers = 2, kStages = 2;
-  static constexpr int kBlockN = kMasked      ? 128
-                                 : kLongRows ? HIPFLASH_SM90WS_HD128_LONG_BLOCK_N
-                                             : HIPFLASH_SM90WS_HD128_BLOCK_N;
+  static constexpr int kBlockN = kMasked || !kLongRows ? 128 : 176;
 };
 template <bool kMasked, bool kLongRows>
 struct TileConfig<256, kMasked, kLongRows> {
@@ -89,16 +73,11 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   /// with 128-key blocks), so that Q is free — and the next tile's Q loading — once the last
   /// Q K^T is done; else (hd256, hd128's 176-key long-row tile) over Q.
   static constexpr bool kOwnStaging = 2 * kSmemQ + kSmemKVRings + tail_bytes(1) <= 227 * 1024;
-#ifndef HIPFLASH_SM90WS_Q_STAGES  // a tuning hook: 2 double-buffers Q where it fits (hd64, hd128)
-#define HIPFLASH_SM90WS_Q_STAGES 1
-#endif
-  /// Q tiles in flight: with two, the next tile's Q lands while this tile runs, and a tile's
-  /// last P V shares its turn with the next tile's first Q K^T (sm90_ws consumers).
-  static constexpr int kQStages =
-      HIPFLASH_SM90WS_Q_STAGES == 2 && kOwnStaging &&
-              3 * kSmemQ + kSmemKVRings + tail_bytes(2) <= 227 * 1024
-          ? 2
-          : 1;
+  /// Q tiles in flight: one. With two (where they fit: hd64, hd128), the next tile's Q lands
+  /// while this tile runs and a tile's last P V shares its turn with the next tile's first
+  /// Q K^T; measured slower on the H200 (docs/design-decisions.md#sm90_ws-forward-kernel), kept
+  /// as a parameter of the ring and the consumers.
+  static constexpr int kQStages = 1;
   static constexpr int kNumBars = 2 * kQStages + 4 * kStages;
   static constexpr uint32_t kSmemTail = tail_bytes(kQStages);
   // Shared-memory map (from the 1024-byte-aligned base): Q stages | K stages | V stages | [O] |
@@ -113,8 +92,6 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
   static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024,
                 "kMinBlocks blocks' shared memory (and the 1 KiB each reserves) on one SM");
-  static_assert(HIPFLASH_SM90WS_Q_STAGES == 1 || HIPFLASH_SM90WS_Q_STAGES == 2,
-                "HIPFLASH_SM90WS_Q_STAGES is 1 or 2");
   static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0,
                 "every Q, K and V stage starts 1024-byte aligned (the 128-byte swizzle's period)");
   static_assert(kHeadDim % 64 == 0, "whole 128-byte panels");
@@ -122,34 +99,30 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static_assert((kBlockN * 128) % 1024 == 0, "panels keep the 1024-byte swizzle alignment");
 };
 
-#ifndef HIPFLASH_SM90WS_LONG_ROW_KEYS  // a tuning hook: the keys a masked hd64 row must see
-#define HIPFLASH_SM90WS_LONG_ROW_KEYS 4096
-#endif
-#ifndef HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS  // a tuning hook: the keys an unmasked hd128 row must see
-#define HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS 8192
-#endif
+/// The keys a masked hd64 row, and an unmasked hd128 row, must see for the long-row tile.
+inline constexpr int64_t kLongRowKeys = 4096, kHd128LongRowKeys = 8192;
 /// Whether a call of the sm90_ws kernel runs on the long-row tile. Never split. Masked hd64:
-/// rows seeing HIPFLASH_SM90WS_LONG_ROW_KEYS keys or more on average — a causal row
+/// rows seeing kLongRowKeys keys or more on average — a causal row
 /// sk - sq / 2 (bottom-right aligned), a window at most its width —, sequences long enough
 /// (4k rows) that the last, partly empty 192-row tile costs under 3% of the rows, and 192-row
 /// tiles enough for two per multiprocessor (`heads` = batch x query heads), so that no SM the
 /// 128-row tiles would have used sits idle. Measured on the H200
 /// (docs/design-decisions.md#tiles-per-head-dim): three consumers lose 16% at S = 1k causal, are
 /// level at 4k and 6-7% faster at 8k and 16k. Unmasked hd128 (and hd96, padded to it):
-/// HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS keys or more (the 176-key blocks: -15% at S = 512, -5% at
+/// kHd128LongRowKeys keys or more (the 176-key blocks: -15% at S = 512, -5% at
 /// 1k, level at 4k, +3-4% at 16k). A pure function of the call; the launcher decides with it.
 inline bool long_row_tile(int head_dim, bool masked, bool split, int64_t seqlen_q,
                           int64_t seqlen_k, int64_t window_left, int64_t window_right,
                           int64_t heads, int64_t num_sms) {
   if (split) return false;
-  if (head_dim == 128) return !masked && seqlen_k >= HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS;
+  if (head_dim == 128) return !masked && seqlen_k >= kHd128LongRowKeys;
   if (head_dim != 64 || !masked || seqlen_q < 4096) return false;
   constexpr int64_t kRows = Tile<64, true, true>::kBlockM;
   if ((seqlen_q + kRows - 1) / kRows * heads < 2 * num_sms) return false;
   const int64_t right = window_right > 0 ? window_right : 0;
   int64_t keys = seqlen_k - seqlen_q / 2 + right;
   if (window_left >= 0 && window_left + 1 + right < keys) keys = window_left + 1 + right;
-  return keys >= HIPFLASH_SM90WS_LONG_ROW_KEYS;
+  return keys >= kLongRowKeys;
 }
 
 /// A kernel's traits on the long-row tile: Base's, with kLongRows (the launcher's choice).

@@ -104,7 +104,7 @@ struct Sm90WsLaunch {
 };
 
 /// Calls with long rows run on the long-row tile (sm90ws::long_row_tile: masked hd64 on three
-/// consumers, unmasked hd128 and hd96 from HIPFLASH_SM90WS_HD128_LONG_ROW_KEYS keys on 176-key
+/// consumers, unmasked hd128 and hd96 from sm90ws::kHd128LongRowKeys keys on 176-key
 /// blocks); the launch says so (note_long_row_tile) for the kernel's name.
 template <class Traits>
 void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream) {

@@ -235,16 +235,13 @@ void check_operand_alignment(const FwdParams& p) {
 
 namespace {
 thread_local bool t_long_row_tile = false;  // set by the sm90_ws launcher for run_forward
-thread_local int t_cluster = 1;              // set by launch_fwd for run_forward
 }  // namespace
 void note_long_row_tile() { t_long_row_tile = true; }
-void note_cluster(int blocks) { t_cluster = blocks; }
 
 Launched run_forward(const FwdParams& params, const Selection& sel, int device,
                      Stream stream_arg, Workspace ws) {
   auto stream = static_cast<port::stream_t>(stream_arg);
   t_long_row_tile = false;
-  t_cluster = 1;
   FwdParams p = params;
   check_operand_alignment(p);
 
@@ -313,7 +310,7 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
     });
   });
   if (p.num_splits > 1) launch_combine(p, hd, stream);
-  return Launched{t_long_row_tile, t_cluster};
+  return Launched{t_long_row_tile};
 }
 
 void run_backward(const BwdParams& params, int device, Stream stream_arg, Workspace ws,

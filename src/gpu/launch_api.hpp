@@ -34,9 +34,6 @@ void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream);
 /// Called by launch_sm90ws_fwd when it runs the long-row tile: run_forward reports it (the
 /// kernel's name says what was launched, not what a second evaluation of the rule would say).
 void note_long_row_tile();
-/// Called by launch_fwd when it launches in clusters of `blocks` (the decode kernel under
-/// HIPFLASH_DECODE_CLUSTER): run_forward reports it, so that a kernel's name says so too.
-void note_cluster(int blocks);
 
 /// Launches gfx950::fwd_dualwave_kernel<Traits> (HIP builds with gfx950; see kernels/gfx950).
 template <class Traits>

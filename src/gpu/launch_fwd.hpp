@@ -39,29 +39,6 @@ template <class Tile>
 struct HeadsPerTile<Tile, std::void_t<decltype(Tile::kHeads)>>
     : std::integral_constant<int, Tile::kHeads> {};
 
-/// Blocks a cluster for a call: Launch::cluster(p, num_m_blocks) where the launch traits have
-/// it (NVIDIA sm_90+ devices only), else 1.
-template <class Launch, class = void>
-struct ClusterOf {
-  static int get(const FwdParams&, int64_t /*num_m_blocks*/) { return 1; }
-};
-template <class Launch>
-struct ClusterOf<Launch, std::void_t<decltype(Launch::cluster(std::declval<const FwdParams&>(),
-                                                              int64_t{}))>> {
-  static int get(const FwdParams& p, int64_t num_m_blocks) {
-#if defined(HIPFLASH_PLATFORM_NVIDIA)
-    const int n = Launch::cluster(p, num_m_blocks);
-    if (n <= 1) return 1;
-    int device = 0;
-    port::check(port::get_device(&device), "querying the current device");
-    return device_arch(device).version >= 90 ? n : 1;
-#else
-    (void)p, (void)num_m_blocks;
-    return 1;  // clusters are NVIDIA's
-#endif
-  }
-};
-
 /// The one launch path of the forward kernels. `Launch` is a kernel's launch traits:
 ///   Tile       kBlockM (query rows per work tile), kThreads, kSmemBytes (dynamic shared memory),
 ///              optionally kHeads (heads per work tile, HeadsPerTile; else one)
@@ -73,8 +50,6 @@ struct ClusterOf<Launch, std::void_t<decltype(Launch::cluster(std::declval<const
 ///              the kernel's arguments after (p, num_m_blocks), as a tuple: none for most
 ///              kernels; the TMA tensor maps and the tile divisors for the warp-specialised
 ///              sm90 kernel
-///   cluster(p, num_m_blocks)
-///              optional: blocks a cluster (consecutive tiles; ClusterOf), 1 for none
 template <class Launch>
 void launch_fwd(const FwdParams& p, port::stream_t stream) {
   using Tile = typename Launch::Tile;
@@ -93,21 +68,12 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
                  " thread blocks (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
   auto extra = Launch::prepare(p, num_m_blocks, tiles);
   set_smem_once_per_device<Launch::kKernel>(Tile::kSmemBytes, Launch::kName);
-  const int cluster = ClusterOf<Launch>::get(p, num_m_blocks);
-  if (cluster > 1) note_cluster(cluster);
   port::error_t err = port::kSuccess;
   std::apply(
       [&](const auto&... args) {
-        if (cluster > 1) {
-          port::LaunchOptions how;
-          how.cluster_x = unsigned(cluster);
-          err = port::launch_kernel(Launch::kKernel, dim3(unsigned(blocks)), dim3(Tile::kThreads),
-                                    Tile::kSmemBytes, stream, how, p, int(num_m_blocks), args...);
-        } else {
-          Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes,
-                            stream>>>(p, int(num_m_blocks), args...);
-          err = port::get_last_error();
-        }
+        Launch::kKernel<<<dim3(unsigned(blocks)), dim3(Tile::kThreads), Tile::kSmemBytes,
+                          stream>>>(p, int(num_m_blocks), args...);
+        err = port::get_last_error();
       },
       extra);
   if (err != port::kSuccess)

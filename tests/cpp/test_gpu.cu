@@ -263,48 +263,6 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
   }
 }
 
-TEST_F(Gpu, DecodeClustersAreNamed) {
-  // Under the tuning hook HIPFLASH_DECODE_CLUSTER (a build flag, off by default) a decode call
-  // (one query block a head) launches on sm_90 in clusters of that many heads of a (batch,
-  // split), its blocks in step, where its head count is a multiple of the cluster; the
-  // kernel's name says so. Each call checked against the reference.
-#if defined(HIPFLASH_DECODE_CLUSTER) && HIPFLASH_DECODE_CLUSTER > 1
-  int device = 0, major = 0, minor = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
-  const std::string clustered = "_cluster" + std::to_string(HIPFLASH_DECODE_CLUSTER) + "_";
-  // Three batches; 3001 keys end inside a 64-key block. GQA 32/8 packs 4 rows a kv head
-  // (unsplit, 3 splits, the heuristic's); MHA 8/8 with Sq = 3 is a head's 3 rows; 12/6 packs 2
-  // rows into each of six kv heads.
-  struct Call {
-    int64_t sq, hq, hkv;
-    int splits;
-    bool causal;
-  };
-  for (auto [sq, hq, hkv, splits, causal] :
-       {Call{1, 32, 8, 1, false}, Call{1, 32, 8, 3, false}, Call{1, 32, 8, 0, true},
-        Call{3, 8, 8, 5, true}, Call{1, 12, 6, 2, false}}) {
-    Dense t = make({DType::bf16, 3, sq, 3001, hq, hkv, 128, causal, -1, -1, splits});
-    run_gpu(t);
-    const std::string name = last_kernel_name();
-    if (name.rfind("fwd_decode_heads_", 0) == 0 || name.rfind("fwd_decode_", 0) != 0)
-      GTEST_SKIP() << "not the decode kernel here: " << name;
-    // Placed without the barrier (HIPFLASH_DECODE_CLUSTER_STEP=0), unsplit calls only.
-#if defined(HIPFLASH_DECODE_CLUSTER_STEP) && HIPFLASH_DECODE_CLUSTER_STEP == 0
-    const bool split_ok = name.find("_splitk") == std::string::npos;
-#else
-    const bool split_ok = true;
-#endif
-    const bool want = major >= 9 && hkv % HIPFLASH_DECODE_CLUSTER == 0 && split_ok;
-    EXPECT_EQ(name.find(clustered) != std::string::npos, want) << name;
-    EXPECT_REF_OK(check_rows(t)) << " kernel " << name;
-  }
-#else
-  GTEST_SKIP() << "built without the HIPFLASH_DECODE_CLUSTER hook (off by default)";
-#endif
-}
-
 TEST_F(Gpu, LongRowTileIsNamed) {
   // Calls with long rows run the sm90_ws kernel's long-row tile (masked hd64: three consumers;
   // unmasked hd128: 176-key blocks), and the launch says so (the name is what the launcher

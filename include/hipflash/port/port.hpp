@@ -36,7 +36,7 @@
 #define HIPFLASH_HAS_MMA_SYNC 1  // mma.sync m16n8k16 bf16/f16, ldmatrix, cp.async
 #endif
 #if __CUDA_ARCH__ >= 900
-#define HIPFLASH_HAS_SM90_CONTROL 1  // griddepcontrol, thread block clusters
+#define HIPFLASH_HAS_SM90_CONTROL 1  // griddepcontrol
 #endif
 #if __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define HIPFLASH_HAS_WGMMA 1  // sm_90a: wgmma, setmaxnreg
@@ -237,43 +237,10 @@ inline bool waits_for_prerequisite_grids(void (*kernel)(Params...)) {
 #endif
 }
 
-// ---- Thread block clusters (NVIDIA sm_90+) ----------------------------------------------------
-// A grid launched in clusters of n consecutive blocks (launch_kernel's cluster_x) may keep its
-// clusters' blocks in step: every thread arrives, and later waits until every thread of the
-// cluster has arrived. The calls must alternate, arrive first, in every thread of the cluster.
-// Elsewhere, or launched without clusters, a block is a cluster of one and these do nothing.
-
-/// Blocks in this block's cluster (1 without clusters).
-__device__ __forceinline__ unsigned cluster_blocks() {
-#if defined(HIPFLASH_HAS_SM90_CONTROL)
-  unsigned n;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  return n;
-#else
-  return 1;
-#endif
-}
-
-/// Arrives at the cluster barrier without ordering memory (relaxed); every thread, warps whole.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(HIPFLASH_HAS_SM90_CONTROL)
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-
-/// Waits until every thread of the cluster has arrived; every thread, warps whole.
-__device__ __forceinline__ void cluster_wait() {
-#if defined(HIPFLASH_HAS_SM90_CONTROL)
-  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-
 /// How launch_kernel launches beyond the grid (NVIDIA sm_90+ devices; the caller knows the
-/// device): as a programmatic dependent of the work before it in the stream, and in clusters
-/// of `cluster_x` consecutive blocks along x (grid.x a multiple of it).
+/// device): as a programmatic dependent of the work before it in the stream.
 struct LaunchOptions {
   bool programmatic = false;
-  unsigned cluster_x = 1;
 };
 
 /// kernel<<<grid, block, smem, s>>>(args...) with `how`'s attributes (a plain launch on AMD).
@@ -285,17 +252,11 @@ inline error_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, s
   // Capturing a programmatic launch into a graph needs CUDA 12.3+: launch plainly there.
   if (how.programmatic && stream_capturing(s)) how.programmatic = false;
 #endif
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   unsigned n = 0;
   if (how.programmatic) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (how.cluster_x > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = how.cluster_x;
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
