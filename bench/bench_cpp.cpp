@@ -32,7 +32,7 @@
 
 #include "hipflash/detail/host_numeric.hpp"
 #include "hipflash/hipflash.hpp"
-#include "hipflash/reference.hpp"
+#include "reference.hpp"  // the fp64 oracle (tests/cpp)
 
 #include "device_runtime.hpp"
 

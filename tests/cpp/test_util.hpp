@@ -18,7 +18,7 @@
 
 #include "hipflash/detail/host_numeric.hpp"
 #include "hipflash/hipflash.hpp"
-#include "hipflash/reference.hpp"
+#include "reference.hpp"  // the fp64 oracle (tests/cpp)
 
 namespace hipflash::test {
 

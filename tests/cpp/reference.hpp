@@ -2,7 +2,8 @@
 //
 // Header-only, host memory, no tiling: for each query row, the valid keys per the masks, the
 // scores and their exp-sum in double, out = sum p v / sum p, lse = ln sum exp(s). A row with no
-// valid key has out 0 and lse -inf. Used by the C++ tests, hipflash-run and the benchmarks.
+// valid key has out 0 and lse -inf. Used by the C++ tests, hipflash-run and the benchmarks; a
+// test helper, not part of the installed API.
 //
 //   auto prob = ref::Problem::dense(q, k, v, opts);          // host TensorRefs, any strides
 //   ref::CheckResult r = ref::check(prob, out, &lse);        // SPEC §6; r.ok, r.message
