@@ -7,7 +7,7 @@
 
 namespace hipflash {
 
-/// Flags of one forward instantiation. Folding (STYLE §4):
+/// Flags of one forward instantiation. Folding (STYLE.md, "Habits worth taking" 4: fold flags that cannot matter):
 ///  * split-K kernels always write partial LSE, so kSplit implies the LSE store;
 ///  * varlen, the Sk boundary and the split range are runtime (they cost a predicate per tile);
 ///  * causal is a window, so one kMasked flag covers causal and sliding windows.
@@ -40,7 +40,7 @@ struct KernelKey {
   bool masked = false;
   bool split = false;
 
-  /// Self-describing name, e.g. "bf16_hd128_causal_lse" (STYLE §12).
+  /// Self-describing name, e.g. "bf16_hd128_causal_lse" (STYLE.md, "Habits worth taking" 12).
   std::string name() const {
     std::string s = dtype == DType::bf16 ? "bf16" : dtype == DType::f16 ? "fp16" : "unsupported";
     s += "_hd" + std::to_string(head_dim);
