@@ -7,7 +7,8 @@
 
 namespace hipflash {
 
-/// Flags of one forward instantiation. Folding (STYLE.md, "Habits worth taking" 4: fold flags that cannot matter):
+/// Flags of one forward instantiation, folded where a flag cannot matter (STYLE.md, "Habits
+/// worth taking" 4):
 ///  * split-K kernels always write partial LSE, so kSplit implies the LSE store;
 ///  * varlen, the Sk boundary and the split range are runtime (they cost a predicate per tile);
 ///  * causal is a window, so one kMasked flag covers causal and sliding windows.
