@@ -260,6 +260,17 @@ inline std::vector<Case> cases() {
   };
 }
 
+/// A case's id as a GoogleTest parameter name ("forward-rank" -> "forward_rank").
+struct CaseName {
+  template <class Info>
+  std::string operator()(const Info& info) const {
+    std::string id = info.param.id;
+    for (char& ch : id)
+      if (ch == '-') ch = '_';
+    return id;
+  }
+};
+
 /// Runs one case with buffers placed by `place` (a callable HostTensor -> TensorRef) at
 /// location `here`; `read_back(host)` returns what a buffer holds after the call. Expects the
 /// typed error with `message` in it and every buffer bit-for-bit unchanged.

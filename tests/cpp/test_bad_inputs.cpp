@@ -13,11 +13,7 @@ TEST_P(BadInput, RefusedAndNothingWritten) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, BadInput, ::testing::ValuesIn(cases()),
-                         [](const auto& info) {
-                           std::string id = info.param.id;
-                           for (char& ch : id) if (ch == '-') ch = '_';
-                           return id;
-                         });
+                         CaseName());
 
 }  // namespace
 }  // namespace hipflash::test::bad_input

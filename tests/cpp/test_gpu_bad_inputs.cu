@@ -10,13 +10,8 @@
 namespace hipflash::test::bad_input {
 namespace {
 
-class GpuBadInput : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (!gpu_available())
-      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
-  }
-};
+/// The GPU suite's fixture (skips without a GPU), with a table row as its parameter.
+class GpuBadInput : public Gpu, public ::testing::WithParamInterface<Case> {};
 
 TEST_P(GpuBadInput, RefusedAndNothingWritten) {
   std::map<const HostTensor*, std::unique_ptr<DeviceTensor>> device;
@@ -37,11 +32,7 @@ TEST_P(GpuBadInput, RefusedAndNothingWritten) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, GpuBadInput, ::testing::ValuesIn(cases()),
-                         [](const auto& info) {
-                           std::string id = info.param.id;
-                           for (char& ch : id) if (ch == '-') ch = '_';
-                           return id;
-                         });
+                         CaseName());
 
 }  // namespace
 }  // namespace hipflash::test::bad_input
