@@ -289,12 +289,16 @@ def main(argv=None):
                 images[s] = fname
             else:
                 missing.append(s)
-        if missing:  # a run cut short wrote no plots: draw them from its own rows
+        if missing:  # runs of record keep their rows, not their plots: draw them from the rows
             drawn, why = rep.make_plots([r for r in rows if r["suite"] in missing], img_dir,
                                         gpu_name=meta.get("gpu", ""), dtype=meta.get("dtype", "bf16"))
             images.update(drawn or {})
-            if why:
-                print(f"plots skipped for {path}: {why}")
+            if why:  # no matplotlib here: the page keeps the plots it has (drawn from these rows)
+                for s in missing:
+                    fname = s.replace("-", "_") + ".png"
+                    if s not in images and os.path.exists(os.path.join(img_dir, fname)):
+                        images[s] = fname
+                print(f"plots not redrawn for {path}: {why}; kept the page's existing ones")
         heading = "##" if len(runs) == 1 else "###"
         body = rep.render_markdown(meta, rows, images, image_prefix=prefix, heading=heading)
         targets = targets_markdown(rows, meta)

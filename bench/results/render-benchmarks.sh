@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Renders docs/benchmarks.md from the runs of record (bench/make_report.py): edit the run list
-# and bench/results/benchmarks-note.md when a new run of record lands.
+# Renders docs/benchmarks.md from the runs of record (bench/make_report.py) and draws its plots
+# in docs/benchmarks/ from their rows (matplotlib; without it the page keeps the plots it has):
+# edit the run list and bench/results/benchmarks-note.md when a new run of record lands (its
+# results.json and results.md; not its plots).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 python3 bench/make_report.py \
