@@ -299,11 +299,11 @@ class CellRunner {
   int nsets() const { return nsets_; }
 
   /// Check (poisoned buffers, fp64 reference) and, if it passes, time. LSE on or off.
-  Result run(bool with_lse) {
+  Result run(bool return_lse) {
     Result r;
     FwdOptions opts;
     opts.causal = c_.causal;
-    opts.return_lse = with_lse;
+    opts.return_lse = return_lse;
     Sync sync{gpu_};
     try {
       Set& s0 = *sets_[0];
@@ -314,7 +314,7 @@ class CellRunner {
       sync();
       r.kernel = last_kernel_name();
       std::string why;
-      if (!check(s0, with_lse, opts, why)) {
+      if (!check(s0, return_lse, opts, why)) {
         r.status = "FAIL";
         r.note = why;
         return r;
@@ -354,12 +354,12 @@ class CellRunner {
     forward(s.tq, s.tk, s.tv, s.tout, opts.return_lse ? &s.tlse : nullptr, opts, nullptr);
   }
 
-  bool check(const Set& s0, bool with_lse, const FwdOptions& opts, std::string& why) {
+  bool check(const Set& s0, bool return_lse, const FwdOptions& opts, std::string& why) {
     const int el = dtype_size(a_.dtype);
     std::vector<uint16_t> hout(static_cast<size_t>(q_elems_));
-    std::vector<float> hlse(with_lse ? size_t(lse_elems_) : 0);
+    std::vector<float> hlse(return_lse ? size_t(lse_elems_) : 0);
     s0.out.download(hout.data(), hout.size() * el);
-    if (with_lse) s0.lse.download(hlse.data(), hlse.size() * 4);
+    if (return_lse) s0.lse.download(hlse.data(), hlse.size() * 4);
     const Location host{};
     const TensorRef q = make_tensor(hq_.data(), a_.dtype, {c_.B, c_.Sq, c_.Hq, c_.D}, host);
     const TensorRef k = make_tensor(hk_.data(), a_.dtype, {c_.B, c_.Sk, c_.Hkv, c_.D}, host);
@@ -369,7 +369,7 @@ class CellRunner {
     const ref::Problem prob = ref::Problem::dense(q, k, v, opts);
     ref::CheckOptions co;
     co.max_rows = gpu_ ? 48 : 0;  // sampled rows on the big grid; the NaN scan covers all
-    const ref::CheckResult res = ref::check(prob, out, with_lse ? &lse : nullptr, co);
+    const ref::CheckResult res = ref::check(prob, out, return_lse ? &lse : nullptr, co);
     why = res.message;
     return res.ok;
   }

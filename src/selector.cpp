@@ -36,7 +36,8 @@ namespace {
 /// Packed GQA decode on the head-group decode kernel (`hd`: the padded head dim)?
 bool head_group_decode(const Problem& p, int hd, const Arch& arch, const BuildCaps& caps) {
   if (caps.decode_heads == HeadGroupDecode::off || !p.gqa_decode ||
-      p.heads_kv < kDecodeHeadsPerBlock || hd > 128 || arch.version != 90)
+      p.heads_kv < kDecodeHeadsPerBlock || hd > max_head_dim(KernelKind::decode_heads) ||
+      arch.version != 90)
     return false;
   if (caps.decode_heads == HeadGroupDecode::always) return true;
   // Measured at hd128 only: hd64 runs it under HIPFLASH_DECODE_HEADS=1 alone.
@@ -97,7 +98,8 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
                                                       : KernelKind::decode;
     else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible)
       sel.kind = KernelKind::sm90_ws;
-    else if (arch.version == 90 && caps.sm90 && !p.kv_cache && hd <= 128)
+    else if (arch.version == 90 && caps.sm90 && !p.kv_cache &&
+             hd <= max_head_dim(KernelKind::sm90))
       sel.kind = KernelKind::sm90;
     else
       sel.kind = KernelKind::generic;
@@ -111,7 +113,7 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
   // AMD: CDNA2/CDNA3/CDNA4 have MFMA. gfx950 runs the dualwave kernel for head dims up to 128
   // where it was built, everything else the generic MFMA kernel (the decode kernel is mma.sync
   // only, so AMD decode runs these too).
-  if (arch.version == 0x950 && caps.dualwave && hd <= 128) {
+  if (arch.version == 0x950 && caps.dualwave && hd <= max_head_dim(KernelKind::gfx950_dualwave)) {
     sel.kind = KernelKind::gfx950_dualwave;
     return sel;
   }

@@ -31,7 +31,7 @@ struct FwdParams {
   int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
   int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
 
-  // LSE, natural log, fp32. Written only by RETURN_LSE kernels; nullptr otherwise.
+  // LSE, natural log, fp32. Written only by kReturnLse kernels; nullptr otherwise.
   // Dense and padded varlen: [B, Hq, Sq or max_seqlen_q]. Packed varlen: [Hq, total_q], where
   // lse_batch_stride is 0 and the row is offset by cu_seqlens_q[b].
   float* __restrict__ lse = nullptr;

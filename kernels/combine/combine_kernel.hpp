@@ -14,7 +14,7 @@
 // combine_rows_kernel's accumulators), each product through accumulate_cols, and the groups are
 // added in the order g = 0, 1, ...: the same operations in the same order (no build of the
 // kernels reassociates floating point), so the launcher picks either by the split count
-// alone. RETURN_LSE is a compile-time flag: without it no LSE store exists. On sm_90+ the kernels are programmatic
+// alone. kReturnLse is a compile-time flag: without it no LSE store exists. On sm_90+ the kernels are programmatic
 // dependents of the split kernel before them (src/gpu/combine_launch.cu): their blocks are
 // placed while that kernel runs and wait for it, which saves the launch gap between the two.
 #pragma once

@@ -11,7 +11,7 @@
 
 namespace hipflash::common {
 
-/// Padded varlen LSE (RETURN_LSE, non-split): rows [len_q, max_seqlen_q) of this query block
+/// Padded varlen LSE (kReturnLse, non-split): rows [len_q, max_seqlen_q) of this query block
 /// are -inf, so the buffer has no undefined entries. Done by the block that owns those rows.
 /// `thread` is the caller's thread index (0 .. kThreads - 1), here and below: a persistent
 /// kernel passes one read where it is used (atoms/sm90/consumer.hpp thread_index).
@@ -28,7 +28,7 @@ __device__ __forceinline__ void write_padded_lse_tail(const FwdParams& p, int64_
 }
 
 /// The first step of every forward schedule: a query block that starts past its varlen
-/// sequence has no rows — only, for RETURN_LSE unsplit kernels, its padded LSE rows to write.
+/// sequence has no rows — only, for kReturnLse unsplit kernels, its padded LSE rows to write.
 /// True when the block is done.
 template <class Traits, int kBlockM, int kThreads>
 __device__ __forceinline__ bool block_past_sequence(const FwdParams& p, int64_t b, int64_t h,

@@ -6,7 +6,7 @@
 // its 4 warps split every 64-key block: warp w takes keys [16w, 16w + 16) and keeps its own
 // online-softmax state and O accumulator. A kStages-deep cp.async ring streams K/V; at the end
 // the warps' states are merged through shared memory with the shared SoftmaxState, and the
-// epilogue writes O (or the split's fp32 partial) and, for RETURN_LSE kernels only, the LSE.
+// epilogue writes O (or the split's fp32 partial) and, for kReturnLse kernels only, the LSE.
 // Same FwdParams, BlockInfo (varlen, windows, split range) and flags as the generic kernel.
 #pragma once
 

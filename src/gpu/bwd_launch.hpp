@@ -14,6 +14,7 @@
 #include "bwd/bwd_sm90_kernel.hpp"
 #include "gpu/launch_api.hpp"
 #include "gpu/launch_fwd.hpp"  // set_smem_once_per_device
+#include "hipflash/detail/selector.hpp"  // kBwdSm90MaxHeadDim
 
 namespace hipflash::gpu {
 namespace bwd_detail {
@@ -75,7 +76,7 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
     bool done = false;
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
-    if constexpr (kHD <= 128) {
+    if constexpr (kHD <= kBwdSm90MaxHeadDim) {
       if (how.sm90) {
         using Dkdv = bwd::DkdvSm90Tile<kHD>;
         constexpr auto dkdv = bwd::bwd_dkdv_sm90_kernel<Traits>;

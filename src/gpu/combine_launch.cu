@@ -50,8 +50,8 @@ void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stre
                     CombineShape shape) {
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
     HIPFLASH_HEADDIM_SWITCH(padded_head_dim, kPadded, [&] {
-      HIPFLASH_BOOL_SWITCH(p.return_lse, kLse, [&] {
-        launch<common::element_t<kDT>, kPadded, kLse>(p, stream, shape);
+      HIPFLASH_BOOL_SWITCH(p.return_lse, kReturnLse, [&] {
+        launch<common::element_t<kDT>, kPadded, kReturnLse>(p, stream, shape);
       });
     });
   });

@@ -25,7 +25,7 @@ struct DecodeHeadsLaunch : NoPrepare {
 /// dims 64 and 128): the other instantiations the TU's flag combinations ask for refuse.
 template <class Traits>
 void launch_decode_heads_fwd(const FwdParams& p, port::stream_t stream) {
-  if constexpr (Traits::kMasked || Traits::kHeadDim > 128) {
+  if constexpr (Traits::kMasked || Traits::kHeadDim > max_head_dim(KernelKind::decode_heads)) {
     (void)stream;
     HIPFLASH_CHECK_AS(runtime_error, false, "the head-group decode kernel takes unmasked calls at "
                       "head dims 64 and 128 only (the selector's rule), got head dim ",

@@ -196,7 +196,8 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
          : shape_of<decode::DecodeTile<256>>(1);
   }
   if (kind == KernelKind::decode_heads) {  // head dims 64 and 128 (the selector's rule)
-    HIPFLASH_CHECK(hd <= 128, "the head-group decode kernel has no tile for head dim ", hd);
+    HIPFLASH_CHECK(hd <= max_head_dim(KernelKind::decode_heads),
+                   "the head-group decode kernel has no tile for head dim ", hd);
     auto heads = [](auto tile) {
       using Tile = decltype(tile);
       TileShape s = shape_of<Tile>(Tile::kMinBlocks);
@@ -267,15 +268,15 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
     HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
       HIPFLASH_BOOL_SWITCH(p.num_splits > 1, kSplit, [&] {
         HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {
-          HIPFLASH_BOOL_SWITCH(p.return_lse && !kSplit, kLse, [&] {
+          HIPFLASH_BOOL_SWITCH(p.return_lse && !kSplit, kReturnLse, [&] {
             if constexpr ((HIPFLASH_HEAD_DIM_MASK >> (kHD == 64 ? 0 : kHD == 128 ? 1 : 2)) & 1) {
-              using Traits = FwdTraits<kDT, kHD, kLse, kMasked, kSplit>;
+              using Traits = FwdTraits<kDT, kHD, kReturnLse, kMasked, kSplit>;
               switch (sel.kind) {
                 case KernelKind::generic: launch_generic_fwd<Traits>(p, stream); break;
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
                 case KernelKind::decode: launch_decode_fwd<Traits>(p, stream); break;
                 case KernelKind::decode_heads:
-                  if constexpr (kHD <= 128) {
+                  if constexpr (kHD <= max_head_dim(KernelKind::decode_heads)) {
                     launch_decode_heads_fwd<Traits>(p, stream);
                     break;
                   }
@@ -283,7 +284,7 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
 #endif  // HIPFLASH_PLATFORM_NVIDIA
 #if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
                 case KernelKind::gfx950_dualwave:
-                  if constexpr (kHD <= 128) {
+                  if constexpr (kHD <= max_head_dim(KernelKind::gfx950_dualwave)) {
                     launch_dualwave_fwd<Traits>(p, stream);
                     break;
                   }
@@ -291,7 +292,7 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
 #endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
                 case KernelKind::sm90:
-                  if constexpr (kHD <= 128) {
+                  if constexpr (kHD <= max_head_dim(KernelKind::sm90)) {
                     launch_sm90_fwd<Traits>(p, stream);
                     break;
                   }
@@ -355,7 +356,8 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   how.portable = portable;
   // The wgmma dk/dv pass where it was built (sm_90a) and the device is Hopper; the switch that
   // hides the sm90 forward kernels (HIPFLASH_DISABLE_SM90=1) hides it too.
-  how.sm90 = !portable && build_caps().sm90 && hd <= 128 && device_arch(device).version == 90;
+  how.sm90 = !portable && build_caps().sm90 && hd <= kBwdSm90MaxHeadDim &&
+             device_arch(device).version == 90;
   how.total_q = total_q;
   how.total_k = total_k;
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {

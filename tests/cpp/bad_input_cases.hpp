@@ -64,7 +64,7 @@ struct Call {
   BwdOptions bopts;
   VarlenBwdOptions vbopts;
   Location other;        ///< a location that is not the call's (cross-device cases)
-  bool with_lse = true;  ///< forward: pass the lse buffer
+  bool pass_lse = true;  ///< forward: pass the lse buffer
 
   Call() {
     std::mt19937 rng(3);
@@ -97,7 +97,7 @@ struct Call {
 
   void run(Entry e) {
     switch (e) {
-      case Entry::forward: forward(Q, K, V, Out, with_lse ? &Lse : nullptr, opts); return;
+      case Entry::forward: forward(Q, K, V, Out, pass_lse ? &Lse : nullptr, opts); return;
       case Entry::varlen: varlen_forward(VQ, VK, VV, VOut, &VLse, CuQ, CuK, vopts); return;
       case Entry::kvcache:
         kvcache_forward(DQ_, KC, VC, &KNew, &VNew, &Seqlens, nullptr, DOut_, &DLse, kopts);
@@ -166,7 +166,7 @@ inline std::vector<Case> cases() {
       {"forward-head-dim", E::forward,
        [](Call& c) { c.Q.sizes[3] = c.K.sizes[3] = c.V.sizes[3] = c.Out.sizes[3] = 48; }, inv,
        "supported head dims"},
-      {"forward-no-lse", E::forward, [](Call& c) { c.with_lse = false; }, inv, "no lse buffer"},
+      {"forward-no-lse", E::forward, [](Call& c) { c.pass_lse = false; }, inv, "no lse buffer"},
       {"forward-lse-small", E::forward, [](Call& c) { c.Lse.sizes[2] = 4; }, inv, "lse buffer"},
       {"forward-lse-aliases-out", E::forward,
        [](Call& c) { c.Lse.data = c.Out.data; }, inv, "lse must not alias out"},

@@ -65,9 +65,9 @@ struct MergeData {
 };
 
 /// Runs the merge of d's inputs on the GPU; out and lse come back into d's host buffers.
-void run_gpu_merge(MergeData& d, bool with_lse = true) {
+void run_gpu_merge(MergeData& d, bool return_lse = true) {
   DeviceTensor outs(d.outs), lses(d.lses), out(d.out), lse(d.lse);
-  merge_attn_states(outs.ref, lses.ref, out.ref, with_lse ? &lse.ref : nullptr);
+  merge_attn_states(outs.ref, lses.ref, out.ref, return_lse ? &lse.ref : nullptr);
   sync();
   out.download(d.out);
   lse.download(d.lse);

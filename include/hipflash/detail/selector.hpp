@@ -47,6 +47,18 @@ enum class KernelKind : int {
 
 const char* kernel_kind_name(KernelKind k);
 
+/// The largest padded head dim a kernel has a tile for: the one place this rule is written (the
+/// selector, the dispatch's instantiations and the launchers read it). The head-group decode,
+/// the cp.async sm90 and the gfx950 dualwave kernels stop at 128; the others take 256.
+constexpr int max_head_dim(KernelKind k) {
+  return k == KernelKind::decode_heads || k == KernelKind::sm90 ||
+                 k == KernelKind::gfx950_dualwave
+             ? 128
+             : 256;
+}
+/// The same for the wgmma (sm90) backward's dk/dv pass; larger head dims take mma.sync's.
+inline constexpr int kBwdSm90MaxHeadDim = 128;
+
 /// What the caller asks for, already validated.
 struct Problem {
   DType dtype = DType::bf16;

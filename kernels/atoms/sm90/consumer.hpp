@@ -200,13 +200,13 @@ __device__ __forceinline__ void write_split(const FwdParams& p, const Info& bi,
 }
 
 /// The warp's rows of O, normalised and rounded, into the staged tile sO (swizzled rows of
-/// kChunks 16-byte chunks; the warp's rows start at srow0 = 16 warp + g), and with kLse their
+/// kChunks 16-byte chunks; the warp's rows start at srow0 = 16 warp + g), and with kReturnLse their
 /// LSEs into sL — by every lane of the row's quad, the same value to the same word: a store
 /// by one lane would be a divergent branch, whose reconvergence and exposed lg2 latency cost
 /// 1-2% of a short-row kernel (docs/design-decisions.md#lse-cost). The caller syncs
 /// before (the tile's smem is free) and after (all staged). kPanelRows: the tile's layout
 /// (common::staged_swizzle; 0 row-major).
-template <DType kDT, bool kLse, int kChunks, int kHD, int kPanelRows = 0, class T>
+template <DType kDT, bool kReturnLse, int kChunks, int kHD, int kPanelRows = 0, class T>
 __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kHD / 2],
                                            const common::RowSoftmax<2>& softmax, int srow0,
                                            int t) {
@@ -214,7 +214,7 @@ __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kH
   for (int h = 0; h < 2; ++h) {
     const float inv = softmax.inv_sum(h);
     const int srow = srow0 + h * 8;
-    if constexpr (kLse) sL[srow] = softmax.lse(h);
+    if constexpr (kReturnLse) sL[srow] = softmax.lse(h);
 #pragma unroll
     for (int i = 0; i < kHD / 8; ++i)
       *reinterpret_cast<uint32_t*>(sO + common::staged_swizzle<kChunks, kPanelRows>(srow, i) +
@@ -223,12 +223,12 @@ __device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kH
   }
 }
 
-/// With kLse, the staged tile's LSEs (one row a thread, then, with kVarlen, the padded layout's
+/// With kReturnLse, the staged tile's LSEs (one row a thread, then, with kVarlen, the padded layout's
 /// tail): store_staged's second half, on its own where the rows go out by TMA.
-template <int kBM, int kThreads, bool kLse, bool kVarlen, class Info>
+template <int kBM, int kThreads, bool kReturnLse, bool kVarlen, class Info>
 __device__ __forceinline__ void store_staged_lse(const FwdParams& p, const Info& bi,
                                                  const float* sL, int64_t m0, int thread) {
-  if constexpr (kLse) {
+  if constexpr (kReturnLse) {
     const int r = thread;  // one row per thread
     if (r < kBM && m0 + r < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
     if constexpr (kVarlen)
@@ -236,18 +236,18 @@ __device__ __forceinline__ void store_staged_lse(const FwdParams& p, const Info&
   }
 }
 
-/// The staged tile's rows to out (16-byte rows) and, with kLse, their LSEs (one row a thread,
+/// The staged tile's rows to out (16-byte rows) and, with kReturnLse, their LSEs (one row a thread,
 /// then, with kVarlen, the padded layout's tail): every thread of the kThreads that staged it,
 /// `thread` being its index (thread_index() in a persistent kernel); kPanelRows the staged
 /// tile's layout (common::staged_swizzle).
-template <int kBM, int kChunks, int kThreads, bool kLse, bool kVarlen = true, int kPanelRows = 0,
+template <int kBM, int kChunks, int kThreads, bool kReturnLse, bool kVarlen = true, int kPanelRows = 0,
           class T, class Info>
 __device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi, const T* sO,
                                              const float* sL, int64_t m0, int head_dim,
                                              int thread = int(threadIdx.x)) {
   common::store_staged_rows<kBM, kChunks, kThreads, kPanelRows>(
       bi.template o_rows<T>(p), p.o_row_stride, sO, m0, bi.len_q, head_dim, thread);
-  store_staged_lse<kBM, kThreads, kLse, kVarlen>(p, bi, sL, m0, thread);
+  store_staged_lse<kBM, kThreads, kReturnLse, kVarlen>(p, bi, sL, m0, thread);
 }
 
 #endif  // HIPFLASH_HAS_WGMMA
