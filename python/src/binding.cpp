@@ -412,152 +412,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
   return {dq, dk, dv};
 }
 
-// ---- The Autograd key: the boundary until a backward exists ----------------------------------
+// ---- The Autograd key: the boundary of the operators that carry no autograd history ---------
 
-void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* op) {
-  if (!at::GradMode::is_enabled()) return;
-  for (const at::Tensor* t : tensors)
-    TORCH_CHECK(!(t->defined() && t->requires_grad()), "hipflash.", op,
-                ": an input requires grad, but hipflash has no backward yet for this call "
-                "(flash_attn_func / flash_attn_varlen_func without out= are differentiable); "
-                "call it under torch.no_grad() or pass detached tensors");
+/// Refuses, under grad mode, any tensor argument of `op` that requires grad: these operators
+/// carry no autograd history (hipflash's autograd.Functions wrap fwd / varlen_fwd with bwd /
+/// varlen_bwd), so a result must never be silently detached.
+void refuse_grad(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(!(t.defined() && t.requires_grad()), "hipflash.", op,
+              ": an input requires grad, but hipflash has no backward yet for this call "
+              "(flash_attn_func / flash_attn_varlen_func without out= are differentiable); "
+              "call it under torch.no_grad() or pass detached tensors");
 }
-
-/// Runs the op below autograd (the backend kernel), then bumps what it wrote.
-template <class Fn, class... Args>
-auto below_autograd(const char* name, Args&&... args) {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Fn>();
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(std::forward<Args>(args)...);
+void refuse_grad(const c10::optional<at::Tensor>& t, const char* op) {
+  if (t) refuse_grad(*t, op);
 }
-
-std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v,
-                                                c10::optional<double> softmax_scale, bool causal,
-                                                int64_t window_left, int64_t window_right,
-                                                int64_t num_splits, bool return_lse) {
-  refuse_grad({&q, &k, &v}, "flash_attn_func");
-  return below_autograd<decltype(fwd)>("hipflash::fwd", q, k, v, softmax_scale, causal,
-                                       window_left, window_right, num_splits, return_lse);
-}
+template <class T>
+void refuse_grad(const T&, const char*) {}  // not a tensor
 
 void bump(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
+void bump(const c10::optional<at::Tensor>& t) {
+  if (t) bump(*t);
+}
+template <class T>
+void bump(const T&) {}
 
-/// Bumps what an out= call wrote when it returns — also when it stops early (an interrupted
-/// call has written part of it).
-struct BumpOnExit {
-  const at::Tensor& out;
-  const c10::optional<at::Tensor>& lse;
-  ~BumpOnExit() {
-    bump(out);
-    if (lse) bump(*lse);
+/// The Autograd kernel of operator hipflash::`kOp` (backend kernel signature R(A...)), shown to
+/// users as `kUser`: refuses inputs that require grad under grad mode, runs the operator below
+/// autograd, and bumps the version counter of every argument its schema marks as written
+/// (Tensor(a!): out= buffers, the KV caches), as any in-place op does — also when the call
+/// stops early (an interrupted call has written part of them).
+template <const char* kOp, const char* kUser, class Sig>
+struct Autograd;
+template <const char* kOp, const char* kUser, class R, class... A>
+struct Autograd<kOp, kUser, R(A...)> {
+  static R call(A... args) {
+    if (at::GradMode::is_enabled()) (refuse_grad(args, kUser), ...);
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(kOp, "");
+    static const std::vector<bool> written = [] {
+      std::vector<bool> w;
+      for (const auto& arg : op.schema().arguments())
+        w.push_back(arg.alias_info() != nullptr && arg.alias_info()->isWrite());
+      return w;
+    }();
+    struct BumpOnExit {
+      std::tuple<const A&...> args;
+      ~BumpOnExit() {
+        size_t i = 0;
+        std::apply([&](const auto&... a) { ((written[i++] ? bump(a) : void()), ...); }, args);
+      }
+    } bump_on_exit{std::tie(args...)};
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.typed<R(A...)>().call(args...);
   }
 };
 
-void fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& out, const c10::optional<at::Tensor>& lse,
-                      c10::optional<double> softmax_scale, bool causal, int64_t window_left,
-                      int64_t window_right, int64_t num_splits, bool return_lse) {
-  const at::Tensor none;
-  refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_func");
-  const BumpOnExit bump_on_exit{out, lse};
-  below_autograd<decltype(fwd_out)>("hipflash::fwd_out", q, k, v, out, lse, softmax_scale, causal,
-                                    window_left, window_right, num_splits, return_lse);
-}
-
-std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    int64_t num_splits, bool return_lse, const std::string& lse_layout) {
-  refuse_grad({&q, &k, &v}, "flash_attn_varlen_func");
-  return below_autograd<decltype(varlen_fwd)>(
-      "hipflash::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, causal, window_left, window_right, num_splits, return_lse, lse_layout);
-}
-
-void varlen_fwd_out_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                             int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
-                             const c10::optional<at::Tensor>& lse,
-                             c10::optional<double> softmax_scale, bool causal,
-                             int64_t window_left, int64_t window_right, int64_t num_splits,
-                             bool return_lse, const std::string& lse_layout) {
-  const at::Tensor none;
-  refuse_grad({&q, &k, &v, &out, lse ? &*lse : &none}, "flash_attn_varlen_func");
-  const BumpOnExit bump_on_exit{out, lse};
-  below_autograd<decltype(varlen_fwd_out)>(
-      "hipflash::varlen_fwd_out", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, out, lse, softmax_scale, causal, window_left, window_right, num_splits,
-      return_lse, lse_layout);
-}
-
-std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_autograd(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& block_table,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, c10::optional<double> softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, int64_t num_splits, bool return_lse,
-    const std::string& lse_layout) {
-  refuse_grad({&q, &k_cache, &v_cache}, "flash_attn_varlen_func (paged KV cache)");
-  return below_autograd<decltype(varlen_fwd_paged)>(
-      "hipflash::varlen_fwd_paged", q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table,
-      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, num_splits,
-      return_lse, lse_layout);
-}
-
-std::tuple<at::Tensor, at::Tensor> merge_attn_states_autograd(const at::Tensor& outs,
-                                                              const at::Tensor& lses) {
-  refuse_grad({&outs, &lses}, "merge_attn_states");
-  return below_autograd<decltype(merge_attn_states)>("hipflash::merge_attn_states", outs, lses);
-}
-
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_autograd(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
-    const c10::optional<at::Tensor>& cache_seqlens, const c10::optional<at::Tensor>& block_table,
-    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    int64_t num_splits, bool return_lse) {
-  const at::Tensor none;
-  refuse_grad({&q, &k_cache, &v_cache, k ? &*k : &none, v ? &*v : &none},
-              "flash_attn_with_kvcache");
-  // The caches are written in place when k / v are appended: bumped like any in-place op's
-  // outputs (also when the call stops early).
-  struct BumpCaches {
-    const at::Tensor &k_cache, &v_cache;
-    bool on;
-    ~BumpCaches() {
-      if (!on) return;
-      bump(k_cache);
-      bump(v_cache);
-    }
-  } bump_caches{k_cache, v_cache, k.has_value()};
-  return below_autograd<decltype(fwd_kvcache)>(
-      "hipflash::fwd_kvcache", q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-      softmax_scale, causal, window_left, window_right, num_splits, return_lse);
-}
-
-/// The backward ops have no derivative of their own (no double backward): inputs that require
-/// grad under grad mode (create_graph=True) are refused, never silently treated as constants.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::optional<double> softmax_scale,
-    bool causal, int64_t window_left, int64_t window_right, bool deterministic) {
-  refuse_grad({&dout, &q, &k, &v, &out, &lse}, "bwd (double backward)");
-  return below_autograd<decltype(bwd)>("hipflash::bwd", dout, q, k, v, out, lse, softmax_scale,
-                                       causal, window_left, window_right, deterministic);
-}
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_autograd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    bool deterministic, const std::string& lse_layout) {
-  refuse_grad({&dout, &q, &k, &v, &out, &lse}, "varlen_bwd (double backward)");
-  return below_autograd<decltype(varlen_bwd)>(
-      "hipflash::varlen_bwd", dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic, lse_layout);
-}
+// The operators' names and the calls users know them by.
+constexpr char kFwd[] = "hipflash::fwd", kFwdOut[] = "hipflash::fwd_out",
+               kVarlenFwd[] = "hipflash::varlen_fwd", kVarlenFwdOut[] = "hipflash::varlen_fwd_out",
+               kVarlenFwdPaged[] = "hipflash::varlen_fwd_paged",
+               kMerge[] = "hipflash::merge_attn_states", kFwdKvcache[] = "hipflash::fwd_kvcache",
+               kBwd[] = "hipflash::bwd", kVarlenBwd[] = "hipflash::varlen_bwd";
+constexpr char kUserFwd[] = "flash_attn_func", kUserVarlen[] = "flash_attn_varlen_func",
+               kUserPaged[] = "flash_attn_varlen_func (paged KV cache)",
+               kUserMerge[] = "merge_attn_states", kUserKvcache[] = "flash_attn_with_kvcache",
+               kUserBwd[] = "bwd (double backward)", kUserVarlenBwd[] = "varlen_bwd (double backward)";
 
 // ---- Ctrl-C --------------------------------------------------------------------------------
 
@@ -616,32 +534,32 @@ TORCH_LIBRARY(hipflash, m) {
 }
 
 /// The backend kernels: one function for both dispatch keys (the launcher picks the backend
-/// from the tensors' location).
+/// from the tensors' location); the Autograd key gets each one's Autograd<...>::call.
+#define HIPFLASH_OPERATORS(X)                        \
+  X(fwd, kFwd, kUserFwd)                             \
+  X(fwd_out, kFwdOut, kUserFwd)                      \
+  X(varlen_fwd, kVarlenFwd, kUserVarlen)             \
+  X(varlen_fwd_out, kVarlenFwdOut, kUserVarlen)      \
+  X(varlen_fwd_paged, kVarlenFwdPaged, kUserPaged)   \
+  X(merge_attn_states, kMerge, kUserMerge)           \
+  X(fwd_kvcache, kFwdKvcache, kUserKvcache)          \
+  X(bwd, kBwd, kUserBwd)                             \
+  X(varlen_bwd, kVarlenBwd, kUserVarlenBwd)
+
 static void register_backend_kernels(torch::Library& m) {
-  m.impl("bwd", &bwd);
-  m.impl("varlen_bwd", &varlen_bwd);
-  m.impl("merge_attn_states", &merge_attn_states);
-  m.impl("fwd_kvcache", &fwd_kvcache);
-  m.impl("fwd", &fwd);
-  m.impl("fwd_out", &fwd_out);
-  m.impl("varlen_fwd", &varlen_fwd);
-  m.impl("varlen_fwd_out", &varlen_fwd_out);
-  m.impl("varlen_fwd_paged", &varlen_fwd_paged);
+#define HIPFLASH_IMPL(name, op, user) m.impl(#name, &name);
+  HIPFLASH_OPERATORS(HIPFLASH_IMPL)
+#undef HIPFLASH_IMPL
 }
 
 TORCH_LIBRARY_IMPL(hipflash, CPU, m) { register_backend_kernels(m); }
 TORCH_LIBRARY_IMPL(hipflash, CUDA, m) { register_backend_kernels(m); }
 
 TORCH_LIBRARY_IMPL(hipflash, Autograd, m) {
-  m.impl("bwd", &bwd_autograd);
-  m.impl("varlen_bwd", &varlen_bwd_autograd);
-  m.impl("merge_attn_states", &merge_attn_states_autograd);
-  m.impl("fwd_kvcache", &fwd_kvcache_autograd);
-  m.impl("fwd", &fwd_autograd);
-  m.impl("fwd_out", &fwd_out_autograd);
-  m.impl("varlen_fwd", &varlen_fwd_autograd);
-  m.impl("varlen_fwd_out", &varlen_fwd_out_autograd);
-  m.impl("varlen_fwd_paged", &varlen_fwd_paged_autograd);
+#define HIPFLASH_AUTOGRAD(name, op, user) \
+  m.impl(#name, &Autograd<op, user, std::remove_pointer_t<decltype(&name)>>::call);
+  HIPFLASH_OPERATORS(HIPFLASH_AUTOGRAD)
+#undef HIPFLASH_AUTOGRAD
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
