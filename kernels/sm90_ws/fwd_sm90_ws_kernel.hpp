@@ -1,7 +1,6 @@
 // hipflash — the warp-specialised Hopper forward kernel (sm_90a).
 //
-// One producer warpgroup and two or three consumer warpgroups per block (one, with two blocks
-// per SM, under the masked-hd64 tuning hook of tile.hpp):
+// One producer warpgroup and two or three consumer warpgroups per block:
 //  * the producer's first thread loads the Q tile (64 rows per consumer) once per work tile and the
 //    K and V tiles of every key block with the tensor-memory accelerator (TMA) into a ring of
 //    kStages stages each; a stage's "full" mbarrier counts the bytes landed, its "empty"

@@ -39,9 +39,9 @@ struct TileConfig<256, kMasked, kLongRows> {
 /// owning 64 query rows (one wgmma M) of the query tile, and one producer whose first thread
 /// issues every TMA load. Register reallocation gives the consumers what the producer does not
 /// need: 240 each with two consumers, 160 with three (ptxas budgets a block with a producer
-/// *warp* like one with a producer warpgroup, so the warpgroup costs nothing). A block of one
-/// consumer (64-row tiles; the masked-hd64 hook) shares its SM with a second block, so that one
-/// block's tile prologue and epilogue run under the other's GEMMs: 232 registers each.
+/// *warp* like one with a producer warpgroup, so the warpgroup costs nothing). One block per
+/// SM: blocks of one consumer, two to an SM, lost 1.5% geomean at masked hd64 (causal 1k -5%;
+/// docs/design-decisions.md#sm90_ws-forward-kernel).
 template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false>
 struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   using Base = TileConfig<kHeadDim_, kMasked_, kLongRows_>;
@@ -52,11 +52,11 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static constexpr int kStages = Base::kStages;
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kThreads = kConsumerThreads + 128;
-  static constexpr int kMinBlocks = kConsumers == 1 ? 2 : 1;  ///< blocks resident per SM
-  // 128 x 24 + 256 x 240 = 64,512 and 128 x 32 + 384 x 160 = 65,536 of the 65,536 registers;
-  // one consumer: 2 x (128 x 24 + 128 x 232) = 65,536 (from 128 each at launch).
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
+  static constexpr int kMinBlocks = 1;  ///< blocks resident per SM
+  // 128 x 24 + 256 x 240 = 64,512 and 128 x 32 + 384 x 160 = 65,536 of the 65,536 registers.
   static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 24;
-  static constexpr int kConsumerRegs = kConsumers == 1 ? 232 : kConsumers == 2 ? 240 : 160;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kElemBytes = 2;                 ///< bf16 / f16 inputs and outputs
   static constexpr int kPanels = kHeadDim / 64;        ///< 128-byte-wide panels of a tile
   static constexpr int kChunks = kHeadDim / 8;         ///< 16-byte chunks per row
