@@ -133,7 +133,7 @@ foreach(hd IN LISTS HIPFLASH_PADDED_HEAD_DIMS)
       _hipflash_instantiate(sm90 ${dt} ${hd})
     endif()
     if(_sm90)  # the warp-specialised TMA kernel: every head dim
-      _hipflash_instantiate(sm90ws ${dt} ${hd})
+      _hipflash_instantiate(sm90_ws ${dt} ${hd})
     endif()
     if(_dualwave AND NOT hd EQUAL 256)  # the gfx950 dualwave kernel: head dims 64 and 128
       _hipflash_instantiate(dualwave ${dt} ${hd})

@@ -75,7 +75,7 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream stream);
 bool stream_capturing(Stream stream);
 
 /// What a forward launch chose beyond the selection, for last_kernel_name(): whether the
-/// sm90_ws kernel ran its long-row tile (sm90ws::long_row_tile, decided at launch).
+/// sm90_ws kernel ran its long-row tile (sm90_ws::long_row_tile, decided at launch).
 struct Launched {
   bool long_rows = false;
 };

@@ -34,7 +34,7 @@
 #include "hipflash/params.hpp"
 #include "sm90_ws/tile.hpp"
 
-namespace hipflash::sm90ws {
+namespace hipflash::sm90_ws {
 
 /// A TMA tensor map as the kernel sees it: the 128 opaque bytes the host encoded
 /// (CUtensorMap), passed by value in the kernel's parameters.
@@ -552,4 +552,4 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
 #endif  // HIPFLASH_HAS_WGMMA
 }
 
-}  // namespace hipflash::sm90ws
+}  // namespace hipflash::sm90_ws

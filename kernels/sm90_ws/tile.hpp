@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace hipflash::sm90ws {
+namespace hipflash::sm90_ws {
 
 /// kConsumers warpgroups of 64 query rows each, kBlockN keys per K/V stage, kStages stages of
 /// each. The Q tile, the K and V rings and the small tail (LSE staging, barriers) must fit the
@@ -144,4 +144,4 @@ inline constexpr bool kHasLongRowTile =
     ((Traits::kHeadDim == 64 && Traits::kMasked) || (Traits::kHeadDim == 128 && !Traits::kMasked)) &&
     !Traits::kSplit && !kLongRowsOf<Traits>;
 
-}  // namespace hipflash::sm90ws
+}  // namespace hipflash::sm90_ws

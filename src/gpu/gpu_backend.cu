@@ -178,9 +178,9 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
   if (kind == KernelKind::sm90_ws) {  // masked tiles may differ (square at hd64 and hd128)
     auto ws = [hd](auto is_masked) {
       constexpr bool kMasked = decltype(is_masked)::value;
-      using T64 = sm90ws::Tile<64, kMasked>;
-      using T128 = sm90ws::Tile<128, kMasked>;
-      using T256 = sm90ws::Tile<256, kMasked>;
+      using T64 = sm90_ws::Tile<64, kMasked>;
+      using T128 = sm90_ws::Tile<128, kMasked>;
+      using T256 = sm90_ws::Tile<256, kMasked>;
       return hd == 64    ? shape_of<T64>(T64::kMinBlocks)
            : hd == 128 ? shape_of<T128>(T128::kMinBlocks)
                        : shape_of<T256>(T256::kMinBlocks);
@@ -297,7 +297,7 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
                     break;
                   }
                   throw not_built();
-                case KernelKind::sm90_ws: launch_sm90ws_fwd<Traits>(p, stream); break;
+                case KernelKind::sm90_ws: launch_sm90_ws_fwd<Traits>(p, stream); break;
 #endif  // HIPFLASH_HAS_SM90_KERNELS
                 default:
                   throw not_built();

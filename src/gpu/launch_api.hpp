@@ -28,10 +28,10 @@ void launch_decode_heads_fwd(const FwdParams& p, port::stream_t stream);
 template <class Traits>
 void launch_sm90_fwd(const FwdParams& p, port::stream_t stream);
 
-/// Launches sm90ws::fwd_sm90_ws_kernel<Traits> (CUDA builds with sm_90a; see kernels/sm90_ws).
+/// Launches sm90_ws::fwd_sm90_ws_kernel<Traits> (CUDA builds with sm_90a; see kernels/sm90_ws).
 template <class Traits>
-void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream);
-/// Called by launch_sm90ws_fwd when it runs the long-row tile: run_forward reports it (the
+void launch_sm90_ws_fwd(const FwdParams& p, port::stream_t stream);
+/// Called by launch_sm90_ws_fwd when it runs the long-row tile: run_forward reports it (the
 /// kernel's name says what was launched, not what a second evaluation of the rule would say).
 void note_long_row_tile();
 

@@ -148,7 +148,7 @@ std::vector<Case> persistent() {
       {DType::f16, 4, 1000, 1300, 16, 16, 256, true, -1, -1, 2},  // split partials
       {DType::bf16, 3, 700, 1000, 32, 8, 64, false, 150, 0, 1},  // sliding window, GQA
       {DType::bf16, 2, 1100, 1300, 24, 8, 64, true, -1, -1, 3},
-      // Masked hd64 with long rows: the three-consumer tile (sm90ws::long_row_tile: enough
+      // Masked hd64 with long rows: the three-consumer tile (sm90_ws::long_row_tile: enough
       // heads for two tiles per SM of a 132-SM H200), its last 192-row tile partly empty;
       // causal, a causal sliding window, a right window alone, more rows than keys (the first
       // rows see none).

@@ -208,13 +208,13 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
 }
 
 TEST(Selector, LongRowTileOnlyForLongRows) {
-  // sm90ws::long_row_tile (the sm90_ws launcher's tile), never split. Masked hd64: 4k rows or
+  // sm90_ws::long_row_tile (the sm90_ws launcher's tile), never split. Masked hd64: 4k rows or
   // more, rows seeing 4096 keys on average, two 192-row tiles per SM; on the FA grid (32 heads,
   // B * S = 16k, 132 SMs) causal 8k and 16k. Unmasked hd128 (the padded head dim: hd96 too):
   // 8k keys or more, whatever the query rows.
   const auto pick = [](int hd, bool masked, bool split, int64_t sq, int64_t sk, int64_t wl,
                        int64_t wr, int64_t heads = 32) {
-    return sm90ws::long_row_tile(hd, masked, split, sq, sk, wl, wr, heads, 132);
+    return sm90_ws::long_row_tile(hd, masked, split, sq, sk, wl, wr, heads, 132);
   };
   for (int64_t s : {512, 1024, 2048, 4096})
     EXPECT_FALSE(pick(64, true, false, s, s, -1, 0));

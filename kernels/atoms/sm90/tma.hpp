@@ -3,7 +3,7 @@
 // warpgroups and the register reallocation between producer and consumers (PTX ISA:
 // "mbarrier", "cp.async.bulk.tensor", "bar.sync / bar.arrive", "setmaxnreg").
 //
-// A tensor map (CUtensorMap, 128 bytes) is built on the host (src/gpu/fwd_sm90ws_launch.hpp)
+// A tensor map (CUtensorMap, 128 bytes) is built on the host (src/gpu/fwd_sm90_ws_launch.hpp)
 // and passed as a __grid_constant__ kernel parameter; the device side only names its address.
 #pragma once
 

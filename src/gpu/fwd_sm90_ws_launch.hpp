@@ -41,7 +41,7 @@ inline EncodeTiled encode_tiled() {
 
 /// The 4-d map (head dim, row, head, batch) of one operand, boxes of [box_rows x 64] elements
 /// with the 128-byte swizzle; out-of-range rows and head-dim columns read as zero.
-inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim, int64_t rows,
+inline sm90_ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim, int64_t rows,
                                 int64_t heads, int64_t batch, int64_t row_stride,
                                 int64_t head_stride, int64_t batch_stride, int box_rows) {
   constexpr int64_t kBytes = 2;
@@ -61,7 +61,7 @@ inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   HIPFLASH_CHECK_AS(runtime_error, r == CUDA_SUCCESS, "encoding a TMA tensor map failed (CUresult ",
                     int(r), "); the selector's sm90_tma_compatible() should have refused this call");
-  sm90ws::TensorMap out;
+  sm90_ws::TensorMap out;
   static_assert(sizeof(out) == sizeof(map), "a CUtensorMap is 128 bytes");
   std::memcpy(&out, &map, sizeof(map));
   return out;
@@ -73,17 +73,17 @@ inline sm90ws::TensorMap encode(const void* base, DType dtype, int64_t head_dim,
 /// the divisors that decode its tile indices.
 template <class Traits>
 struct Sm90WsLaunch {
-  using Tile = sm90ws::TileOf<Traits>;
-  using Scheduler = sm90ws::Scheduler<Traits>;
-  static constexpr auto kKernel = sm90ws::fwd_sm90_ws_kernel<Traits>;
+  using Tile = sm90_ws::TileOf<Traits>;
+  using Scheduler = sm90_ws::Scheduler<Traits>;
+  static constexpr auto kKernel = sm90_ws::fwd_sm90_ws_kernel<Traits>;
   static constexpr const char* kName = "sm90_ws";
-  static std::tuple<sm90ws::TmaMaps, common::TileDivisors> prepare(const FwdParams& p,
+  static std::tuple<sm90_ws::TmaMaps, common::TileDivisors> prepare(const FwdParams& p,
                                                                    int64_t num_m_blocks,
                                                                    int64_t tiles) {
     // Every tile index is decoded by the divisors, which are exact below 2^31.
     HIPFLASH_CHECK(tiles <= 0x7fffffff, "problem too large for the sm90_ws kernel: ", tiles,
                    " work tiles (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
-    sm90ws::TmaMaps maps;
+    sm90_ws::TmaMaps maps;
     maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                               p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tile::kBlockM);
     maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
@@ -92,7 +92,7 @@ struct Sm90WsLaunch {
                               p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN);
     // hd64 (hd128 with its hook): out's map for the TMA store (a warpgroup's 64 rows a box),
     // where one describes it; else the consumers store the rows themselves (o_ok 0).
-    if (sm90ws::kOutByTma<Traits::kHeadDim> && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+    if (sm90_ws::kOutByTma<Traits::kHeadDim> && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
         tma_strides_ok(dtype_size(p.dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
                        p.o_head_stride, p.batch, p.o_batch_stride)) {
       maps.o = tma_host::encode(p.out, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
@@ -103,21 +103,21 @@ struct Sm90WsLaunch {
   }
 };
 
-/// Calls with long rows run on the long-row tile (sm90ws::long_row_tile: masked hd64 on three
-/// consumers, unmasked hd128 and hd96 from sm90ws::kHd128LongRowKeys keys on 176-key
+/// Calls with long rows run on the long-row tile (sm90_ws::long_row_tile: masked hd64 on three
+/// consumers, unmasked hd128 and hd96 from sm90_ws::kHd128LongRowKeys keys on 176-key
 /// blocks); the launch says so (note_long_row_tile) for the kernel's name.
 template <class Traits>
-void launch_sm90ws_fwd(const FwdParams& p, port::stream_t stream) {
+void launch_sm90_ws_fwd(const FwdParams& p, port::stream_t stream) {
   HIPFLASH_CHECK_AS(runtime_error, !p.is_varlen() && !p.is_kvcache(),
                     "the sm90_ws kernel takes dense calls only (the selector's rule)");
-  if constexpr (sm90ws::kHasLongRowTile<Traits>) {
+  if constexpr (sm90_ws::kHasLongRowTile<Traits>) {
     int device = 0;
     port::check(port::get_device(&device), "querying the current device");
-    if (sm90ws::long_row_tile(Traits::kHeadDim, Traits::kMasked, Traits::kSplit, p.seqlen_q,
+    if (sm90_ws::long_row_tile(Traits::kHeadDim, Traits::kMasked, Traits::kSplit, p.seqlen_q,
                               p.seqlen_k, p.window_left, p.window_right,
                               p.batch * p.heads_q, device_arch(device).num_sms)) {
       note_long_row_tile();
-      return launch_fwd<Sm90WsLaunch<sm90ws::LongRows<Traits>>>(p, stream);
+      return launch_fwd<Sm90WsLaunch<sm90_ws::LongRows<Traits>>>(p, stream);
     }
   }
   launch_fwd<Sm90WsLaunch<Traits>>(p, stream);
