@@ -119,8 +119,14 @@ __global__ void __launch_bounds__(kThreads)
       first_lse[j] = j < p.parts ? p.lses[row + j * p.lses_part_stride] : detail::kNegInf;
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) shift = MergeParams::fold_shift(shift, first_lse[j]);
-    for (int64_t i = kBatch; i < p.parts; ++i)
-      shift = MergeParams::fold_shift(shift, p.lses[row + i * p.lses_part_stride]);
+    for (int64_t i0 = kBatch; i0 < p.parts; i0 += kBatch) {  // later parts' LSEs, a batch's
+      float lse[kBatch];                                      // loads in flight together
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        lse[j] = i0 + j < p.parts ? p.lses[row + (i0 + j) * p.lses_part_stride] : detail::kNegInf;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) shift = MergeParams::fold_shift(shift, lse[j]);
+    }
     shift = MergeParams::finish_shift(shift);
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) first[j] = SoftmaxState::from_lse(first_lse[j] - shift);
