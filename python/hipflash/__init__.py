@@ -172,12 +172,6 @@ def _first_order(*grads):
     return _SecondOrderRefused.apply(*(g.detach().requires_grad_() for g in grads))
 
 
-def _grad_output(dout):
-    """autograd's incoming gradient as the backward takes it: a contiguous last dimension
-    (out.sum() hands over an expanded, stride-0 one)."""
-    return dout.contiguous()
-
-
 class _FlashAttnFunc(torch.autograd.Function):
     """flash_attn_func with gradients: the forward saves (q, k, v, out, lse), the backward
     recomputes P from that LSE (torch.ops.hipflash.bwd). The LSE output is not differentiable."""
@@ -194,7 +188,7 @@ class _FlashAttnFunc(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
-            dq, dk, dv = _ops.bwd(_grad_output(dout), q, k, v, out, lse, *ctx.args)
+            dq, dk, dv = _ops.bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
         return _first_order(dq, dk, dv) + (None,) * 6
 
 
@@ -216,7 +210,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, scale, causal, left, right, deterministic, lse_layout = ctx.args
         with torch.no_grad():
-            dq, dk, dv = _ops.varlen_bwd(_grad_output(dout), q, k, v, out, lse, cu_q, cu_k,
+            dq, dk, dv = _ops.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
                                          max_q, max_k, scale, causal, left, right, deterministic,
                                          lse_layout)
         return _first_order(dq, dk, dv) + (None,) * 11

@@ -14,9 +14,6 @@ import torch
 
 from . import _C  # noqa: F401  (loading the extension registers torch.ops.hipflash)
 
-_NAMES = ("fwd", "fwd_out", "varlen_fwd", "varlen_fwd_out", "varlen_fwd_paged",
-          "merge_attn_states", "fwd_kvcache", "bwd", "varlen_bwd")
-
 # PyTorch's schema matcher answers an argument of the wrong type with its whole value ("Value:
 # [0, 1, 2, ...]": tens of thousands of characters for a long list) and the declaration. A call
 # of torch.ops.hipflash.<op> gets a TypeError of one line instead, naming the argument; every
@@ -60,10 +57,6 @@ def _with_short_schema_errors(packet):
     _Packet.__name__ = _Packet.__qualname__ = base.__name__
     packet.__class__ = _Packet
 
-
-for _name in _NAMES:
-    _with_short_schema_errors(getattr(torch.ops.hipflash, _name))
-
 fwd = torch.ops.hipflash.fwd.default
 fwd_out = torch.ops.hipflash.fwd_out.default
 varlen_fwd = torch.ops.hipflash.varlen_fwd.default
@@ -77,6 +70,9 @@ varlen_bwd = torch.ops.hipflash.varlen_bwd.default
 
 OPS = (fwd, fwd_out, varlen_fwd, varlen_fwd_out, varlen_fwd_paged, merge_attn_states, fwd_kvcache,
        bwd, varlen_bwd)
+
+for _op in OPS:
+    _with_short_schema_errors(_op.overloadpacket)
 
 
 def _lse_like(q, shape):
