@@ -13,10 +13,10 @@ not), bf16. TFLOP/s count the forward's 4 B H S^2 D (halved for causal) times 3.
 
 Correct first: every backend's gradients are checked against an fp32 PyTorch reference on the
 first input set (error <= 2 x the bf16 PyTorch error + 1e-3 relative to the largest gradient,
-per tensor); a FAIL is not timed. Timing: attn_bench.Timer (CUDA events per call, warm-up,
+per tensor); a FAIL is not timed. Timing: attn_timing.Timer (CUDA events per call, warm-up,
 median; the queue held by a sleep kernel so the host's launch cost stays out), input sets
 rotated past L2, fresh random values (never zeros). Then the step as a user runs it, by wall
-clock (attn_bench.Timer.host, the backends of a cell taking turns): back to back
+clock (attn_timing.Timer.host, the backends of a cell taking turns): back to back
 (TRAIN_HOST_LOOPS[1] steps issued without synchronising, then a synchronize; median over
 TRAIN_HOST_LOOPS[0] repeats) and synchronised (each step followed by a synchronize; median over
 TRAIN_HOST_LOOPS[2] steps).

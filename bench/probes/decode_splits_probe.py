@@ -1,6 +1,6 @@
 # hipflash — development probe (not a benchmark of record): decode against cuDNN, split count by
 # split count. For each decode cell (Sq = 1, GQA 32/8, D = 128, bf16, LSE on): the split count
-# the heuristic picks, the time of every count in a sweep (attn_bench.Timer: CUDA events, warm-up,
+# the heuristic picks, the time of every count in a sweep (attn_timing.Timer: CUDA events, warm-up,
 # median, queue held by a sleep kernel; inputs rotated past 4x L2) as GB/s of K/V read, cuDNN's
 # (SDPA cuDNN backend, native GQA) in the same run, and — torch.profiler — how the heuristic's
 # call splits between the decode kernel and the combine kernel. Every configuration is checked
@@ -22,7 +22,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-import attn_bench as bench  # noqa: E402  (Timer, the benchmark's timing method)
+import attn_timing as timing  # noqa: E402  (Timer, the benchmark's timing method)
 import attn_backends as backends  # noqa: E402  (paged_copy, the serving suite's paged cache)
 
 ap = argparse.ArgumentParser()
@@ -38,7 +38,7 @@ sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-timer = bench.Timer(dev, *bench.BUDGETS["quick"])
+timer = timing.Timer(dev, *timing.BUDGETS["quick"])
 l2 = torch.cuda.get_device_properties(0).L2_cache_size if dev == "cuda" else 0
 Hq, Hkv = (int(x) for x in args.heads.split(":"))
 D = 128

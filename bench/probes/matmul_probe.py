@@ -1,7 +1,7 @@
 # hipflash — development probe (not a benchmark of record): the bf16 8192^3 matrix-product rate
 # that issue 9's "80% of the matmul rate" target is set against, timed several ways in one
 # process, with the SM clock and power the driver reports after each: the benchmark's own way
-# (attn_bench.matmul_rate: events per call behind a sleep kernel), calls back to back between
+# (attn_timing.matmul_rate: events per call behind a sleep kernel), calls back to back between
 # two events (as a GEMM profiler times them), the same with out= and with all-zero inputs.
 # The benchmark measured 687 TFLOP/s where a short warm burst (KINDS.md) saw 769-798: the
 # product runs at the power limit when sustained (docs/design-decisions.md#benchmark-method).
@@ -14,9 +14,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import attn_bench  # noqa: E402
+import attn_timing  # noqa: E402
 
-N = attn_bench.MATMUL_N
+N = attn_timing.MATMUL_N
 FLOP = 2.0 * N ** 3
 
 
@@ -50,9 +50,9 @@ def back_to_back(a, b, out=None, calls=100, warm_s=2.0):
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "|", smi())
-    attn_bench._warm_gpu()
-    timer = attn_bench.Timer("cuda", *attn_bench.BUDGETS["full"])  # the full suite's budget
-    print(f"benchmark way (attn_bench.matmul_rate): {attn_bench.matmul_rate(timer):7.1f} TFLOP/s"
+    attn_timing._warm_gpu()
+    timer = attn_timing.Timer("cuda", *attn_timing.BUDGETS["full"])  # the full suite's budget
+    print(f"benchmark way (attn_timing.matmul_rate): {attn_timing.matmul_rate(timer):7.1f} TFLOP/s"
           f" | {smi()}")
     a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""bench/attn_bench.py's timing on the CPU: the interleaved rounds (--rounds) and the
+"""bench/attn_bench.py's timing on the CPU (bench/attn_timing.py; the recorded command,
+attn_env.py; the decode cells, attn_cells.py): the interleaved rounds (--rounds) and the
 repetition count they share out. The CPU numbers are not benchmarks; what is checked is the
 runner's arithmetic and that every backend of a cell is timed once a round, in turn."""
 import json
@@ -13,19 +14,21 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-import attn_bench  # noqa: E402
+import attn_cells  # noqa: E402
+import attn_env  # noqa: E402
+import attn_timing  # noqa: E402
 
 
 def test_interleaved_order_rotates_the_first_backend():
-    order = attn_bench.interleaved_order(["a", "b", "c"], 4)
+    order = attn_timing.interleaved_order(["a", "b", "c"], 4)
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
-    assert attn_bench.interleaved_order(["a", "b"], 1) == ["a", "b"]
+    assert attn_timing.interleaved_order(["a", "b"], 1) == ["a", "b"]
 
 
 @pytest.mark.parametrize("est_ms", [1e-6, 0.01, 0.3, 1.0, 7.5, 80.0, 1000.0])
 def test_one_round_keeps_the_budgets_repetitions(est_ms):
-    t = attn_bench.Timer("cpu", *attn_bench.BUDGETS["full"])
-    _, rep_ms, lo, hi = attn_bench.BUDGETS["full"]
+    t = attn_timing.Timer("cpu", *attn_timing.BUDGETS["full"])
+    _, rep_ms, lo, hi = attn_timing.BUDGETS["full"]
     # the formula of one window: max(min, min(max, budget / time per call))
     expected = int(min(hi, max(lo, math.ceil(rep_ms / max(est_ms, 1e-3)))))
     assert t._reps(est_ms, 1.0, lo, hi) == expected
@@ -33,8 +36,8 @@ def test_one_round_keeps_the_budgets_repetitions(est_ms):
 
 @pytest.mark.parametrize("rounds", [2, 3, 4])
 def test_rounds_share_the_repetitions(rounds):
-    t = attn_bench.Timer("cpu", *attn_bench.BUDGETS["full"], rounds=rounds)
-    _, _, lo, hi = attn_bench.BUDGETS["full"]
+    t = attn_timing.Timer("cpu", *attn_timing.BUDGETS["full"], rounds=rounds)
+    _, _, lo, hi = attn_timing.BUDGETS["full"]
     share = 1.0 / rounds
     for est_ms in (1e-6, 0.5, 2.0, 1000.0):
         whole = t._reps(est_ms, 1.0, lo, hi)
@@ -46,7 +49,7 @@ def test_rounds_share_the_repetitions(rounds):
 
 def test_cpu_samples_are_sorted_per_call_times():
     calls = []
-    t = attn_bench.Timer("cpu", 1.0, 5.0, 3, 50, rounds=2)
+    t = attn_timing.Timer("cpu", 1.0, 5.0, 3, 50, rounds=2)
     ts = t.samples(lambda j: calls.append(j), 2, share=0.5, first=False)
     assert ts == sorted(ts) and 2 <= len(ts) <= 25
     assert set(calls) <= {0, 1}  # the input sets, rotated
@@ -83,7 +86,7 @@ def test_time_in_rounds_runs_the_cells_windows(rounds):
     """A reference timed apart from the cells (the matmul rate) runs `rounds` windows, the
     first with the full warm-up: with rounds 1 exactly time()'s single window."""
     calls = []
-    t = attn_bench.Timer("cpu", 1.0, 6.0, 3, 60, rounds=rounds)
+    t = attn_timing.Timer("cpu", 1.0, 6.0, 3, 60, rounds=rounds)
     windows = []
     real = t.samples
 
@@ -100,20 +103,20 @@ def test_time_in_rounds_runs_the_cells_windows(rounds):
 def test_the_recorded_command_carries_the_librarys_switches():
     env = {"HIPFLASH_DECODE_HEADS": "1", "HIPFLASH_COMMIT": "abc", "PATH": "/bin",
            "HIPFLASH_DISABLE_SM90_WS": "1"}
-    cmd = attn_bench.command_line(env, ["bench/attn_bench.py", "--suite", "decode"])
+    cmd = attn_env.command_line(env, ["bench/attn_bench.py", "--suite", "decode"])
     words = cmd.split()
     assert words[:2] == ["HIPFLASH_DECODE_HEADS=1", "HIPFLASH_DISABLE_SM90_WS=1"]
     assert words[-3:] == ["bench/attn_bench.py", "--suite", "decode"]
     assert "HIPFLASH_COMMIT" not in cmd and "PATH" not in cmd
-    assert attn_bench.command_line({}, ["x.py"]).split()[1:] == ["x.py"]
+    assert attn_env.command_line({}, ["x.py"]).split()[1:] == ["x.py"]
 
 
 @pytest.mark.parametrize("suite", ["decode", "serving"])
 def test_decode_head_dim_reaches_the_cells_labels_and_title(suite):
     import attn_report  # noqa: E402  (bench/, on the path above)
 
-    default = attn_bench.build_suite(suite, "bf16", False)
-    hd64 = attn_bench.build_suite(suite, "bf16", False, decode_dim=64)
+    default = attn_cells.build_suite(suite, "bf16", False)
+    hd64 = attn_cells.build_suite(suite, "bf16", False, decode_dim=64)
     assert {c.D for c in default} == {128} and {c.D for c in hd64} == {64}
     assert [c.label + " hd64" for c in default] == [c.label for c in hd64]
     rows = [{"suite": suite, "D": c.D} for c in hd64]
