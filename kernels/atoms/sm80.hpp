@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "common/element.hpp"
 #include "common/kv_source.hpp"
 #include "common/swizzle.hpp"
 #include "hipflash/port/port.hpp"
@@ -67,18 +68,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-/// Two floats -> one register of two 16-bit values (low half = x).
-template <DType kDType>
-__device__ __forceinline__ uint32_t pack2(float x, float y) {
-  if constexpr (kDType == DType::bf16) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    static_assert(kDType == DType::f16, "pack2: bf16 or f16");
-    __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
+using common::pack2;  // two floats -> one register of two 16-bit values
 
 /// Rows as their source gives them, at each copy (src.row(j)): nothing to resolve ahead.
 struct RowsAsGiven {

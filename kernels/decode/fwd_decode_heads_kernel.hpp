@@ -17,6 +17,7 @@
 #include "atoms/sm80.hpp"
 #include "common/block_info.hpp"
 #include "common/element.hpp"
+#include "common/epilogue.hpp"
 #include "common/scheduler.hpp"
 #include "common/softmax.hpp"
 #include "decode/decode_tile.hpp"
@@ -170,31 +171,19 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
   cp_async_wait<0>();  // no copy outlives the block (the ring's last, empty groups)
   if (!mine_ok) return;
 
-  // ---- Epilogue: the warp's rows g and g + 8 (of its head's bi.len_q packed query heads) ----
+  // ---- Epilogue (common/epilogue.hpp): the warp's rows g and g + 8 (of its head's bi.len_q
+  // packed query heads). Never varlen (a packed GQA decode call), so no padded LSE tail ----
+  const common::FwdEpilogue<Traits, Info> ep(p, bi);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = g + 8 * r;
     if (row >= bi.len_q) continue;
+    const auto out = ep.row(row, 2 * t);
     const float inv = softmax.inv_sum(r);
-    if constexpr (Traits::kSplit) {
-      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
-      float* dst = p.out_partial + prow * Cfg::kHeadDim;
 #pragma unroll
-      for (int d = 0; d < Cfg::kDTiles; ++d)
-        *reinterpret_cast<float2*>(dst + 8 * d + 2 * t) =
-            make_float2(O[r][2 * d] * inv, O[r][2 * d + 1] * inv);
-      if (t == 0) p.state_partial[prow] = softmax.state(r);
-    } else {
-      T* dst = bi.template o_rows<T>(p) + row * p.o_row_stride;
-#pragma unroll
-      for (int d = 0; d < Cfg::kDTiles; ++d)
-        if (8 * d < hd)
-          *reinterpret_cast<uint32_t*>(dst + 8 * d + 2 * t) =
-              pack2<kDT>(O[r][2 * d] * inv, O[r][2 * d + 1] * inv);
-      if constexpr (Traits::kReturnLse) {
-        if (t == 0) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, row)] = softmax.lse(r);
-      }
-    }
+    for (int d = 0; d < Cfg::kDTiles; ++d)
+      out.put(8 * d, {O[r][2 * d] * inv, O[r][2 * d + 1] * inv});
+    if (t == 0) out.stat(softmax.state(r));
   }
 }
 

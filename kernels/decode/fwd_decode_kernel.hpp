@@ -6,7 +6,8 @@
 // its 4 warps split every 64-key block: warp w takes keys [16w, 16w + 16) and keeps its own
 // online-softmax state and O accumulator. A kStages-deep cp.async ring streams K/V; at the end
 // the warps' states are merged through shared memory with the shared SoftmaxState, and the
-// epilogue writes O (or the split's fp32 partial) and, for kReturnLse kernels only, the LSE.
+// epilogue (common/epilogue.hpp) writes O (or the split's fp32 partial) and, for kReturnLse
+// kernels only, the LSE.
 // Same FwdParams, BlockInfo (varlen, windows, split range) and flags as the generic kernel.
 #pragma once
 
@@ -128,8 +129,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   }
   __syncthreads();
 
-  // ---- Epilogue: one thread per (row, 8-column chunk) ----
-  T* gO = bi.template o_rows<T>(p);
+  // ---- Epilogue (common/epilogue.hpp): one thread per (row, 8-column chunk) ----
+  const common::FwdEpilogue<Traits, Info> ep(p, bi);
   for (int idx = int(threadIdx.x); idx < Cfg::kBlockM * Cfg::kChunks; idx += Cfg::kThreads) {
     const int row = idx / Cfg::kChunks, ch = idx % Cfg::kChunks;
     const int64_t q_row_idx = m0 + row;
@@ -154,28 +155,11 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
       acc[0] += w[wp] * lo.x, acc[1] += w[wp] * lo.y, acc[2] += w[wp] * lo.z, acc[3] += w[wp] * lo.w;
       acc[4] += w[wp] * hi.x, acc[5] += w[wp] * hi.y, acc[6] += w[wp] * hi.z, acc[7] += w[wp] * hi.w;
     }
-    if constexpr (Traits::kSplit) {
-      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, q_row_idx);
-      float* dst = p.out_partial + prow * Cfg::kHeadDim + ch * 8;
-      *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
-      if (ch == 0) p.state_partial[prow] = total;
-    } else {
-      if (ch * 8 < hd) {
-        uint4 packed;
-        packed.x = pack2<kDT>(acc[0], acc[1]);
-        packed.y = pack2<kDT>(acc[2], acc[3]);
-        packed.z = pack2<kDT>(acc[4], acc[5]);
-        packed.w = pack2<kDT>(acc[6], acc[7]);
-        *reinterpret_cast<uint4*>(gO + q_row_idx * p.o_row_stride + ch * 8) = packed;
-      }
-      if constexpr (Traits::kReturnLse) {
-        if (ch == 0) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, q_row_idx)] = total.lse();
-      }
-    }
+    const auto out = ep.row(q_row_idx, 0);
+    out.put(ch * 8, acc);
+    if (ch == 0) out.stat(total);
   }
-  if constexpr (Traits::kReturnLse && !Traits::kSplit)
-    common::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+  ep.template finish<Cfg::kBlockM, Cfg::kThreads>(m0);
 }
 
 #endif  // HIPFLASH_HAS_MMA_SYNC

@@ -130,31 +130,21 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   }
   softmax.finalize();  // query i's sum across its four lanes
 
-  // ---- Epilogue: lane holds O[query 4kg + j][dim 16 dt + i] ----
-  T* gO = bi.template o_rows<T>(p);
+  // ---- Epilogue (common/epilogue.hpp): lane holds O[query 4kg + j][dim 16 dt + i] ----
+  const FwdEpilogue<Traits, BlockInfo<kBM, kBN>> ep(p, bi);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int src = kg * 4 + j;
     const float inv = port::shfl(softmax.inv_sum(0), src);
-    const float lse = port::shfl(softmax.lse(0), src);
     const SoftmaxState state{port::shfl(softmax.m[0], src), port::shfl(softmax.l[0], src)};
     const int64_t row = m0 + wave * 16 + src;
     if (row >= bi.len_q) continue;
-    if constexpr (Traits::kSplit) {
-      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
+    const auto out = ep.row(row, i);
 #pragma unroll
-      for (int dt = 0; dt < kDS; ++dt) p.out_partial[prow * kD + dt * 16 + i] = O[dt][j] * inv;
-      if (i == 0) p.state_partial[prow] = state;
-    } else {
-#pragma unroll
-      for (int dt = 0; dt < kDS; ++dt)
-        if (dt * 16 + i < hd) gO[row * p.o_row_stride + dt * 16 + i] = port::from_float<T>(O[dt][j] * inv);
-      if constexpr (Traits::kReturnLse)
-        if (i == 0) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, row)] = lse;
-    }
+    for (int dt = 0; dt < kDS; ++dt) out.put(dt * 16, {O[dt][j] * inv});
+    if (i == 0) out.stat(state);
   }
-  if constexpr (Traits::kReturnLse && !Traits::kSplit)
-    write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+  ep.template finish<kBM, Cfg::kThreads>(m0);
 }
 
 #endif  // HIPFLASH_HAS_MFMA

@@ -93,48 +93,36 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   }
   softmax.finalize();
 
-  // ---- Epilogue ----
+  // ---- Epilogue (common/epilogue.hpp), fragments in mma.sync order ----
   if constexpr (Traits::kSplit) {
-    // fp32 partial (out / l, lse) of this split, padded rows; the combine kernel reduces them.
+    const FwdEpilogue<Traits, BlockInfo<kBM, kBN>> ep(p, bi);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = frag_row(r);
       if (row >= bi.len_q) continue;
-      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
+      const auto out = ep.row(row, 2 * t);
       const float inv = softmax.inv_sum(r);
-      float* dst = p.out_partial + prow * Cfg::kHeadDim;
 #pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2) {
-        const int col = (c / 2) * 8 + 2 * t;
-        *reinterpret_cast<float2*>(dst + col) = make_float2(O[r][c] * inv, O[r][c + 1] * inv);
-      }
-      if (t == 0) p.state_partial[prow] = softmax.state(r);
+      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2)
+        out.put((c / 2) * 8, {O[r][c] * inv, O[r][c + 1] * inv});
+      if (t == 0) out.stat(softmax.state(r));
     }
   } else {
-    if constexpr (Traits::kReturnLse) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t row = frag_row(r);
-        if (t == 0 && row < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, row)] = softmax.lse(r);
-      }
-      write_padded_lse_tail<kBM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
-    }
-    // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.
-    __syncthreads();  // every warp is done reading sQ
+    // Stage the rounded tile in shared memory (over Q) and its LSEs (over K, free once every
+    // warp is past the last Q K^T), then write 16-byte rows.
+    __syncthreads();  // every warp is done reading sQ and sK
+    const StagedTile<Traits, Cfg::kChunks> tile{sQ, reinterpret_cast<float*>(sK)};
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float inv = softmax.inv_sum(r);
       const int srow = warp * Cfg::kWarpRows + (r / 2) * 16 + (r % 2) * 8 + g;
+      tile.lse(srow, softmax.lse(r));
 #pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2) {
-        const int col = (c / 2) * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(sQ + swizzle<Cfg::kChunks>(srow, col / 8) + col % 8) =
-            pack2<Traits::kDType>(O[r][c] * inv, O[r][c + 1] * inv);
-      }
+      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2)
+        tile.put2(srow, c / 2, 2 * t, O[r][c] * inv, O[r][c + 1] * inv);
     }
     __syncthreads();
-    store_staged_rows<kBM, Cfg::kChunks, Cfg::kThreads>(bi.template o_rows<T>(p),
-                                                        p.o_row_stride, sQ, m0, bi.len_q, hd);
+    tile.template store<kBM, Cfg::kThreads, true>(p, bi, m0);
   }
 }
 

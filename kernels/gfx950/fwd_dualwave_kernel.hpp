@@ -214,45 +214,26 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     __syncthreads();
   }
 
-  // ---- Epilogue: the row's (m, l) complete across the lane pair; out, split partial, LSE ----
+  // ---- Epilogue (common/epilogue.hpp): the row's (m, l) complete across the lane pair ----
   l = pair_sum(l);
   const float inv = detail::SoftmaxState::inv_sum(l);
+  const common::FwdEpilogue<Traits, Info> ep(p, bi);
   if (row < bi.len_q) {
-    if constexpr (Traits::kSplit) {
-      const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
-      float* dst = p.out_partial + prow * kD;
+    const auto out = ep.row(row, 4 * g);
 #pragma unroll
-      for (int dc = 0; dc < kDChunks; ++dc)
+    for (int dc = 0; dc < kDChunks; ++dc)
 #pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {  // dims 32 dc + 8 q4 + 4 g + 0..3; past hd: 0
-          const int col = 32 * dc + 8 * q4 + 4 * g;
-          const float f = col < hd ? inv : 0.f;
-          *reinterpret_cast<float4*>(dst + col) =
-              make_float4(O[dc][4 * q4] * f, O[dc][4 * q4 + 1] * f, O[dc][4 * q4 + 2] * f,
-                          O[dc][4 * q4 + 3] * f);
-        }
-      if (g == 0) p.state_partial[prow] = detail::SoftmaxState{m, l};
-    } else {
-      T* dst = bi.template o_rows<T>(p) + row * p.o_row_stride;
-#pragma unroll
-      for (int dc = 0; dc < kDChunks; ++dc)
-#pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {
-          const int col = 32 * dc + 8 * q4 + 4 * g;
-          if (col >= hd) continue;  // head dims 32 and 96 run the 64 and 128 tiles
-          uint16_t bits[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            bits[e] = __builtin_bit_cast(uint16_t, port::from_float<T>(O[dc][4 * q4 + e] * inv));
-          *reinterpret_cast<uint2*>(dst + col) =  // 8-byte aligned: dims 4 apart, strides of 8
-              make_uint2(bits[0] | unsigned(bits[1]) << 16, bits[2] | unsigned(bits[3]) << 16);
-        }
-      if constexpr (Traits::kReturnLse)
-        if (g == 0) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, row)] = detail::SoftmaxState::lse_of(m, l);
-    }
+      for (int q4 = 0; q4 < 4; ++q4) {  // dims 32 dc + 8 q4 + 4 g + 0..3
+        // Head dims 32 and 96 run the 64 and 128 tiles: past head_dim a split's partial
+        // columns are zeros (O's there are not); out's are not written.
+        const int col = 32 * dc + 8 * q4;
+        const float f = col < hd ? inv : 0.f;
+        out.put(col, {O[dc][4 * q4] * f, O[dc][4 * q4 + 1] * f, O[dc][4 * q4 + 2] * f,
+                      O[dc][4 * q4 + 3] * f});
+      }
+    if (g == 0) out.stat(detail::SoftmaxState{m, l});
   }
-  if constexpr (Traits::kReturnLse && !Traits::kSplit)
-    common::write_padded_lse_tail<Cfg::kBlockM, Cfg::kThreads>(p, bi.b, bi.h, m0, bi.len_q);
+  ep.template finish<Cfg::kBlockM, Cfg::kThreads>(m0);
 }
 
 #endif  // HIPFLASH_IS_GFX950

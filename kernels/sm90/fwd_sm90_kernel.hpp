@@ -136,21 +136,21 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   }
   softmax.finalize();
 
-  // ---- Epilogue (as the generic kernel's) ----
+  // ---- Epilogue (common/epilogue.hpp) ----
   if constexpr (Traits::kSplit) {
-    consumer::write_split<kHD>(p, bi, O, softmax, row_of, t);
+    consumer::write_split<Traits>(p, bi, O, softmax, row_of, t);
   } else {
     // Stage the rounded tile in shared memory (over Q), then write 16-byte rows.
     cp_async_wait<0>();
     __syncthreads();  // every wgmma reading sQ is done; no copy is in flight
-    T* sO = reinterpret_cast<T*>(smem_raw + (sQ - smem_addr(smem_raw)));
     // The rows' LSEs are staged too (in K's first stage, free now), for one coalesced store.
-    float* sL = reinterpret_cast<float*>(smem_raw + (sK(0) - smem_addr(smem_raw)));
+    const common::StagedTile<Traits, Cfg::kChunks> tile{
+        reinterpret_cast<T*>(smem_raw + (sQ - smem_addr(smem_raw))),
+        reinterpret_cast<float*>(smem_raw + (sK(0) - smem_addr(smem_raw)))};
     // Warps in order: warpgroup w owns rows 64w ..
-    consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD>(sO, sL, O, softmax,
-                                                                      warp * 16 + g, t);
+    consumer::stage_rows<kHD>(tile, O, softmax, warp * 16 + g, t);
     __syncthreads();
-    consumer::store_staged<kBM, Cfg::kChunks, kThreads, Traits::kReturnLse>(p, bi, sO, sL, m0, hd);
+    tile.template store<kBM, kThreads, true>(p, bi, m0);
   }
 }
 

@@ -331,8 +331,7 @@ struct Consumer {
                       int(m0), int(bi.h), int(bi.b));
       tma::commit_group();
     }
-    consumer::store_staged_lse<kStageRows, kStagers, Traits::kReturnLse, false>(
-        p, bi, staged_lse() + first, m0, stager);
+    staged(first).template store_lse<kStageRows, kStagers, false>(p, bi, m0, stager);
     return true;
   }
   /// Before the staging buffer is written again (and before the block exits): the last bulk
@@ -340,26 +339,25 @@ struct Consumer {
   __device__ __forceinline__ void drain() const {
     if (tma_store_on() && stager() == 0) tma::wait_group_read<0>();
   }
-  __device__ __forceinline__ T* staged_out() const {
+  /// The staged tile (common::StagedTile) from tile row `first`.
+  __device__ __forceinline__ common::StagedTile<Traits, Cfg::kChunks, kPanelRows> staged(
+      int first) const {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    return reinterpret_cast<T*>(smem_raw + (sm.o() - smem_addr(smem_raw)));
-  }
-  __device__ __forceinline__ float* staged_lse() const {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    return reinterpret_cast<float*>(smem_raw + (sm.lse() - smem_addr(smem_raw)));
+    return {reinterpret_cast<T*>(smem_raw + (sm.o() - smem_addr(smem_raw))) +
+                first * (kPanelRows ? 64 : kHD),
+            reinterpret_cast<float*>(smem_raw + (sm.lse() - smem_addr(smem_raw))) + first};
   }
   __device__ __forceinline__ void stage(const Info& bi, const float (&O)[kHD / 2],
                                         common::RowSoftmax<2>& softmax) const {
     softmax.finalize();
     if constexpr (Traits::kSplit) {
       const int64_t m0 = m0_of(bi);
-      consumer::write_split<kHD>(p, bi, O, softmax, [&](int h) { return row_of(m0, h); },
-                                 place.t);
+      consumer::write_split<Traits>(p, bi, O, softmax, [&](int h) { return row_of(m0, h); },
+                                    place.t);
     } else {
       if constexpr (kTmaStore) drain();
       named_sync<kStagers>(stage_barrier());
-      consumer::stage_rows<kDT, Traits::kReturnLse, Cfg::kChunks, kHD, kPanelRows>(
-          staged_out(), staged_lse(), O, softmax, warp() * 16 + g(), place.t);
+      consumer::stage_rows<kHD>(staged(0), O, softmax, warp() * 16 + g(), place.t);
       if constexpr (kTmaStore) fence_proxy_async();  // the staged rows, visible to the TMA
     }
   }
@@ -371,10 +369,7 @@ struct Consumer {
       bool stored = false;  // by TMA
       if constexpr (kTmaStore) stored = tma_store(bi, first, me);
       if (!stored)
-        consumer::store_staged<kStageRows, Cfg::kChunks, kStagers, Traits::kReturnLse, false,
-                               kPanelRows>(
-            p, bi, staged_out() + first * (kPanelRows ? 64 : kHD), staged_lse() + first,
-            m0_of(bi) + first, int(p.head_dim), me);
+        staged(first).template store<kStageRows, kStagers, false>(p, bi, m0_of(bi) + first, me);
       // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
       // warp has read it.
       if constexpr (!Cfg::kOwnStaging) fence_proxy_async();

@@ -1,9 +1,10 @@
 // hipflash — the sm_90 forward atom: what a consumer warpgroup does with its 64 query rows,
 // composed by both Hopper schedules, the cp.async kernel (sm90/) and the TMA warp-specialised
 // one (sm90_ws/): the two GEMMs on warpgroup MMAs, the masked online-softmax
-// step, the probabilities as P V's A operand, O's rescale, and the epilogue (the split's fp32
-// partials, or the rounded tile staged in shared memory and stored with its LSEs). The
-// schedules differ in how K and V arrive and how the warpgroups take turns, not in these.
+// step, the probabilities as P V's A operand, O's rescale, and the walk of O's fragments into
+// the one forward epilogue (common/epilogue.hpp: the split's fp32 partials, or the rounded
+// tile staged in shared memory). The schedules differ in how K and V arrive and how the
+// warpgroups take turns, not in these.
 //
 // Fragments are in wgmma order: element 4i + 2h + e of an accumulator is row g + 8h of the
 // warp's 16 (g = lane / 4), column 8i + 2t + e (t = lane % 4); row_of(h) is the sequence row
@@ -178,76 +179,42 @@ __device__ __forceinline__ void rescale_o(float (&O)[kHD / 2], const float (&res
 }
 
 /// Split-K epilogue: the warp's rows of O (normalised) and their softmax states into the
-/// split's fp32 partials (FwdParams::partial_row, read by the combine kernel).
-template <int kHD, class Info, class RowOf>
+/// split's fp32 partials (common::FwdEpilogue), walked in wgmma order.
+template <class Traits, class Info, class RowOf>
 __device__ __forceinline__ void write_split(const FwdParams& p, const Info& bi,
-                                            const float (&O)[kHD / 2],
+                                            const float (&O)[Traits::kHeadDim / 2],
                                             const common::RowSoftmax<2>& softmax,
                                             const RowOf& row_of, int t) {
+  const common::FwdEpilogue<Traits, Info> ep(p, bi);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t row = row_of(h);
     if (row >= bi.len_q) continue;
-    const int64_t prow = p.partial_row(bi.split, bi.b, bi.h, row);
+    const auto out = ep.row(row, 2 * t);
     const float inv = softmax.inv_sum(h);
-    float* dst = p.out_partial + prow * kHD;
 #pragma unroll
-    for (int i = 0; i < kHD / 8; ++i)
-      *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
-          make_float2(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
-    if (t == 0) p.state_partial[prow] = softmax.state(h);
+    for (int i = 0; i < Traits::kHeadDim / 8; ++i)
+      out.put(8 * i, {O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv});
+    if (t == 0) out.stat(softmax.state(h));
   }
 }
 
-/// The warp's rows of O, normalised and rounded, into the staged tile sO (swizzled rows of
-/// kChunks 16-byte chunks; the warp's rows start at srow0 = 16 warp + g), and with kReturnLse their
-/// LSEs into sL — by every lane of the row's quad, the same value to the same word: a store
-/// by one lane would be a divergent branch, whose reconvergence and exposed lg2 latency cost
-/// 1-2% of a short-row kernel (docs/design-decisions.md#lse-cost). The caller syncs
-/// before (the tile's smem is free) and after (all staged). kPanelRows: the tile's layout
-/// (common::staged_swizzle; 0 row-major).
-template <DType kDT, bool kReturnLse, int kChunks, int kHD, int kPanelRows = 0, class T>
-__device__ __forceinline__ void stage_rows(T* sO, float* sL, const float (&O)[kHD / 2],
+/// The warp's rows of O, normalised, and their LSEs into the staged tile (common::StagedTile;
+/// the warp's rows start at srow0 = 16 warp + g), walked in wgmma order. The caller syncs
+/// before (the tile's smem is free) and after (all staged).
+template <int kHD, class Tile>
+__device__ __forceinline__ void stage_rows(const Tile& tile, const float (&O)[kHD / 2],
                                            const common::RowSoftmax<2>& softmax, int srow0,
                                            int t) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float inv = softmax.inv_sum(h);
     const int srow = srow0 + h * 8;
-    if constexpr (kReturnLse) sL[srow] = softmax.lse(h);
+    tile.lse(srow, softmax.lse(h));
 #pragma unroll
     for (int i = 0; i < kHD / 8; ++i)
-      *reinterpret_cast<uint32_t*>(sO + common::staged_swizzle<kChunks, kPanelRows>(srow, i) +
-                                   2 * t) =
-          pack2<kDT>(O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
+      tile.put2(srow, i, 2 * t, O[4 * i + 2 * h] * inv, O[4 * i + 2 * h + 1] * inv);
   }
-}
-
-/// With kReturnLse, the staged tile's LSEs (one row a thread, then, with kVarlen, the padded layout's
-/// tail): store_staged's second half, on its own where the rows go out by TMA.
-template <int kBM, int kThreads, bool kReturnLse, bool kVarlen, class Info>
-__device__ __forceinline__ void store_staged_lse(const FwdParams& p, const Info& bi,
-                                                 const float* sL, int64_t m0, int thread) {
-  if constexpr (kReturnLse) {
-    const int r = thread;  // one row per thread
-    if (r < kBM && m0 + r < bi.len_q) p.lse[p.lse_offset(bi.b, bi.h, bi.q_start, m0 + r)] = sL[r];
-    if constexpr (kVarlen)
-      common::write_padded_lse_tail<kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q, thread);
-  }
-}
-
-/// The staged tile's rows to out (16-byte rows) and, with kReturnLse, their LSEs (one row a thread,
-/// then, with kVarlen, the padded layout's tail): every thread of the kThreads that staged it,
-/// `thread` being its index (thread_index() in a persistent kernel); kPanelRows the staged
-/// tile's layout (common::staged_swizzle).
-template <int kBM, int kChunks, int kThreads, bool kReturnLse, bool kVarlen = true, int kPanelRows = 0,
-          class T, class Info>
-__device__ __forceinline__ void store_staged(const FwdParams& p, const Info& bi, const T* sO,
-                                             const float* sL, int64_t m0, int head_dim,
-                                             int thread = int(threadIdx.x)) {
-  common::store_staged_rows<kBM, kChunks, kThreads, kPanelRows>(
-      bi.template o_rows<T>(p), p.o_row_stride, sO, m0, bi.len_q, head_dim, thread);
-  store_staged_lse<kBM, kThreads, kReturnLse, kVarlen>(p, bi, sL, m0, thread);
 }
 
 #endif  // HIPFLASH_HAS_WGMMA
