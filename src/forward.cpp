@@ -89,8 +89,8 @@ void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
     HIPFLASH_CHECK(t->data != nullptr || t->numel() == 0, name, " has no data pointer");
   }
   HIPFLASH_CHECK(padded_head_dim(int(d.head_dim)) != 0 && d.head_dim == int(d.head_dim),
-                 "head dim ", d.head_dim,
-                 " is not supported; supported head dims are 32, 64, 96, 128, 256");
+                 "head dim ", d.head_dim, " is not supported; supported head dims are ",
+                 supported_head_dims());
   // Row-indexed buffers (LSE, split-K partials) hold B * Hq * Sq rows of up to D + 2 floats.
   checked_product({d.batch, d.heads_q, std::max<int64_t>(d.seqlen_q, 1), d.head_dim + 2,
                    int64_t(sizeof(float))},
@@ -356,7 +356,7 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2]; p.dtype = q.dtype;
   fill_window(p, opts);
   HIPFLASH_CHECK(padded_head_dim(int(p.head_dim)) != 0, "head dim ", p.head_dim,
-                 " is not supported; supported head dims are 32, 64, 96, 128, 256");
+                 " is not supported; supported head dims are ", supported_head_dims());
   return plan_call(p, opts.num_splits, resolve_location(q)).num_splits;
 }
 

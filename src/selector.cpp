@@ -17,20 +17,6 @@ std::string Arch::name() const {
   return "unknown";
 }
 
-const char* kernel_kind_name(KernelKind k) {
-  switch (k) {
-    case KernelKind::cpu_reference: return "cpu";
-    case KernelKind::generic: return "generic";
-    case KernelKind::decode: return "decode";
-    case KernelKind::decode_heads: return "decode_heads";
-    case KernelKind::sm90: return "sm90";
-    case KernelKind::sm90_ws: return "sm90_ws";
-    case KernelKind::gfx950_dualwave: return "gfx950_dualwave";
-    case KernelKind::unsupported: return "unsupported";
-  }
-  return "unknown";
-}
-
 namespace {
 
 /// Packed GQA decode on the head-group decode kernel (`hd`: the padded head dim)?
@@ -53,7 +39,7 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
   const int hd = padded_head_dim(p.head_dim);
   if (hd == 0) {
     sel.reason = "head dim " + std::to_string(p.head_dim) +
-                 " is not supported; supported head dims are 32, 64, 96, 128, 256";
+                 " is not supported; supported head dims are " + supported_head_dims();
     return sel;
   }
   if (p.dtype != DType::f16 && p.dtype != DType::bf16) {
@@ -71,13 +57,16 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
                  ")";
     return sel;
   }
-  const int bit = hd == 64 ? 0 : hd == 128 ? 1 : 2;
-  if (!(caps.head_dim_mask >> bit & 1u)) {
+  if (!head_dim_in_mask(caps.head_dim_mask, hd)) {
     sel.reason = "head dim " + std::to_string(p.head_dim) + " (kernel hd" + std::to_string(hd) +
                  ") was not built; reconfigure with HIPFLASH_HEAD_DIMS including " +
                  std::to_string(hd);
     return sel;
   }
+  // A kernel that has a tile for the head dim and, for a KV cache, reads one (kernels.def).
+  const auto serves = [&](KernelKind k) {
+    return hd <= max_head_dim(k) && (!p.kv_cache || reads_kv_cache(k));
+  };
   if (arch.vendor == Arch::nvidia) {
     if (arch.version < 80) {
       sel.reason = arch.name() + " is not supported: the generic kernel needs sm_80 or newer";
@@ -96,10 +85,10 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = head_group_decode(p, hd, arch, caps) ? KernelKind::decode_heads
                                                       : KernelKind::decode;
-    else if (arch.version == 90 && caps.sm90_ws && !p.kv_cache && !p.varlen && p.tma_compatible)
+    else if (arch.version == 90 && caps.sm90_ws && serves(KernelKind::sm90_ws) && !p.varlen &&
+             p.tma_compatible)
       sel.kind = KernelKind::sm90_ws;
-    else if (arch.version == 90 && caps.sm90 && !p.kv_cache &&
-             hd <= max_head_dim(KernelKind::sm90))
+    else if (arch.version == 90 && caps.sm90 && serves(KernelKind::sm90))
       sel.kind = KernelKind::sm90;
     else
       sel.kind = KernelKind::generic;
@@ -113,7 +102,7 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
   // AMD: CDNA2/CDNA3/CDNA4 have MFMA. gfx950 runs the dualwave kernel for head dims up to 128
   // where it was built, everything else the generic MFMA kernel (the decode kernel is mma.sync
   // only, so AMD decode runs these too).
-  if (arch.version == 0x950 && caps.dualwave && hd <= max_head_dim(KernelKind::gfx950_dualwave)) {
+  if (arch.version == 0x950 && caps.dualwave && serves(KernelKind::gfx950_dualwave)) {
     sel.kind = KernelKind::gfx950_dualwave;
     return sel;
   }

@@ -66,8 +66,9 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
 /// Bytes of split-K workspace a call needs (0 when it does not split).
 size_t splitk_workspace_bytes(const FwdParams& params);
 
-/// Head dims the kernels support (SPEC §2).
-inline constexpr int kSupportedHeadDims[] = {32, 64, 96, 128, 256};
+/// The head dims the kernels support (SPEC §2) are the kernel registry's:
+/// hipflash::padded_head_dim(d) != 0, listed by supported_head_dims()
+/// (hipflash/detail/kernel_registry.hpp).
 
 /// Human-readable name of what this build can run ("cpu", "cpu+cuda(sm_80,sm_90a)", ...).
 std::string build_info();

@@ -25,6 +25,21 @@ constexpr Arch::Vendor kVendor = Arch::amd;
 constexpr Arch::Vendor kVendor = Arch::nvidia;
 #endif
 
+/// Whether this build has the kernels of a registry `build` (kernels.def).
+constexpr bool built_here(KernelBuild build) {
+  switch (build) {
+    case KernelBuild::gpu: return true;
+    case KernelBuild::cuda: return kVendor == Arch::nvidia;
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+    case KernelBuild::cuda_sm90a: return true;
+#endif  // HIPFLASH_HAS_SM90_KERNELS
+#if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
+    case KernelBuild::hip_gfx950: return true;
+#endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
+    default: return false;
+  }
+}
+
 /// Stream-ordered scratch, freed on scope exit (after the kernels using it are enqueued).
 struct ScratchBuffer {
   void* ptr = nullptr;
@@ -169,52 +184,46 @@ TileShape shape_of(int blocks_per_sm) {
 }
 
 TileShape tile_shape(KernelKind kind, int hd, bool masked) {
-  HIPFLASH_CHECK(hd == 64 || hd == 128 || hd == 256, "no kernel tile for padded head dim ", hd);
+  HIPFLASH_CHECK(head_dim_bit(hd) >= 0 && hd <= max_head_dim(kind), "no ", kernel_kind_name(kind),
+                 " kernel tile for padded head dim ", hd);
+  // Each kind's tile at the padded head dim (a kind's tiles exist up to its max_head_dim).
+  return HIPFLASH_HEADDIM_SWITCH(hd, kHD, [&]() -> TileShape {
+    const auto has = [&](KernelKind k) { return kind == k && kHD <= max_head_dim(k); };
 #if defined(HIPFLASH_PLATFORM_NVIDIA)
-  if (kind == KernelKind::sm90) {
-    return hd == 64 ? shape_of<sm90::Tile<64>>(sm90::Tile<64>::kMinBlocks)
-                    : shape_of<sm90::Tile<128>>(sm90::Tile<128>::kMinBlocks);
-  }
-  if (kind == KernelKind::sm90_ws) {  // masked tiles may differ (square at hd64 and hd128)
-    auto ws = [hd](auto is_masked) {
-      constexpr bool kMasked = decltype(is_masked)::value;
-      using T64 = sm90_ws::Tile<64, kMasked>;
-      using T128 = sm90_ws::Tile<128, kMasked>;
-      using T256 = sm90_ws::Tile<256, kMasked>;
-      return hd == 64    ? shape_of<T64>(T64::kMinBlocks)
-           : hd == 128 ? shape_of<T128>(T128::kMinBlocks)
-                       : shape_of<T256>(T256::kMinBlocks);
-    };
-    return masked ? ws(std::true_type{}) : ws(std::false_type{});
-  }
-  if (kind == KernelKind::decode) {
-    // Resident blocks per SM the split counts are sized for: two up to hd128 (the rings there
-    // would let more fit; the counts were measured with two), one at hd256 (its ring: 228 KiB
-    // per SM on sm_90).
-    return hd == 64 ? shape_of<decode::DecodeTile<64>>(2)
-         : hd == 128 ? shape_of<decode::DecodeTile<128>>(2)
-         : shape_of<decode::DecodeTile<256>>(1);
-  }
-  if (kind == KernelKind::decode_heads) {  // head dims 64 and 128 (the selector's rule)
-    HIPFLASH_CHECK(hd <= max_head_dim(KernelKind::decode_heads),
-                   "the head-group decode kernel has no tile for head dim ", hd);
-    auto heads = [](auto tile) {
-      using Tile = decltype(tile);
-      TileShape s = shape_of<Tile>(Tile::kMinBlocks);
-      s.heads_per_block = Tile::kHeads;
-      s.split_block_n = decode::DecodeTile<Tile::kHeadDim>::kBlockN;  // the decode kernel's 64
-      return s;
-    };
-    return hd == 64 ? heads(decode::DecodeHeadsTile<64>{}) : heads(decode::DecodeHeadsTile<128>{});
-  }
+    if constexpr (kHD <= max_head_dim(KernelKind::sm90)) {
+      if (has(KernelKind::sm90)) return shape_of<sm90::Tile<kHD>>(sm90::Tile<kHD>::kMinBlocks);
+    }
+    if constexpr (kHD <= max_head_dim(KernelKind::sm90_ws)) {
+      if (has(KernelKind::sm90_ws)) {  // masked tiles may differ (square at hd64 and hd128)
+        using Masked = sm90_ws::Tile<kHD, true>;
+        using Dense = sm90_ws::Tile<kHD, false>;
+        return masked ? shape_of<Masked>(Masked::kMinBlocks) : shape_of<Dense>(Dense::kMinBlocks);
+      }
+    }
+    if constexpr (kHD <= max_head_dim(KernelKind::decode)) {
+      // Resident blocks per SM the split counts are sized for: two up to hd128 (the rings there
+      // would let more fit; the counts were measured with two), one at hd256 (its ring: 228 KiB
+      // per SM on sm_90).
+      if (has(KernelKind::decode)) return shape_of<decode::DecodeTile<kHD>>(kHD <= 128 ? 2 : 1);
+    }
+    if constexpr (kHD <= max_head_dim(KernelKind::decode_heads)) {
+      if (has(KernelKind::decode_heads)) {
+        using Tile = decode::DecodeHeadsTile<kHD>;
+        TileShape s = shape_of<Tile>(Tile::kMinBlocks);
+        s.heads_per_block = Tile::kHeads;
+        s.split_block_n = decode::DecodeTile<kHD>::kBlockN;  // the decode kernel's 64
+        return s;
+      }
+    }
 #endif  // HIPFLASH_PLATFORM_NVIDIA
 #if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
-  if (kind == KernelKind::gfx950_dualwave && hd <= 128)  // one 512-thread block per CU
-    return hd == 64 ? shape_of<gfx950::DualwaveTile<64>>(1) : shape_of<gfx950::DualwaveTile<128>>(1);
+    if constexpr (kHD <= max_head_dim(KernelKind::gfx950_dualwave)) {
+      // One 512-thread block per CU.
+      if (has(KernelKind::gfx950_dualwave)) return shape_of<gfx950::DualwaveTile<kHD>>(1);
+    }
 #endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
-  (void)kind;
-  return hd == 64 ? shape_of<generic::Tile<64>>(1) : hd == 128 ? shape_of<generic::Tile<128>>(1)
-       : shape_of<generic::Tile<256>>(1);
+    return shape_of<generic::Tile<kHD>>(1);
+  });
 }
 
 /// The kernels move 16-byte vectors: every operand's base pointer and strides must keep that
@@ -238,6 +247,29 @@ namespace {
 thread_local bool t_long_row_tile = false;  // set by the sm90_ws launcher for run_forward
 }  // namespace
 void note_long_row_tile() { t_long_row_tile = true; }
+
+/// Launches kernel `kind` at Traits: one case per kernel of the registry, its launcher where
+/// this build has it and it has a tile for the head dim (an instantiation exists exactly then).
+/// False where it has not.
+template <class Traits>
+bool launch_registered(KernelKind kind, const FwdParams& p, port::stream_t stream) {
+  constexpr int kHD = Traits::kHeadDim;
+  switch (kind) {
+#define HIPFLASH_HEAD_DIM(padded, also)
+#define HIPFLASH_KERNEL(kind, launcher, build, max_hd, paged, summary) \
+  case KernelKind::kind:                                                \
+    if constexpr (built_here(KernelBuild::build) && kHD <= max_hd) {    \
+      launch_##launcher##_fwd<Traits>(p, stream);                       \
+      return true;                                                      \
+    }                                                                   \
+    return false;
+#include "hipflash/detail/kernels.def"
+#undef HIPFLASH_KERNEL
+#undef HIPFLASH_HEAD_DIM
+    default:
+      return false;
+  }
+}
 
 Launched run_forward(const FwdParams& params, const Selection& sel, int device,
                      Stream stream_arg, Workspace ws) {
@@ -269,39 +301,9 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
       HIPFLASH_BOOL_SWITCH(p.num_splits > 1, kSplit, [&] {
         HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {
           HIPFLASH_BOOL_SWITCH(p.return_lse && !kSplit, kReturnLse, [&] {
-            if constexpr ((HIPFLASH_HEAD_DIM_MASK >> (kHD == 64 ? 0 : kHD == 128 ? 1 : 2)) & 1) {
+            if constexpr (head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, kHD)) {
               using Traits = FwdTraits<kDT, kHD, kReturnLse, kMasked, kSplit>;
-              switch (sel.kind) {
-                case KernelKind::generic: launch_generic_fwd<Traits>(p, stream); break;
-#if defined(HIPFLASH_PLATFORM_NVIDIA)
-                case KernelKind::decode: launch_decode_fwd<Traits>(p, stream); break;
-                case KernelKind::decode_heads:
-                  if constexpr (kHD <= max_head_dim(KernelKind::decode_heads)) {
-                    launch_decode_heads_fwd<Traits>(p, stream);
-                    break;
-                  }
-                  throw not_built();
-#endif  // HIPFLASH_PLATFORM_NVIDIA
-#if defined(HIPFLASH_HAS_DUALWAVE_KERNELS)
-                case KernelKind::gfx950_dualwave:
-                  if constexpr (kHD <= max_head_dim(KernelKind::gfx950_dualwave)) {
-                    launch_dualwave_fwd<Traits>(p, stream);
-                    break;
-                  }
-                  [[fallthrough]];
-#endif  // HIPFLASH_HAS_DUALWAVE_KERNELS
-#if defined(HIPFLASH_HAS_SM90_KERNELS)
-                case KernelKind::sm90:
-                  if constexpr (kHD <= max_head_dim(KernelKind::sm90)) {
-                    launch_sm90_fwd<Traits>(p, stream);
-                    break;
-                  }
-                  throw not_built();
-                case KernelKind::sm90_ws: launch_sm90_ws_fwd<Traits>(p, stream); break;
-#endif  // HIPFLASH_HAS_SM90_KERNELS
-                default:
-                  throw not_built();
-              }
+              if (!launch_registered<Traits>(sel.kind, p, stream)) throw not_built();
             } else {
               throw not_implemented("head dim kernel hd" + std::to_string(kHD) + " was not built");
             }
@@ -324,7 +326,7 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   check_vector_alignment(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, "dk");
   check_vector_alignment(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, "dv");
   const int hd = padded_head_dim(int(p.head_dim));
-  HIPFLASH_CHECK_AS(not_implemented, (HIPFLASH_HEAD_DIM_MASK >> (hd == 64 ? 0 : hd == 128 ? 1 : 2)) & 1,
+  HIPFLASH_CHECK_AS(not_implemented, head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, hd),
                     "head dim kernel hd", hd, " was not built");
   // The portable kernels on AMD (the matrix-core backward is NVIDIA's mma.sync today) and,
   // with HIPFLASH_BWD_PORTABLE=1, on NVIDIA too (for the tests). They are deterministic.
@@ -363,7 +365,7 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
     HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
       HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {
-        if constexpr ((HIPFLASH_HEAD_DIM_MASK >> (kHD == 64 ? 0 : kHD == 128 ? 1 : 2)) & 1)
+        if constexpr (head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, kHD))
           launch_bwd<BwdTraits<kDT, kHD, kMasked>>(p, how, stream);
       });
     });

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "hipflash/detail/kernel_registry.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/types.hpp"
 
@@ -34,28 +35,9 @@ struct Arch {
   std::string name() const;
 };
 
-enum class KernelKind : int {
-  cpu_reference,    ///< the CPU backend
-  generic,          ///< kernels/generic: mma.sync (sm_80+) or MFMA (gfx90a/gfx94x/gfx950)
-  decode,           ///< kernels/decode: <= kDecodeMaxRows query rows, warps split keys (sm_80+)
-  decode_heads,     ///< kernels/decode: packed GQA decode, a block per batch's kv heads
-  sm90,             ///< kernels/sm90: wgmma with cp.async (sm_90a), head dims <= 128
-  sm90_ws,          ///< kernels/sm90_ws: TMA + warp-specialised wgmma (sm_90a), dense calls
-  gfx950_dualwave,  ///< kernels/gfx950: 256-row blocks, two waves per SIMD (compile-checked only)
-  unsupported,
-};
+// KernelKind, kernel_kind_name, max_head_dim and padded_head_dim: the kernel registry's
+// (hipflash/detail/kernel_registry.hpp, from kernels.def).
 
-const char* kernel_kind_name(KernelKind k);
-
-/// The largest padded head dim a kernel has a tile for: the one place this rule is written (the
-/// selector, the dispatch's instantiations and the launchers read it). The head-group decode,
-/// the cp.async sm90 and the gfx950 dualwave kernels stop at 128; the others take 256.
-constexpr int max_head_dim(KernelKind k) {
-  return k == KernelKind::decode_heads || k == KernelKind::sm90 ||
-                 k == KernelKind::gfx950_dualwave
-             ? 128
-             : 256;
-}
 /// The same for the wgmma (sm90) backward's dk/dv pass; larger head dims take mma.sync's.
 inline constexpr int kBwdSm90MaxHeadDim = 128;
 
@@ -123,7 +105,7 @@ enum class HeadGroupDecode : uint8_t {
 struct BuildCaps {
   bool gpu = false;             ///< built with GPU kernels
   Arch::Vendor gpu_vendor = Arch::host;
-  unsigned head_dim_mask = ~0u;  ///< bit i set: padded head dim (64 << i) built (64, 128, 256)
+  unsigned head_dim_mask = ~0u;  ///< bit head_dim_bit(padded) set: that padded head dim built
   bool sm90 = false;             ///< the sm90 kernels were built (CUDA with sm_90a)
   bool sm90_ws = false;          ///< the warp-specialised sm90 kernels were built (same)
   bool dualwave = false;         ///< the gfx950 dualwave kernels were built (HIP with gfx950)
@@ -140,13 +122,6 @@ struct Selection {
 
 /// Pure: same inputs, same answer.
 Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& caps);
-
-/// Padded head dim of the instantiation serving `head_dim`, or 0 if unsupported.
-constexpr int padded_head_dim(int head_dim) {
-  return head_dim == 32 || head_dim == 64 ? 64
-       : head_dim == 96 || head_dim == 128 ? 128
-       : head_dim == 256 ? 256 : 0;
-}
 
 /// The split-count heuristic for num_splits = 0 (pure): split the (batch * heads * query-block)
 /// work items' keys over the resident slots (`num_processors` x `blocks_per_processor`) in the

@@ -2,6 +2,10 @@
 // value it does not know (never a silent default).
 #pragma once
 
+#include <type_traits>
+#include <utility>
+
+#include "hipflash/detail/kernel_registry.hpp"
 #include "hipflash/errors.hpp"
 #include "hipflash/types.hpp"
 
@@ -17,23 +21,33 @@
     }                                         \
   }()
 
-/// Head dim -> the padded head dim of the instantiation that serves it (kernels are built for
-/// 64, 128 and 256; 32 runs in the 64 kernel and 96 in the 128 kernel, zero-padded).
-#define HIPFLASH_HEADDIM_SWITCH(d, NAME, ...)                                                 \
-  [&] {                                                                                       \
-    if ((d) == 32 || (d) == 64) {                                                             \
-      constexpr int NAME = 64;                                                                \
-      return __VA_ARGS__();                                                                   \
-    } else if ((d) == 96 || (d) == 128) {                                                     \
-      constexpr int NAME = 128;                                                               \
-      return __VA_ARGS__();                                                                   \
-    } else if ((d) == 256) {                                                                  \
-      constexpr int NAME = 256;                                                               \
-      return __VA_ARGS__();                                                                   \
-    }                                                                                         \
-    throw ::hipflash::invalid_argument(::hipflash::detail::concat(                            \
-        "head dim ", (d), " is not supported; supported head dims are 32, 64, 96, 128, 256")); \
-  }()
+namespace hipflash::detail {
+
+/// Calls f(std::integral_constant<int, padded>) for the padded head dim serving `head_dim`
+/// (kernels.def's list); an unsupported head dim throws invalid_argument.
+template <int I = 0, class F>
+auto head_dim_switch(int head_dim, F&& f)
+    -> decltype(f(std::integral_constant<int, registry::kHeadDims[0].padded>{})) {
+  if constexpr (I == registry::kNumHeadDims) {
+    throw invalid_argument(concat("head dim ", head_dim, " is not supported; supported head dims are ",
+                                  supported_head_dims()));
+  } else {
+    constexpr registry::HeadDim e = registry::kHeadDims[I];
+    if (head_dim == e.padded || (e.also != 0 && head_dim == e.also))
+      return f(std::integral_constant<int, e.padded>{});
+    return head_dim_switch<I + 1>(head_dim, std::forward<F>(f));
+  }
+}
+
+}  // namespace hipflash::detail
+
+/// Head dim -> the padded head dim of the instantiations that serve it (kernels.def: 32 runs in
+/// the 64 kernels and 96 in the 128 ones, zero-padded).
+#define HIPFLASH_HEADDIM_SWITCH(d, NAME, ...)                      \
+  ::hipflash::detail::head_dim_switch((d), [&](auto head_dim_c_) { \
+    constexpr int NAME = decltype(head_dim_c_)::value;             \
+    return __VA_ARGS__();                                          \
+  })
 
 /// DType -> the element type. `ELEM` names a type alias inside the lambda.
 #define HIPFLASH_DTYPE_SWITCH(dt, DT, ...)                                                    \
