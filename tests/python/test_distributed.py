@@ -1,0 +1,156 @@
+"""hipflash.distributed: ring and all-gather attention over torch.distributed (gloo on the CPU
+here, 2, 3 and 4 ranks) against the fp32 reference of the gathered sequence (SPEC §6), and the
+gradients against fp64 autograd with FlashAttention's 2x rule; the layouts and the window
+arithmetic on their own."""
+import itertools
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hipflash import distributed as hd
+from reference import attention_ref, check_lse, check_out, make_qkv, valid_mask
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+# (batch, chunk rows, heads_q, heads_kv, head_dim, causal, window)
+CASES = [
+    (1, 8, 2, 2, 64, False, (-1, -1)),
+    (2, 8, 4, 2, 64, True, (-1, -1)),     # GQA 2:1, causal
+    (1, 12, 2, 1, 32, True, (-1, -1)),    # MQA, head dim 32
+    (1, 8, 2, 2, 64, False, (11, 5)),     # sliding window cutting chunks
+    (1, 8, 2, 2, 64, True, (20, -1)),     # causal sliding window (left 20)
+    (1, 8, 2, 2, 128, False, (0, 0)),     # each row sees only itself
+]
+
+
+def _visible_global(q_off, q_len, k_off, k_len, left, right):
+    i = torch.arange(q_off, q_off + q_len)[:, None]
+    j = torch.arange(k_off, k_off + k_len)[None, :]
+    return (j >= i - left) & (j <= i + right)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pair_call_matches_the_global_window(seed):
+    # The call _pair_call plans (rows, keys, window aligned bottom-right) sees exactly the
+    # (row, key) pairs the global window gives.
+    rng = random.Random(seed)
+    inf = float("inf")
+    for _ in range(50):
+        q_len, k_len = rng.randint(1, 12), rng.randint(1, 12)
+        q_off, k_off = rng.randint(0, 30), rng.randint(0, 30)
+        left = rng.choice([inf, rng.randint(0, 15)])
+        right = rng.choice([inf, 0, rng.randint(0, 15)])
+        want = _visible_global(q_off, q_len, k_off, k_len, left, right)
+        call = hd._pair_call(q_off, q_len, k_off, k_len, left, right)
+        got = torch.zeros(q_len, k_len, dtype=torch.bool)
+        if call is not None:
+            (r0, r1), (k0, k1), l, r = call
+            assert 0 <= r0 < r1 <= q_len and 0 <= k0 < k1 <= k_len and l >= -1 and r >= -1
+            got[r0:r1, k0:k1] = valid_mask(r1 - r0, k1 - k0, False, (l, r))
+        assert torch.equal(got, want), (q_off, q_len, k_off, k_len, left, right, call)
+
+
+@pytest.mark.parametrize("layout", hd.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(layout, world):
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    shards = [hd.shard(x, r, world, layout) for r in range(world)]
+    assert all(s.shape == (2, 24 // world, 3) for s in shards)
+    assert torch.equal(hd.unshard(shards, layout), x)
+    if layout == "zigzag" and world == 2:  # rank 0: chunks 0 and 3 of 4 (rows 0-5, 18-23)
+        assert torch.equal(shards[0][0, :, 0], 3 * torch.tensor([0, 1, 2, 3, 4, 5, 18, 19, 20, 21, 22, 23]))
+
+
+def test_shard_refuses_lengths_the_layout_cannot_cut():
+    with pytest.raises(ValueError, match="multiple of 6"):
+        hd.shard(torch.zeros(1, 10, 1, 1), 0, 3, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        hd.shard(torch.zeros(1, 10, 1, 1), 0, 2, "striped")
+
+
+def test_needs_a_process_group():
+    q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        hd.ring_flash_attn_func(q, q, q)
+
+
+# ---- Multi-process runs (gloo) ----------------------------------------------------------------
+
+
+def _torch_attention(q, k, v, dtype, causal, window):
+    """SPEC §3 in `dtype` with PyTorch ops, for autograd; [B, S, H, D]."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    qq, kk, vv = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    kk = kk.repeat_interleave(hq // hkv, dim=1)
+    vv = vv.repeat_interleave(hq // hkv, dim=1)
+    mm = (lambda a, b: a @ b) if dtype != torch.float16 else (lambda a, b: (a.float() @ b.float()).to(dtype))
+    sc = mm(qq, kk.transpose(-1, -2)) * d ** -0.5
+    sc = sc.masked_fill(~valid_mask(s, s, causal, window), float("-inf"))
+    p = torch.softmax(sc.float(), dim=-1).nan_to_num(0.0).to(dtype)
+    return mm(p, vv).transpose(1, 2)
+
+
+def _grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout.to(out.dtype))
+    return [t.grad.detach() for t in (q, k, v)]
+
+
+def _check_case(rank, world, case, layout, mode, dtype, seed, group=None):
+    b, chunk, hq, hkv, d, causal, window = case
+    s = 2 * world * chunk
+    q, k, v = make_qkv(b, s, s, hq, hkv, d, dtype, seed=seed)
+    dout = torch.randn(b, s, hq, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    what = f"rank {rank}/{world} {layout} {mode} case {case}"
+    kw = dict(causal=causal, window_size=window)
+    out_ref, lse_ref = attention_ref(q, k, v, **kw)
+    out_lp, _ = attention_ref(q, k, v, lowp=True, **kw)
+
+    sq, sk, sv = (hd.shard(t, rank, world, layout).requires_grad_() for t in (q, k, v))
+    out, lse = hd.ring_flash_attn_func(sq, sk, sv, causal=causal, window_size=window,
+                                       return_lse=True, layout=layout, mode=mode, group=group)
+    check_out(out.detach(), hd.shard(out_ref, rank, world, layout),
+              hd.shard(out_lp, rank, world, layout), what)
+    check_lse(lse, hd.shard(lse_ref, rank, world, layout, dim=2), what)
+    out.backward(hd.shard(dout, rank, world, layout))
+
+    g64 = _grads(lambda *a: _torch_attention(*a, torch.float64, causal, window), q, k, v, dout)
+    glp = _grads(lambda *a: _torch_attention(*a, dtype, causal, window), q, k, v, dout)
+    for name, ours, low, ref in zip("qkv", (sq.grad, sk.grad, sv.grad), glp, g64):
+        assert ours is not None and ours.dtype == dtype, f"{what}: d{name}"
+        err = (ours.double() - hd.shard(ref, rank, world, layout)).abs().max().item()
+        tol = 2 * (low.double() - ref).abs().max().item() + 1e-5
+        assert err <= tol, f"{what}: d{name} max|err| {err:.3e} > {tol:.3e}"
+
+
+def _worker(rank, world, init_file, dtype):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        for i, (case, layout, mode) in enumerate(itertools.product(CASES, hd.LAYOUTS, hd.MODES)):
+            _check_case(rank, world, case, layout, mode, dtype, seed=100 + i)
+        # A sub-group: ranks {1, 2} of a larger world (P2P addresses global ranks).
+        if world > 2:
+            sub = dist.new_group([1, 2])
+            if rank in (1, 2):
+                for mode in hd.MODES:
+                    _check_case(rank - 1, 2, CASES[1], "zigzag", mode, dtype, seed=7, group=sub)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_and_allgather_match_the_reference(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), torch.bfloat16), nprocs=world,
+                 join=True)
