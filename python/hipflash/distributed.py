@@ -35,7 +35,8 @@ from . import _call, _first_order, _ops, _scale, _wants_grad, _window, merge_att
 LAYOUTS = ("zigzag", "contiguous")
 MODES = ("ring", "allgather")
 
-__all__ = ["ring_flash_attn_func", "shard", "unshard", "LAYOUTS", "MODES"]
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "shard", "unshard",
+           "shard_varlen", "unshard_varlen", "LAYOUTS", "MODES"]
 
 
 # ---- Layouts ---------------------------------------------------------------------------------
@@ -195,15 +196,7 @@ def _wait(works):
         w.wait()
 
 
-# ---- The ring ---------------------------------------------------------------------------------
-
-
-def _merge_into(out_acc, lse_acc, rows, out_p, lse_p):
-    """Merges a step's partial result for local rows [rows) into the fp32 accumulators."""
-    a, b = rows
-    o, l = merge_attn_states(out_acc[:, a:b], lse_acc[:, :, a:b], out_p.float(), lse_p)
-    out_acc[:, a:b] = o
-    lse_acc[:, :, a:b] = l
+# ---- Geometry: which rows a call takes, dense or varlen ---------------------------------------
 
 
 def _bounds(causal, window_size):
@@ -213,30 +206,239 @@ def _bounds(causal, window_size):
     return (_INF if left == -1 else left), (_INF if right == -1 else right)
 
 
-def _ring_forward(q, k, v, scale, left, right, layout, ring):
+class _Dense:
+    """Dense shards [batch, seqlen_local, heads, dim]: a call takes the same rows of every batch
+    element (a slice of the sequence); LSEs [batch, heads, seqlen_local]."""
+
+    def __init__(self, q, rank, world, layout, left, right):
+        self.rank, self.world, self.layout, self.left, self.right = rank, world, layout, left, right
+        self.chunk = q.shape[1] // len(_chunk_ids(rank, world, layout)[0])
+
+    def ring_calls(self, src):
+        """(rows, keys, left', right') of the step attending to rank src's block."""
+        return [(slice(*rows), slice(*keys), l, r) for rows, keys, l, r in
+                _plan(self.rank, src, self.world, self.layout, self.chunk, self.left, self.right)]
+
+    def gathered_calls(self):
+        """The same against the whole gathered sequence (mode="allgather")."""
+        q_ids, n = _chunk_ids(self.rank, self.world, self.layout)
+        calls = []
+        for a, qi in enumerate(q_ids):
+            c = _pair_call(qi * self.chunk, self.chunk, 0, n * self.chunk, self.left, self.right)
+            if c is not None:
+                rows, keys, l, r = c
+                calls.append((slice(rows[0] + a * self.chunk, rows[1] + a * self.chunk),
+                              slice(*keys), l, r))
+        return calls
+
+    @staticmethod
+    def rows(x, idx):
+        return x[:, idx]
+
+    @staticmethod
+    def lse_rows(lse, idx):
+        return lse[:, :, idx]
+
+    @staticmethod
+    def set_rows(x, idx, value):
+        x[:, idx] = value
+
+    @staticmethod
+    def set_lse_rows(lse, idx, value):
+        lse[:, :, idx] = value
+
+    @staticmethod
+    def add_rows(x, idx, value):
+        x[:, idx] += value.float()
+
+    def new_lse(self, q):
+        return torch.full((q.shape[0], q.shape[2], q.shape[1]), -_INF, dtype=torch.float32,
+                          device=q.device)
+
+    @staticmethod
+    def fwd(q, k, v, scale, l, r):
+        return _call(_ops.fwd, q, k, v, scale, False, l, r, 0, True)
+
+    @staticmethod
+    def bwd(dout, q, k, v, out, lse, scale, l, r, deterministic):
+        return _call(_ops.bwd, dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(),
+                     scale, False, l, r, deterministic)
+
+    def unshard(self, shards):
+        return unshard(shards, self.layout)
+
+    def shard(self, x, rank):
+        return shard(x, rank, self.world, self.layout)
+
+
+class _Call:
+    """One varlen call: the local rows (q_idx) and the block's keys (k_idx) it takes, as
+    sequences (cu_seqlens_q / _k over the gathered rows)."""
+
+    def __init__(self, q_ranges, k_ranges, device):
+        def index(ranges):
+            return torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else \
+                torch.zeros(0, dtype=torch.int64)
+
+        def cu(ranges):
+            lens = [b - a for a, b in ranges]
+            out = [0]
+            for n in lens:
+                out.append(out[-1] + n)
+            return torch.tensor(out, dtype=torch.int32, device=device), max(lens, default=0)
+
+        self.q_idx, self.k_idx = index(q_ranges).to(device), index(k_ranges).to(device)
+        (self.cu_q, self.max_q), (self.cu_k, self.max_k) = cu(q_ranges), cu(k_ranges)
+
+
+class _Varlen:
+    """Packed shards [total_local, heads, dim] of sequences each sharded on its own
+    (cu_seqlens local: the global one divided by the world size); LSEs packed [heads, total].
+    A call gathers the rows it takes from every sequence that shares its window."""
+
+    def __init__(self, q, cu_seqlens, rank, world, layout, left, right):
+        self.rank, self.world, self.layout, self.left, self.right = rank, world, layout, left, right
+        self.cu = [int(x) for x in cu_seqlens.tolist()]
+        self.n_sub = len(_chunk_ids(rank, world, layout)[0])
+        self.device = q.device
+        for b in range(len(self.cu) - 1):
+            if (self.cu[b + 1] - self.cu[b]) % self.n_sub:
+                raise ValueError(f"sequence {b}'s local length {self.cu[b + 1] - self.cu[b]} must be "
+                                 f"even in the zigzag layout (two chunks per rank)")
+
+    def _grouped(self, per_sequence):
+        """Calls from (sequence rows offset, key rows offset, [(rows, keys, l, r)]) per sequence,
+        grouped by window: one varlen call per (left', right')."""
+        groups = {}
+        for q0, k0, calls in per_sequence:
+            for rows, keys, l, r in calls:
+                g = groups.setdefault((l, r), ([], []))
+                g[0].append((q0 + rows[0], q0 + rows[1]))
+                g[1].append((k0 + keys[0], k0 + keys[1]))
+        return [(_Call(qr, kr, self.device), None, l, r) for (l, r), (qr, kr) in groups.items()]
+
+    def ring_calls(self, src):
+        per = []
+        for b in range(len(self.cu) - 1):
+            chunk = (self.cu[b + 1] - self.cu[b]) // self.n_sub
+            if chunk:
+                per.append((self.cu[b], self.cu[b], _plan(self.rank, src, self.world, self.layout,
+                                                          chunk, self.left, self.right)))
+        return self._grouped(per)
+
+    def gathered_calls(self):
+        q_ids, n = _chunk_ids(self.rank, self.world, self.layout)
+        per = []
+        for b in range(len(self.cu) - 1):
+            chunk = (self.cu[b + 1] - self.cu[b]) // self.n_sub
+            calls = []
+            for a, qi in enumerate(q_ids):
+                c = _pair_call(qi * chunk, chunk, 0, n * chunk, self.left, self.right) if chunk else None
+                if c is not None:
+                    rows, keys, l, r = c
+                    calls.append(((rows[0] + a * chunk, rows[1] + a * chunk), keys, l, r))
+            per.append((self.cu[b], self.world * self.cu[b], calls))
+        return self._grouped(per)
+
+    @staticmethod
+    def rows(x, call):
+        return x.index_select(0, call.q_idx)
+
+    @staticmethod
+    def lse_rows(lse, call):
+        return lse.index_select(1, call.q_idx)
+
+    @staticmethod
+    def set_rows(x, call, value):
+        x.index_copy_(0, call.q_idx, value.to(x.dtype))
+
+    @staticmethod
+    def set_lse_rows(lse, call, value):
+        lse.index_copy_(1, call.q_idx, value)
+
+    @staticmethod
+    def add_rows(x, call, value):
+        x.index_add_(0, call.q_idx, value.float())
+
+    def new_lse(self, q):
+        return torch.full((q.shape[1], q.shape[0]), -_INF, dtype=torch.float32, device=q.device)
+
+    @staticmethod
+    def fwd(q, k, v, scale, l, r, call):
+        return _call(_ops.varlen_fwd, q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k,
+                     scale, False, l, r, 0, True, "packed")
+
+    @staticmethod
+    def bwd(dout, q, k, v, out, lse, scale, l, r, deterministic, call):
+        return _call(_ops.varlen_bwd, dout, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q,
+                     call.max_k, scale, False, l, r, deterministic, "packed")
+
+    def unshard(self, shards):
+        """The gathered packed sequences (sequence b at world * cu[b]) from every rank's."""
+        return torch.cat([unshard([s[self.cu[b]:self.cu[b + 1]] for s in shards], self.layout, 0)
+                          for b in range(len(self.cu) - 1)])
+
+    def shard(self, x, rank):
+        return torch.cat([shard(x[self.world * self.cu[b]:self.world * self.cu[b + 1]], rank,
+                                self.world, self.layout, 0) for b in range(len(self.cu) - 1)])
+
+
+def _take(geom, call, keys, k, v):
+    """A call's (and its geometry's) key rows of k and v."""
+    if isinstance(geom, _Dense):
+        return k[:, keys], v[:, keys]
+    return k.index_select(0, call.k_idx), v.index_select(0, call.k_idx)
+
+
+def _attend(geom, call, keys, l, r, q, k, v, scale):
+    kk, vv = _take(geom, call, keys, k, v)
+    if isinstance(geom, _Dense):
+        return geom.fwd(geom.rows(q, call), kk, vv, scale, l, r)
+    return geom.fwd(geom.rows(q, call), kk, vv, scale, l, r, call)
+
+
+def _attend_bwd(geom, call, keys, l, r, dout, q, k, v, out, lse, scale, deterministic, dk, dv):
+    """One call's backward: returns dq of its rows, adds dk / dv of its keys."""
+    kk, vv = _take(geom, call, keys, k, v)
+    args = (geom.rows(dout, call), geom.rows(q, call), kk, vv, geom.rows(out, call),
+            geom.lse_rows(lse, call), scale, l, r, deterministic)
+    dq, dkp, dvp = geom.bwd(*args) if isinstance(geom, _Dense) else geom.bwd(*args, call)
+    if isinstance(geom, _Dense):
+        dk[:, keys] += dkp.float()
+        dv[:, keys] += dvp.float()
+    else:
+        dk.index_add_(0, call.k_idx, dkp.float())
+        dv.index_add_(0, call.k_idx, dvp.float())
+    return dq
+
+
+# ---- The ring ---------------------------------------------------------------------------------
+
+
+def _ring_forward(geom, q, k, v, scale, ring):
     world, rank = ring.world, ring.rank
-    b, s, h, d = q.shape
-    chunk = s // len(_chunk_ids(rank, world, layout)[0])
-    out_acc = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full((b, h, s), -_INF, dtype=torch.float32, device=q.device)
+    out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse_acc = geom.new_lse(q)
     kv = (k, v)
     for step in range(world):
         src = (rank - step) % world
         if step + 1 < world:  # the next block in flight while this one is attended to
             works, recv = ring.send_recv(_as_bytes(kv))
-        for rows, keys, l, r in _plan(rank, src, world, layout, chunk, left, right):
-            o, lse = _call(_ops.fwd, q[:, rows[0]:rows[1]], kv[0][:, keys[0]:keys[1]],
-                           kv[1][:, keys[0]:keys[1]], scale, False, l, r, 0, True)
-            _merge_into(out_acc, lse_acc, rows, o, lse)
+        for call, keys, l, r in geom.ring_calls(src):
+            o, lse = _attend(geom, call, keys, l, r, q, kv[0], kv[1], scale)
+            # Merged in fp32 into the rows' running result.
+            mo, ml = merge_attn_states(geom.rows(out_acc, call), geom.lse_rows(lse_acc, call),
+                                       o.float(), lse)
+            geom.set_rows(out_acc, call, mo)
+            geom.set_lse_rows(lse_acc, call, ml)
         if step + 1 < world:
             _wait(works)
             kv = tuple(_from_bytes(recv, kv))
     return out_acc.to(q.dtype), lse_acc
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale, left, right, layout, deterministic, ring):
+def _ring_backward(geom, dout, q, k, v, out, lse, scale, deterministic, ring):
     world, rank = ring.world, ring.rank
-    chunk = q.shape[1] // len(_chunk_ids(rank, world, layout)[0])
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     acc_works = acc_recv = None
@@ -244,16 +446,12 @@ def _ring_backward(dout, q, k, v, out, lse, scale, left, right, layout, determin
         src = (rank - step) % world
         if step + 1 < world:
             kv_works, kv_recv = ring.send_recv(_as_bytes(kv))
+        # The held block's dK / dV, which travel with it.
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for rows, keys, l, r in _plan(rank, src, world, layout, chunk, left, right):
-            qs, ks = slice(*rows), slice(*keys)
-            g = _call(_ops.bwd, dout[:, qs].contiguous(), q[:, qs], kv[0][:, ks], kv[1][:, ks],
-                      out[:, qs].contiguous(), lse[:, :, qs].contiguous(), scale, False, l, r,
-                      deterministic)
-            dq[:, qs] += g[0].float()
-            dk[:, ks] += g[1].float()
-            dv[:, ks] += g[2].float()
+        for call, keys, l, r in geom.ring_calls(src):
+            geom.add_rows(dq, call, _attend_bwd(geom, call, keys, l, r, dout, q, kv[0], kv[1],
+                                                out, lse, scale, deterministic, dk, dv))
         if acc_works is not None:  # the block's accumulators from the ranks it visited before
             _wait(acc_works)
             prev_dk, prev_dv = _from_bytes(acc_recv, (dk, dv))
@@ -265,118 +463,121 @@ def _ring_backward(dout, q, k, v, out, lse, scale, left, right, layout, determin
             _wait(kv_works)
             kv = tuple(_from_bytes(kv_recv, kv))
     _wait(acc_works)
-    dk, dv = _from_bytes(acc_recv, (torch.empty(k.shape, dtype=torch.float32, device=q.device),
-                                    torch.empty(v.shape, dtype=torch.float32, device=q.device)))
+    dk, dv = _from_bytes(acc_recv, (torch.empty(k.shape, dtype=torch.float32),
+                                    torch.empty(v.shape, dtype=torch.float32)))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---- All-gather ------------------------------------------------------------------------------
 
 
-def _gather_kv(k, v, group, world, layout):
-    """The full sequence's K and V (global order) from every rank's shard."""
+def _gather_kv(geom, k, v, group, world):
+    """The whole sequence's K and V (global order) from every rank's shard."""
     buf = _as_bytes((k, v))
     bufs = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(bufs, buf, group=group)
     ks, vs = zip(*(_from_bytes(x, (k, v)) for x in bufs))
-    return unshard(list(ks), layout), unshard(list(vs), layout)
+    return geom.unshard(list(ks)), geom.unshard(list(vs))
 
 
-def _allgather_calls(rank, world, layout, chunk, left, right):
-    """The calls of the local query chunks against the whole (gathered) key sequence."""
-    q_ids, _ = _chunk_ids(rank, world, layout)
-    n = 2 * world if layout == "zigzag" else world
-    calls = []
-    for a, qi in enumerate(q_ids):
-        c = _pair_call(qi * chunk, chunk, 0, n * chunk, left, right)
-        if c is not None:
-            rows, keys, l, r = c
-            calls.append(((rows[0] + a * chunk, rows[1] + a * chunk), keys, l, r))
-    return calls
-
-
-def _allgather_forward(q, k, v, scale, left, right, layout, group, world, rank):
-    kf, vf = _gather_kv(k, v, group, world, layout)
-    b, s, h, d = q.shape
-    chunk = s // len(_chunk_ids(rank, world, layout)[0])
-    out = torch.zeros(b, s, h, d, dtype=q.dtype, device=q.device)
-    lse = torch.full((b, h, s), -_INF, dtype=torch.float32, device=q.device)
-    for rows, keys, l, r in _allgather_calls(rank, world, layout, chunk, left, right):
-        o, ls = _call(_ops.fwd, q[:, rows[0]:rows[1]], kf[:, keys[0]:keys[1]],
-                      vf[:, keys[0]:keys[1]], scale, False, l, r, 0, True)
-        out[:, rows[0]:rows[1]] = o
-        lse[:, :, rows[0]:rows[1]] = ls
+def _allgather_forward(geom, q, k, v, scale, group, world):
+    kf, vf = _gather_kv(geom, k, v, group, world)
+    out = torch.zeros_like(q)
+    lse = geom.new_lse(q)
+    for call, keys, l, r in geom.gathered_calls():
+        o, ls = _attend(geom, call, keys, l, r, q, kf, vf, scale)
+        geom.set_rows(out, call, o)
+        geom.set_lse_rows(lse, call, ls)
     return out, lse
 
 
-def _allgather_backward(dout, q, k, v, out, lse, scale, left, right, layout, deterministic,
-                        group, world, rank):
-    kf, vf = _gather_kv(k, v, group, world, layout)
-    chunk = q.shape[1] // len(_chunk_ids(rank, world, layout)[0])
-    dq = torch.zeros_like(q)
+def _allgather_backward(geom, dout, q, k, v, out, lse, scale, deterministic, group, world, rank):
+    kf, vf = _gather_kv(geom, k, v, group, world)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkf = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
     dvf = torch.zeros(vf.shape, dtype=torch.float32, device=q.device)
-    for rows, keys, l, r in _allgather_calls(rank, world, layout, chunk, left, right):
-        qs, ks = slice(*rows), slice(*keys)
-        g = _call(_ops.bwd, dout[:, qs].contiguous(), q[:, qs], kf[:, ks], vf[:, ks],
-                  out[:, qs].contiguous(), lse[:, :, qs].contiguous(), scale, False, l, r,
-                  deterministic)
-        dq[:, qs] = g[0]
-        dkf[:, ks] += g[1].float()
-        dvf[:, ks] += g[2].float()
-    # Each rank's shard of the sum over ranks: shard in the layout, then reduce-scatter (fp32).
-    parts = [_as_bytes((shard(dkf, r_, world, layout), shard(dvf, r_, world, layout)))
+    for call, keys, l, r in geom.gathered_calls():
+        geom.add_rows(dq, call, _attend_bwd(geom, call, keys, l, r, dout, q, kf, vf, out, lse,
+                                            scale, deterministic, dkf, dvf))
+    # Each rank's shard of the sum over ranks: reduce-scatter of the shards (fp32).
+    parts = [_as_bytes((geom.shard(dkf, r_), geom.shard(dvf, r_))).view(torch.float32)
              for r_ in range(world)]
-    mine = torch.empty_like(parts[0])
-    like = (torch.empty(k.shape, dtype=torch.float32), torch.empty(v.shape, dtype=torch.float32))
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all_reduce, then take ours
-        total = torch.stack([p.view(torch.float32) for p in parts])
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all_reduce, keep ours
+        total = torch.stack(parts)
         dist.all_reduce(total, group=group)
-        mine = total[rank].view(torch.uint8)
+        mine = total[rank]
     else:
-        flat = [p.view(torch.float32) for p in parts]
-        out32 = torch.empty_like(flat[0])
-        dist.reduce_scatter(out32, flat, group=group)
-        mine = out32.view(torch.uint8)
-    dk, dv = _from_bytes(mine, like)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=group)
+    dk, dv = _from_bytes(mine.view(torch.uint8), (torch.empty(k.shape, dtype=torch.float32),
+                                                  torch.empty(v.shape, dtype=torch.float32)))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# ---- The function ------------------------------------------------------------------------------
+# ---- The functions ---------------------------------------------------------------------------
 
 
-def _forward(q, k, v, scale, left, right, layout, mode, deterministic, group):
+def _forward(geom, q, k, v, scale, mode, group):
     if mode == "ring":
-        return _ring_forward(q, k, v, scale, left, right, layout, _Ring(group))
-    return _allgather_forward(q, k, v, scale, left, right, layout, group,
-                              dist.get_world_size(group), dist.get_rank(group))
+        return _ring_forward(geom, q, k, v, scale, _Ring(group))
+    return _allgather_forward(geom, q, k, v, scale, group, dist.get_world_size(group))
 
 
 class _RingFlashAttnFunc(torch.autograd.Function):
-    """ring_flash_attn_func with gradients: the forward saves (q, k, v, out, lse), the backward
-    runs the same steps with the merged out and LSE."""
+    """The ring / all-gather attention with gradients: the forward saves (q, k, v, out, lse),
+    the backward runs the same calls with the merged out and LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, left, right, layout, mode, deterministic, group):
-        out, lse = _forward(q, k, v, scale, left, right, layout, mode, deterministic, group)
+    def forward(ctx, q, k, v, geom, scale, mode, deterministic, group):
+        out, lse = _forward(geom, q, k, v, scale, mode, group)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, left, right, layout, mode, deterministic, group)
+        ctx.args = (geom, scale, mode, deterministic, group)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, left, right, layout, mode, deterministic, group = ctx.args
+        geom, scale, mode, deterministic, group = ctx.args
         with torch.no_grad():
             if mode == "ring":
-                dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, scale, left, right, layout,
-                                            deterministic, _Ring(group))
+                dq, dk, dv = _ring_backward(geom, dout, q, k, v, out, lse, scale, deterministic,
+                                            _Ring(group))
             else:
-                dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, scale, left, right,
-                                                 layout, deterministic, group,
-                                                 dist.get_world_size(group), dist.get_rank(group))
-        return _first_order(dq, dk, dv) + (None,) * 7
+                dq, dk, dv = _allgather_backward(geom, dout, q, k, v, out, lse, scale,
+                                                 deterministic, group, dist.get_world_size(group),
+                                                 dist.get_rank(group))
+        return _first_order(dq, dk, dv) + (None,) * 5
+
+
+def _common_checks(q, k, v, layout, mode, deterministic, rank_dims):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("hipflash.distributed needs an initialised torch.distributed process "
+                           "group (torch.distributed.init_process_group)")
+    _check_layout(layout)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank_dims:
+            want = "[batch, seqlen_local, heads, head_dim]" if rank_dims == 4 else \
+                "[total_local, heads, head_dim]"
+            raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+    if not isinstance(deterministic, (bool, numbers.Integral)):
+        raise TypeError("deterministic must be a bool")
+
+
+def _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse):
+    scale = _scale(softmax_scale)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if _wants_grad(q, k, v):
+        out, lse = _RingFlashAttnFunc.apply(q, k, v, geom, scale, mode, bool(deterministic), group)
+    else:
+        with torch.no_grad():
+            out, lse = _forward(geom, q, k, v, scale, mode, group)
+    return (out, lse) if return_lse else out
 
 
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False,
@@ -400,36 +601,63 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False,
     Returns:
         out (batch_size, seqlen_local, nheads, headdim), and lse when return_lse.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_flash_attn_func needs an initialised torch.distributed "
-                           "process group (torch.distributed.init_process_group)")
-    _check_layout(layout)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [batch, seqlen_local, heads, head_dim], got shape "
-                             f"{tuple(t.shape)}")
+    _common_checks(q, k, v, layout, mode, deterministic, 4)
     if k.shape[:2] != q.shape[:2] or v.shape != k.shape:
         raise ValueError("ring attention is self-attention over one sharded sequence: q, k and v "
                          f"must have the same batch and local length, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    n_chunks = 2 if layout == "zigzag" else 1
-    if q.shape[1] % n_chunks:
+    if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"the local sequence length {q.shape[1]} must be even in the zigzag "
                          "layout (two chunks per rank)")
-    if not isinstance(deterministic, (bool, numbers.Integral)):
-        raise TypeError("deterministic must be a bool")
     left, right = _bounds(bool(causal), window_size)
-    scale = _scale(softmax_scale)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    args = (scale, left, right, layout, mode, bool(deterministic), group)
-    if _wants_grad(q, k, v):
-        out, lse = _RingFlashAttnFunc.apply(q, k, v, *args)
-    else:
-        with torch.no_grad():
-            out, lse = _forward(q, k, v, *args)
-    return (out, lse) if return_lse else out
+    geom = _Dense(q, dist.get_rank(group), dist.get_world_size(group), layout, left, right)
+    return _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse)
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, group=None,
+                                softmax_scale=None, causal=False, window_size=(-1, -1),
+                                return_lse=False, layout="zigzag", mode="ring",
+                                deterministic=False):
+    """ring_flash_attn_func for packed sequences of different lengths, ring-flash-attn's
+    convention: every sequence is sharded on its own (shard_varlen), so each rank holds the
+    same local cu_seqlens, the global one divided by the world size.
+
+    Arguments:
+        q: (total_local, nheads, headdim); k, v: (total_local, nheads_k, headdim).
+        cu_seqlens: (batch_size + 1,) int32, the local prefix sums (each local length even in
+            the zigzag layout).
+        max_seqlen: the longest local length (accepted for FlashAttention's signature; derived
+            from cu_seqlens).
+        The rest as ring_flash_attn_func.
+
+    Returns:
+        out (total_local, nheads, headdim), and lse (nheads, total_local) fp32 when return_lse.
+    """
+    _common_checks(q, k, v, layout, mode, deterministic, 3)
+    if k.shape[0] != q.shape[0] or v.shape != k.shape:
+        raise ValueError("q, k and v must hold the same local rows: got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a 1-d tensor of batch_size + 1 prefix sums")
+    left, right = _bounds(bool(causal), window_size)
+    geom = _Varlen(q, cu_seqlens, dist.get_rank(group), dist.get_world_size(group), layout, left,
+                   right)
+    if geom.cu[0] != 0 or geom.cu[-1] != q.shape[0] or any(
+            a > b for a, b in zip(geom.cu, geom.cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the {q.shape[0]} local rows, got "
+                         f"{geom.cu[:8]}{'...' if len(geom.cu) > 8 else ''}")
+    return _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse)
+
+
+def shard_varlen(x, cu_seqlens, rank, world_size, layout="zigzag"):
+    """Rank `rank`'s rows of packed sequences x [total, ...] (global cu_seqlens): each sequence
+    sharded on its own. The rank's cu_seqlens are cu_seqlens // world_size."""
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    return torch.cat([shard(x[a:b], rank, world_size, layout, 0) for a, b in zip(cu, cu[1:])])
+
+
+def unshard_varlen(shards, cu_seqlens, layout="zigzag"):
+    """The packed sequences from every rank's shard_varlen rows (global cu_seqlens)."""
+    world = len(shards)
+    cu = [int(c) // world for c in cu_seqlens.tolist()]
+    return torch.cat([unshard([s[a:b] for s in shards], layout, 0) for a, b in zip(cu, cu[1:])])

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hipflash import distributed as hd
-from reference import attention_ref, check_lse, check_out, make_qkv, valid_mask
+from reference import (attention_ref, check_lse, check_out, make_qkv, valid_mask,
+                       varlen_attention_ref)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -132,6 +133,65 @@ def _check_case(rank, world, case, layout, mode, dtype, seed, group=None):
         assert err <= tol, f"{what}: d{name} max|err| {err:.3e} > {tol:.3e}"
 
 
+# (chunk rows of each sequence (0: empty), heads_q, heads_kv, head_dim, causal, window)
+VARLEN_CASES = [
+    ((3, 1, 5), 2, 2, 64, True, (-1, -1)),
+    ((2, 0, 4), 4, 2, 64, False, (-1, -1)),    # an empty sequence, GQA
+    ((4, 2), 2, 1, 32, False, (5, 3)),         # windows: a call per window the sequences need
+    ((3, 6), 2, 2, 64, True, (7, -1)),
+]
+
+
+def _varlen_torch(q, k, v, cu, dtype, causal, window):
+    """_torch_attention per sequence of packed rows, concatenated (autograd through it)."""
+    outs = []
+    for a, b in zip(cu, cu[1:]):
+        if b > a:
+            outs.append(_torch_attention(q[None, a:b], k[None, a:b], v[None, a:b], dtype, causal,
+                                         window)[0])
+    return torch.cat(outs)
+
+
+def _check_varlen_case(rank, world, case, layout, mode, dtype, seed):
+    chunks, hq, hkv, d, causal, window = case
+    lens = [2 * world * c for c in chunks]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(cu[-1], hq, d, generator=g).to(dtype)
+    k = torch.randn(cu[-1], hkv, d, generator=g).to(dtype)
+    v = torch.randn(cu[-1], hkv, d, generator=g).to(dtype)
+    dout = torch.randn(cu[-1], hq, d, generator=g).to(dtype)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    what = f"rank {rank}/{world} varlen {layout} {mode} case {case}"
+    kw = dict(causal=causal, window_size=window)
+    out_ref, lse_ref, _ = varlen_attention_ref(q, k, v, cu_t, cu_t, max(lens), **kw)
+    out_lp, _, _ = varlen_attention_ref(q, k, v, cu_t, cu_t, max(lens), lowp=True, **kw)
+
+    def mine(x, dim=0):
+        return hd.shard_varlen(x if dim == 0 else x.transpose(0, 1), cu_t, rank, world,
+                               layout) if dim == 0 else \
+            hd.shard_varlen(x.transpose(0, 1), cu_t, rank, world, layout).transpose(0, 1)
+
+    sq, sk, sv = (mine(t).requires_grad_() for t in (q, k, v))
+    out, lse = hd.ring_flash_attn_varlen_func(sq, sk, sv, cu_t // world, max(lens) // world,
+                                              return_lse=True, layout=layout, mode=mode, **kw)
+    check_out(out.detach(), mine(out_ref), mine(out_lp), what)
+    check_lse(lse, mine(lse_ref, dim=1).contiguous(), what)
+    out.backward(mine(dout))
+    g64 = _grads(lambda *a: _varlen_torch(*a, cu, torch.float64, causal, window), q, k, v, dout)
+    glp = _grads(lambda *a: _varlen_torch(*a, cu, dtype, causal, window), q, k, v, dout)
+    for name, ours, low, ref in zip("qkv", (sq.grad, sk.grad, sv.grad), glp, g64):
+        err = (ours.double() - mine(ref)).abs().max().item()
+        tol = 2 * (low.double() - ref).abs().max().item() + 1e-5
+        assert err <= tol, f"{what}: d{name} max|err| {err:.3e} > {tol:.3e}"
+
+    # The layout helpers round-trip.
+    assert torch.equal(hd.unshard_varlen([hd.shard_varlen(q, cu_t, r, world, layout)
+                                          for r in range(world)], cu_t, layout), q)
+
+
 def _worker(rank, world, init_file, dtype):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
@@ -139,6 +199,9 @@ def _worker(rank, world, init_file, dtype):
         torch.manual_seed(0)
         for i, (case, layout, mode) in enumerate(itertools.product(CASES, hd.LAYOUTS, hd.MODES)):
             _check_case(rank, world, case, layout, mode, dtype, seed=100 + i)
+        for i, (case, layout, mode) in enumerate(itertools.product(VARLEN_CASES, hd.LAYOUTS,
+                                                                   hd.MODES)):
+            _check_varlen_case(rank, world, case, layout, mode, dtype, seed=200 + i)
         # A sub-group: ranks {1, 2} of a larger world (P2P addresses global ranks).
         if world > 2:
             sub = dist.new_group([1, 2])
