@@ -1,0 +1,39 @@
+"""What the FlashAttention 2 and 3 compatibility modules share: the refusals of what hipflash
+cannot honour yet, and the packed-input splits."""
+import torch
+
+
+def refuse(name, value, default, why=""):
+    """NotImplementedError for an argument hipflash does not implement, unless it has the value
+    that means "off" (default)."""
+    off = value is None if default is None else (value == default)
+    if not off:
+        raise NotImplementedError(
+            f"hipflash.compat: {name}={_short(value)} is not supported by hipflash yet"
+            + (f" ({why})" if why else "") + f"; pass {name}={default!r}")
+
+
+def _short(value):
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    return repr(value)
+
+
+def refuse_dropout(dropout_p):
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"hipflash.compat: dropout_p={dropout_p!r}: hipflash has no attention dropout "
+            "(FlashAttention's dropout_p must be 0.0, as in evaluation)")
+
+
+def split_qkv(qkv, dim):
+    """q, k, v of a packed (..., 3, nheads, headdim) tensor (views: gradients flow back)."""
+    if qkv.dim() < 3 or qkv.shape[dim] != 3:
+        raise ValueError(f"qkv must have size 3 in dimension {dim}, got shape {tuple(qkv.shape)}")
+    return qkv.unbind(dim)
+
+
+def split_kv(kv, dim):
+    if kv.dim() < 3 or kv.shape[dim] != 2:
+        raise ValueError(f"kv must have size 2 in dimension {dim}, got shape {tuple(kv.shape)}")
+    return kv.unbind(dim)

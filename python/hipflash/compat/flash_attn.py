@@ -1,0 +1,115 @@
+"""FlashAttention 2's Python API (``flash_attn``), run by hipflash:
+
+    import hipflash.compat.flash_attn as flash_attn
+    out = flash_attn.flash_attn_func(q, k, v, causal=True)
+
+Function names, argument names and defaults as in flash-attn 2.x. Returns: ``out``; with
+``return_attn_probs=True`` the triple ``(out, softmax_lse, None)`` — the LSE in FlashAttention's
+layouts ([batch, nheads, seqlen] dense, [nheads, total_q] varlen), and no probabilities
+(FlashAttention returns them only with dropout, which hipflash does not have). Refused with
+NotImplementedError: dropout_p > 0, softcap, alibi_slopes, and in flash_attn_with_kvcache rotary
+embedding, cache_batch_idx and cache_leftpad.
+"""
+import hipflash
+
+from ._common import refuse, refuse_dropout, split_kv, split_qkv
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+
+def _unsupported(dropout_p, softcap, alibi_slopes):
+    refuse_dropout(dropout_p)
+    refuse("softcap", softcap, 0.0)
+    refuse("alibi_slopes", alibi_slopes, None)
+
+
+def _result(res, return_attn_probs):
+    return (res[0], res[1], None) if return_attn_probs else res
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
+    _unsupported(dropout_p, softcap, alibi_slopes)
+    res = hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, return_lse=bool(return_attn_probs),
+                                   deterministic=deterministic)
+    return _result(res, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    k, v = split_kv(kv, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """qkv (batch, seqlen, 3, nheads, headdim)."""
+    q, k, v = split_qkv(qkv, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim), or a paged cache with
+    block_table; the LSE (nheads, total_q)."""
+    _unsupported(dropout_p, softcap, alibi_slopes)
+    res = hipflash.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        return_lse=bool(return_attn_probs), lse_layout="packed", deterministic=deterministic,
+        block_table=block_table)
+    return _result(res, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """kv (total_k, 2, nheads_k, headdim)."""
+    k, v = split_kv(kv, 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv (total, 3, nheads, headdim)."""
+    q, k, v = split_qkv(qkv, 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention against a KV cache (contiguous, or paged with block_table) after appending
+    k / v in place at cache_seqlens; returns out, and the LSE with return_softmax_lse."""
+    refuse("rotary_cos", rotary_cos, None, "rotary embedding on append")
+    refuse("rotary_sin", rotary_sin, None, "rotary embedding on append")
+    refuse("cache_batch_idx", cache_batch_idx, None)
+    refuse("cache_leftpad", cache_leftpad, None)
+    refuse("softcap", softcap, 0.0)
+    refuse("alibi_slopes", alibi_slopes, None)
+    return hipflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        num_splits=num_splits, return_lse=return_softmax_lse)

@@ -1,0 +1,145 @@
+"""FlashAttention 3's Python API (``flash_attn_interface``, hopper/), run by hipflash:
+
+    from hipflash.compat.flash_attn_interface import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+
+Function names, argument names and defaults as in FlashAttention 3. ``return_attn_probs`` /
+``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
+Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
+scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
+NotImplementedError: qv, q/k/v_descale (fp8), attention_chunk, softcap, seqused_q / seqused_k,
+rotary embedding, cache_batch_idx, cache_leftpad, and varlen queries appending new keys
+(cu_seqlens_k_new).
+"""
+import torch
+
+import hipflash
+
+from ._common import refuse, split_qkv
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache", "flash_attn_combine"]
+
+
+def _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap):
+    refuse("qv", qv, None)
+    for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
+                        ("v_descale", v_descale)):
+        refuse(name, value, None, "fp8 attention is issue 43")
+    refuse("attention_chunk", attention_chunk, 0)
+    refuse("softcap", softcap, 0.0)
+
+
+def _splits(num_splits):
+    return 0 if num_splits <= 0 else num_splits
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                    k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
+                    softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                    return_attn_probs=False):
+    """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
+    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap)
+    return hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                    window_size=window_size, num_splits=_splits(num_splits),
+                                    return_lse=bool(return_attn_probs),
+                                    deterministic=deterministic)
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None,
+                              k_descale=None, v_descale=None, window_size=(-1, -1),
+                              attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """qkv (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, nheads_q + 2 nheads_k,
+    headdim) with num_heads_q (GQA)."""
+    if qkv.dim() == 5:
+        q, k, v = split_qkv(qkv, 2)
+    else:
+        if num_heads_q is None:
+            raise ValueError("a 4-d qkv (heads packed) needs num_heads_q")
+        num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+        if 2 * num_heads_k + num_heads_q != qkv.shape[2] or num_heads_k <= 0:
+            raise ValueError(f"qkv's {qkv.shape[2]} heads are not num_heads_q={num_heads_q} "
+                             "plus twice the kv heads")
+        q, k, v = qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=2)
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale,
+                           window_size, attention_chunk, softcap, 1, None, deterministic,
+                           sm_margin, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           qv=None, q_descale=None, k_descale=None, v_descale=None,
+                           window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0,
+                           return_attn_probs=False):
+    """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim); the LSE (nheads,
+    total_q)."""
+    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap)
+    refuse("seqused_q", seqused_q, None)
+    refuse("seqused_k", seqused_k, None)
+    return hipflash.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        num_splits=_splits(num_splits), return_lse=bool(return_attn_probs), lse_layout="packed",
+        deterministic=deterministic)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, page_table=None, cu_seqlens_q=None,
+                            cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                            rotary_interleaved=True, scheduler_metadata=None, num_splits=0,
+                            pack_gqa=None, sm_margin=0, return_softmax_lse=False):
+    """Attention against a KV cache (contiguous, or paged with page_table) after appending
+    k / v in place at cache_seqlens. Varlen queries (cu_seqlens_q) attend to a paged cache
+    without appending (hipflash's chunked prefill)."""
+    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap)
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("rotary_seqlens", rotary_seqlens), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad), ("cu_seqlens_k_new", cu_seqlens_k_new)):
+        refuse(name, value, None)
+    if cu_seqlens_q is not None:
+        if k is not None or v is not None:
+            raise NotImplementedError("hipflash.compat: varlen queries (cu_seqlens_q) appending "
+                                      "new keys (k, v) are not supported by hipflash yet")
+        if page_table is None or cache_seqlens is None or max_seqlen_q is None:
+            raise NotImplementedError("hipflash.compat: varlen queries (cu_seqlens_q) need "
+                                      "page_table, cache_seqlens and max_seqlen_q here")
+        if not isinstance(cache_seqlens, torch.Tensor):
+            raise TypeError("cache_seqlens must be an int32 tensor with varlen queries")
+        cu_k = torch.zeros(cache_seqlens.numel() + 1, dtype=torch.int32, device=q.device)
+        torch.cumsum(cache_seqlens, 0, out=cu_k[1:])
+        max_k = page_table.shape[1] * k_cache.shape[1]
+        return hipflash.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, max_k,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
+            lse_layout="packed", block_table=page_table)
+    return hipflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse))
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):
+    """Merges split results by their LSEs: out_partial (num_splits, batch, seqlen, nheads,
+    headdim) or (num_splits, total, nheads, headdim), fp32; lse_partial (num_splits, batch,
+    seqlen, nheads) or (num_splits, total, nheads). Returns out in out_dtype (default
+    out_partial's) and, with return_lse, the merged LSE (batch, seqlen, nheads) or (total,
+    nheads) fp32. The merge runs in fp32 (hipflash.merge_attn_states), then rounds once to
+    out_dtype."""
+    if out_partial.dim() not in (4, 5) or lse_partial.dim() != out_partial.dim() - 1:
+        raise ValueError(f"out_partial {tuple(out_partial.shape)} and lse_partial "
+                         f"{tuple(lse_partial.shape)} are not FA3's combine layouts")
+    lses = lse_partial.movedim(-1, -2)  # hipflash: the heads before the rows
+    merged, lse = hipflash.merge_attn_states(out_partial, lses.contiguous())
+    merged = merged.to(out_dtype or out_partial.dtype)
+    lse = lse.movedim(-2, -1)
+    if out is not None:
+        out.copy_(merged)
+        merged = out
+    return (merged, lse) if return_lse else merged
