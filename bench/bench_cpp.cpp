@@ -206,7 +206,7 @@ class Buffer {
   }
   ~Buffer() {
 #if defined(HF_RT)
-    if (gpu_ && ptr_) (void)HF_RT(Free)(ptr_);
+    if (gpu_ && ptr_) rt_warn(HF_RT(Free)(ptr_), "device free");
 #endif  // HF_RT
   }
   Buffer(const Buffer&) = delete;
@@ -415,8 +415,8 @@ class CellRunner {
     // call is one sample; the median of the samples is reported.
     const int per = std::max(1, std::min(reps / 10, int(std::ceil(1.0 / est))));
     for (int done = 0; done < reps; done += per) samples.push_back(batch_ms(per, done) / per);
-    (void)HF_RT(EventDestroy)(e0);
-    (void)HF_RT(EventDestroy)(e1);
+    rt_check(HF_RT(EventDestroy)(e0), "event destroy");
+    rt_check(HF_RT(EventDestroy)(e1), "event destroy");
     r.ms = median(samples);
     r.reps = int(samples.size()) * per;
 #endif  // HF_RT

@@ -17,7 +17,8 @@ struct ScopedDevice {
   }
   ~ScopedDevice() {
     int cur = -1;
-    if (port::get_device(&cur) == port::kSuccess && cur != prev) (void)port::set_device(prev);
+    port::check_nothrow(port::get_device(&cur), "querying the current device");
+    if (cur != prev) port::check_nothrow(port::set_device(prev), "restoring the previous device");
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;

@@ -48,7 +48,7 @@ struct ScratchBuffer {
     port::check(port::malloc_async(&ptr, bytes, s), "allocating the split-K workspace");
   }
   ~ScratchBuffer() {
-    if (ptr) (void)port::free_async(ptr, stream);
+    if (ptr) port::check_nothrow(port::free_async(ptr, stream), "freeing the split-K workspace");
   }
 };
 

@@ -4,6 +4,7 @@
 // hipMalloc. Without one, HF_RT is undefined and the programs run the CPU backend only.
 #pragma once
 
+#include <cstdio>
 #include <string>
 
 #include "hipflash/errors.hpp"
@@ -23,5 +24,10 @@ using DeviceProp = hipDeviceProp_t;
 inline void rt_check(HF_RT(Error_t) e, const char* what) {
   if (e != HF_RT(Success))
     throw hipflash::runtime_error(std::string(what) + ": " + HF_RT(GetErrorString)(e));
+}
+/// The same check where nothing may throw (destructors, cleanup): reported on stderr.
+inline void rt_warn(HF_RT(Error_t) e, const char* what) noexcept {
+  if (e != HF_RT(Success))
+    std::fprintf(stderr, "hipflash: %s failed: %s\n", what, HF_RT(GetErrorString)(e));
 }
 #endif  // HF_RT

@@ -149,7 +149,7 @@ struct Device {
   void to_host(Host& h) const {
     rt_check(HF_RT(Memcpy)(h.ref.data, ptr, h.nbytes(), HF_RT(MemcpyDeviceToHost)), "copy to host");
   }
-  ~Device() { HF_RT(Free)(ptr); }
+  ~Device() { rt_warn(HF_RT(Free)(ptr), "device free"); }
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
 };
@@ -242,8 +242,8 @@ int run(const Args& a) {
       rt_check(HF_RT(EventElapsedTime)(&t, e0, e1), "event time");
       ms.push_back(t);
     }
-    HF_RT(EventDestroy)(e0);
-    HF_RT(EventDestroy)(e1);
+    rt_check(HF_RT(EventDestroy)(e0), "event destroy");
+    rt_check(HF_RT(EventDestroy)(e1), "event destroy");
     dout.to_host(out);
     dlse.to_host(lse);
 #endif  // HF_RT

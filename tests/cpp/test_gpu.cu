@@ -329,7 +329,7 @@ struct NaNBuffer {
     CUDA_CHECK(cudaMalloc(&ptr, bytes));
     CUDA_CHECK(cudaMemset(ptr, 0xFF, bytes));
   }
-  ~NaNBuffer() { (void)cudaFree(ptr); }
+  ~NaNBuffer() { EXPECT_EQ(cudaFree(ptr), cudaSuccess); }
 };
 
 TEST_F(Gpu, CallerWorkspaceGivesTheSameResult) {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -160,6 +161,11 @@ inline void check(error_t e, const char* what) {
   if (e != kSuccess) {
     throw ::hipflash::runtime_error(std::string(what) + ": " + error_string(e));
   }
+}
+/// The same where nothing may throw (destructors: a scratch buffer's free, the previous
+/// device restored): the failure is reported on stderr, never dropped.
+inline void check_nothrow(error_t e, const char* what) noexcept {
+  if (e != kSuccess) std::fprintf(stderr, "hipflash: %s failed: %s\n", what, error_string(e));
 }
 
 /// Wave/warp size of the compilation target, as a constexpr. Host code on AMD gets 64 (every
