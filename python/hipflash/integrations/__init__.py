@@ -1,0 +1,1 @@
+"""hipflash inside frameworks: ``hipflash.integrations.transformers`` (Hugging Face)."""

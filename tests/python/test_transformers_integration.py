@@ -1,0 +1,131 @@
+"""hipflash.integrations.transformers: the attention function against the reference of SPEC §3 in
+transformers' calling convention (left-padded batches through the varlen path, generation steps
+against a cache, sliding windows, GQA) — on the CPU in CI — and, where transformers is installed,
+a tiny random Llama through from_pretrained's attn_implementation against SDPA."""
+import importlib.util
+
+import pytest
+import torch
+
+import hipflash
+from hipflash.integrations import transformers as hf
+from reference import attention_ref, check_out
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and hipflash.gpu_available() else [])
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+def _case(device, batch, q_len, kv_len, hq, hkv, d, pads, seed=0):
+    """transformers-layout q [B, Hq, q_len, D], k / v [B, Hkv, kv_len, D] and a left-padding mask
+    [B, kv_len] (pads[b] leading positions False)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, q_len, d, generator=g).to(torch.bfloat16).to(device)
+    k = torch.randn(batch, hkv, kv_len, d, generator=g).to(torch.bfloat16).to(device)
+    v = torch.randn(batch, hkv, kv_len, d, generator=g).to(torch.bfloat16).to(device)
+    mask = torch.ones(batch, kv_len, dtype=torch.bool)
+    for b, n in enumerate(pads):
+        mask[b, :n] = False
+    return q, k, v, mask.to(device)
+
+
+def _check(out, q, k, v, mask, sliding_window=None):
+    """Each sequence's valid query rows against the reference on its valid keys (bottom-right
+    causal, as transformers' FlashAttention path); padded query rows are zero."""
+    q_len, kv_len = q.shape[2], k.shape[2]
+    for b in range(q.shape[0]):
+        keys = mask[b].nonzero().flatten()
+        rows = (mask[b, -q_len:] if q_len > 1 else mask[b, -1:]).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        qb = q[b].transpose(0, 1)[rows][None]
+        kb, vb = (t[b].transpose(0, 1)[keys][None] for t in (k, v))
+        window = (-1, -1)
+        if sliding_window is not None and kv_len > sliding_window:
+            window = (sliding_window - 1, 0)
+        ref, _ = attention_ref(qb, kb, vb, causal=True, window_size=window)
+        lp, _ = attention_ref(qb, kb, vb, causal=True, window_size=window, lowp=True)
+        check_out(out[b, rows][None], ref, lp, f"sequence {b}")
+        pad_rows = (~mask[b, -q_len:]).nonzero().flatten() if q_len > 1 else []
+        for r in pad_rows:
+            assert torch.count_nonzero(out[b, r]) == 0, f"sequence {b}: padded row {r} not zero"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_len, kv_len, pads", [
+    (20, 20, (0, 5, 11)),      # prefill, left padding
+    (1, 33, (0, 7, 20)),       # a generation step against the cache
+    (4, 30, (2, 0, 9)),        # a few new tokens after a padded past
+])
+def test_padded_batches_take_the_varlen_path(device, q_len, kv_len, pads):
+    q, k, v, mask = _case(device, 3, q_len, kv_len, 4, 2, 64, pads)
+    out, weights = hf.attention(_Layer(), q, k, v, mask, scaling=64 ** -0.5)
+    assert weights is None and out.shape == (3, q_len, 4, 64)
+    _check(out, q, k, v, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_mask_is_the_dense_call(device):
+    q, k, v, mask = _case(device, 2, 16, 16, 4, 4, 64, (0, 0))
+    out, _ = hf.attention(_Layer(), q, k, v, None, scaling=64 ** -0.5)
+    want = hipflash.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+    assert torch.equal(out, want)
+    _check(out, q, k, v, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_sliding_window_covers_the_last_keys(device, masked):
+    q, k, v, mask = _case(device, 2, 24, 24, 2, 1, 64, (0, 6))
+    out, _ = hf.attention(_Layer(), q, k, v, mask if masked else None, scaling=64 ** -0.5,
+                          sliding_window=8)
+    _check(out, q, k, v, mask if masked else torch.ones_like(mask), sliding_window=8)
+
+
+def test_refuses_what_hipflash_lacks():
+    q, k, v, mask = _case("cpu", 1, 4, 4, 2, 2, 64, (0,))
+    layer = _Layer().train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        hf.attention(layer, q, k, v, mask, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        hf.attention(_Layer(), q, k, v, mask, softcap=50.0)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        hf.attention(_Layer(), q, k, v, mask, s_aux=torch.zeros(2))
+
+
+def test_register_refuses_names_transformers_reserves():
+    with pytest.raises(ValueError, match="flash"):
+        hf.register("hipflash")
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed here (it is on "
+                    "the GPU machine: scripts/gpu-check test runs this)")
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_llama_matches_sdpa(device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    name = hf.register()
+    assert name == hf.NAME
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    ref_model = LlamaForCausalLM(cfg).to(device, torch.bfloat16).eval()
+    ours = LlamaForCausalLM._from_config(cfg, attn_implementation=name)
+    ours.load_state_dict(ref_model.state_dict())
+    ours = ours.to(device, torch.bfloat16).eval()
+    ref_model.set_attn_implementation("sdpa") if hasattr(ref_model, "set_attn_implementation") \
+        else None
+    ids = torch.randint(0, 128, (2, 24), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask).logits
+        b = ref_model(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert (a[valid].float() - b[valid].float()).abs().max().item() < 0.1
+    gen_a = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    gen_b = ref_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert gen_a.shape == gen_b.shape
