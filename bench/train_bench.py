@@ -8,8 +8,11 @@ grad, then torch.autograd.grad(out, (q, k, v), dout). Backends:
   torch-flash     F.scaled_dot_product_attention under sdpa_kernel(FLASH_ATTENTION): FA2
   torch-cudnn     F.scaled_dot_product_attention under sdpa_kernel(CUDNN_ATTENTION)
 Cells: FlashAttention's grid (B * S = 16k, H * D = 2048, D 64 / 128, S 512 .. 16k, causal and
-not), bf16. TFLOP/s count the forward's 4 B H S^2 D (halved for causal) times 3.5 (backward =
-2.5 forward), as FlashAttention reports them.
+not), bf16; beside it GQA cells (Hq / Hkv = 4 and 8; the SDPA peers with enable_gqa) and varlen
+cells (hipflash only: mixed lengths, 16k tokens), each to compare with the dense cell of the
+same token count. TFLOP/s count the forward's 4 B H S^2 D (halved for causal; per sequence for
+varlen) times 3.5 (backward = 2.5 forward), as FlashAttention reports them. The backward alone
+is timed too (torch.autograd.grad on a saved forward; TFLOP/s of 2.5 forwards).
 
 Correct first: every backend's gradients are checked against an fp32 PyTorch reference on the
 first input set (error <= 2 x the bf16 PyTorch error + 1e-3 relative to the largest gradient,
@@ -24,6 +27,7 @@ TRAIN_HOST_LOOPS[2] steps).
 
 import math
 import os
+import re
 import zlib
 
 import torch
@@ -36,16 +40,46 @@ BACKENDS = ["hipflash", "hipflash-det", "torch-flash", "torch-cudnn"]
 TRAIN_HOST_LOOPS = (3, 10, 10)  # wall clock: repeats x steps back to back, synchronised steps
 
 
+def _label(b, s, h, d):
+    return f"b{b}_s{s // 1024}k_h{h}_d{d}" if s >= 1024 else f"b{b}_s{s}_h{h}_d{d}"
+
+
+def varlen_lengths(total, lo, hi, seed):
+    """Sequence lengths in [lo, hi], multiples of 64, summing to `total` (the last one takes the
+    rest)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while total - sum(lens) > hi:
+        lens.append(int(torch.randint(lo // 64, hi // 64 + 1, (1,), generator=g)) * 64)
+    return lens + [total - sum(lens)]
+
+
 def train_cells(device):
+    """(label, batch, seqlen, heads, kv heads, head dim, causal, varlen lengths or None)."""
     if device != "cuda":
-        return [("tiny_s64_d64", 2, 64, 2, 64, False), ("tiny_s64_d64_causal", 2, 64, 2, 64, True)]
+        return [("tiny_s64_d64", 2, 64, 2, 2, 64, False, None),
+                ("tiny_s64_d64_causal", 2, 64, 2, 2, 64, True, None),
+                ("tiny_s64_h4_d64_gqa2_causal", 2, 64, 4, 2, 64, True, None),
+                ("tiny_varlen_d64_causal", 1, 128, 2, 2, 64, True, [64, 32, 32])]
     cells = []
     for d in (64, 128):
         for s in (512, 1024, 2048, 4096, 8192, 16384):
             for causal in (False, True):
                 b, h = 16384 // s, 2048 // d
-                label = f"b{b}_s{s // 1024}k_h{h}_d{d}" if s >= 1024 else f"b{b}_s{s}_h{h}_d{d}"
-                cells.append((label + ("_causal" if causal else ""), b, s, h, d, causal))
+                cells.append((_label(b, s, h, d) + ("_causal" if causal else ""), b, s, h, h, d,
+                              causal, None))
+    for d in (64, 128):  # GQA and varlen beside the dense cells of the same tokens
+        h = 2048 // d
+        for s in (2048, 8192):
+            for ratio in (4, 8):
+                for causal in (False, True):
+                    b = 16384 // s
+                    cells.append((_label(b, s, h, d) + f"_gqa{ratio}" + ("_causal" if causal else ""),
+                                  b, s, h, h // ratio, d, causal, None))
+        for causal in (False, True):
+            lens = varlen_lengths(16384, 512, 4096, seed=d)
+            cells.append((f"varlen_16k_512-4k_h{h}_d{d}" + ("_causal" if causal else ""), 1,
+                          16384, h, h, d, causal, lens))
     return cells
 
 
@@ -55,30 +89,52 @@ def _sdpa(kind):
                "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[kind]
 
     def attn(q, k, v, causal):
+        gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
         with sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                 v.transpose(1, 2), is_causal=causal)
+                                                 v.transpose(1, 2), is_causal=causal, **gqa)
         return out.transpose(1, 2)
     return attn
 
 
-def _attention(name, hf):
-    if name == "hipflash":
-        return lambda q, k, v, causal: hf.flash_attn_func(q, k, v, causal=causal)
-    if name == "hipflash-det":
+def _attention(name, hf, lens=None):
+    """The backend's attention(q, k, v, causal) on [B, S, H, D] tensors; with `lens`, the packed
+    sequences of q[0] (hipflash's varlen call; the SDPA peers have none)."""
+    det = name == "hipflash-det"
+    if name in ("hipflash", "hipflash-det") and lens is None:
         return lambda q, k, v, causal: hf.flash_attn_func(q, k, v, causal=causal,
-                                                          deterministic=True)
+                                                          deterministic=det)
+    if name in ("hipflash", "hipflash-det"):
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+
+        def varlen(q, k, v, causal):
+            c = cu.to(q.device)
+            return hf.flash_attn_varlen_func(q[0], k[0], v[0], c, c, max(lens), max(lens),
+                                             causal=causal, deterministic=det)[None]
+        return varlen
+    if lens is not None:
+        raise NotImplementedError("no varlen attention in SDPA")
     return _sdpa(name)
 
 
-def _reference(q, k, v, dout, causal, dtype, heads_per_chunk=4):
+def _reference(q, k, v, dout, causal, dtype, lens=None, heads_per_chunk=4):
     """Gradients of softmax(q k^T / sqrt(D)) v in `dtype` with PyTorch ops ([B, S, H, D]), a
     few heads at a time (the heads are independent; the score matrices of all of them at once
-    would not fit at S = 16k)."""
-    chunks = [_reference_chunk(q[:, :, h:h + heads_per_chunk], k[:, :, h:h + heads_per_chunk],
-                               v[:, :, h:h + heads_per_chunk], dout[:, :, h:h + heads_per_chunk],
+    would not fit at S = 16k); GQA by repeated k / v heads (their gradients summed back); with
+    `lens`, each packed sequence of the single batch row on its own."""
+    if lens is not None:
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        parts = [_reference(*(t[:, a:a + n] for t in (q, k, v, dout)), causal, dtype)
+                 for a, n in zip(starts, lens)]
+        return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(3))
+    group = q.shape[2] // k.shape[2]
+    ke, ve = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    chunks = [_reference_chunk(q[:, :, h:h + heads_per_chunk], ke[:, :, h:h + heads_per_chunk],
+                               ve[:, :, h:h + heads_per_chunk], dout[:, :, h:h + heads_per_chunk],
                                causal, dtype) for h in range(0, q.shape[2], heads_per_chunk)]
-    return tuple(torch.cat([c[i] for c in chunks], dim=2) for i in range(3))
+    dq, dk, dv = (torch.cat([c[i] for c in chunks], dim=2) for i in range(3))
+    b, s, _, d = dk.shape
+    return dq, dk.view(b, s, -1, group, d).sum(3), dv.view(b, s, -1, group, d).sum(3)
 
 
 def _reference_chunk(q, k, v, dout, causal, dtype):
@@ -102,24 +158,26 @@ def run_train_suite(args, device, timer, meta, out_dir):
     names = BACKENDS if not args.backends else [b for b in BACKENDS if b in args.backends.split(",")]
     rows = []
     host_loops = TRAIN_HOST_LOOPS if device == "cuda" else (1, 2, 2)
-    for label, b, s, h, d, causal in cells:
+    for label, b, s, h, hkv, d, causal, lens in cells:
         timed = {}  # backend -> (row, run): the checked and timed ones, for the wall clock
         g = torch.Generator(device=device).manual_seed(zlib.crc32(label.encode()))
-        per_set = 4 * b * s * h * d * 2
+        per_set = 2 * b * s * (2 * h + 2 * hkv) * d
         nsets = max(1, min(8, math.ceil(3 * l2 / per_set))) if device == "cuda" else 1
-        sets = [[torch.randn(b, s, h, d, device=device, dtype=dtype, generator=g)
-                 for _ in range(4)] for _ in range(nsets)]
+        sets = [[torch.randn(b, s, n, d, device=device, dtype=dtype, generator=g)
+                 for n in (h, hkv, hkv, h)] for _ in range(nsets)]
         for st in sets:
             for t in st[:3]:
                 t.requires_grad_()
-        flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * 3.5
+        sq = sum(n * n for n in lens) if lens else b * s * s  # sum of S^2 over sequences
+        flops = 4 * h * sq * d * (0.5 if causal else 1.0) * 3.5
         ref = None
         for name in names:
             row = {"suite": "train", "label": label, "backend": name, "B": b, "S": s, "H": h,
-                   "D": d, "causal": causal, "dtype": "bf16", "status": "ok", "note": ""}
+                   "Hkv": hkv, "D": d, "causal": causal, "dtype": "bf16", "status": "ok",
+                   "note": "", "varlen": lens}
             rows.append(row)
             try:
-                attn = _attention(name, hf)
+                attn = _attention(name, hf, lens)
 
                 def run(j, attn=attn):
                     q, k, v, dout = sets[j]
@@ -129,8 +187,8 @@ def run_train_suite(args, device, timer, meta, out_dir):
                 got = run(0)
                 if ref is None:
                     q, k, v, dout = sets[0]
-                    ref = (_reference(q, k, v, dout, causal, torch.float32),
-                           _reference(q, k, v, dout, causal, dtype))
+                    ref = (_reference(q, k, v, dout, causal, torch.float32, lens),
+                           _reference(q, k, v, dout, causal, dtype, lens))
                 for gname, ours, r32, rlp in zip("qkv", got, *ref):
                     err = (ours.float() - r32).abs().max().item()
                     tol = 2 * (rlp.float() - r32).abs().max().item() + 1e-3 * r32.abs().max().item()
@@ -142,9 +200,20 @@ def run_train_suite(args, device, timer, meta, out_dir):
                 print(f"{label:28s} {name:14s} {row['status']}: {row['note']}", flush=True)
                 continue
             t = timer.time(run, nsets)["time_ms"]
-            row.update(time_ms=t, tflops=flops / t / 1e9)
+            # The backward alone: the gradients of a saved forward (its graph kept for reuse).
+            outs = [attn(st[0], st[1], st[2], causal) for st in sets]
+
+            def run_bwd(j, outs=outs):
+                q, k, v, dout = sets[j]
+                return torch.autograd.grad(outs[j], (q, k, v), dout, retain_graph=True)
+
+            tb = timer.time(run_bwd, nsets)["time_ms"]
+            del outs
+            bwd_flops = flops / 3.5 * 2.5
+            row.update(time_ms=t, tflops=flops / t / 1e9, bwd_ms=tb, bwd_tflops=bwd_flops / tb / 1e9)
             timed[name] = (row, run)
-            print(f"{label:28s} {name:14s} {t:9.3f} ms  {row['tflops']:7.1f} TFLOP/s", flush=True)
+            print(f"{label:28s} {name:14s} {t:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  backward "
+                  f"{tb:.3f} ms {row['bwd_tflops']:.1f}", flush=True)
         if timed:
             host = timer.host({n: r for n, (_, r) in timed.items()}, nsets, loops=host_loops)
             for n, (row, _) in timed.items():
@@ -161,22 +230,45 @@ def run_train_suite(args, device, timer, meta, out_dir):
     return 0 if all(r["status"] in ("ok", "n/a") for r in rows) else 1
 
 
+def _is_grid(r):
+    """A cell of FlashAttention's grid (dense, MHA): the cells the geomeans are over."""
+    return not r.get("varlen") and r.get("Hkv", r["H"]) == r["H"]
+
+
+def _dense_twin(r, grid_labels):
+    """The grid cell a GQA or varlen cell compares with: the same head dim, causality and token
+    count (16k); for varlen the sequence length nearest its FLOP-weighted mean length."""
+    if r.get("varlen"):
+        lens = r["varlen"]
+        mean = sum(n * n for n in lens) / sum(lens)
+        s = min((512, 1024, 2048, 4096, 8192, 16384), key=lambda x: abs(math.log(x / mean)))
+        label = _label(16384 // s, s, r["H"], r["D"])
+    else:
+        label = re.sub(r"_gqa\d+", "", r["label"]).replace("_causal", "")
+    label += "_causal" if r["causal"] else ""
+    return label if label in grid_labels else None
+
+
 def write_md(meta, rows, names, path):
     cells = []
     for r in rows:
         if r["label"] not in cells:
             cells.append(r["label"])
     by = {(r["label"], r["backend"]): r for r in rows}
+    first = {r["label"]: r for r in reversed(rows)}
+    grid = [c for c in cells if _is_grid(first[c])]
+    others = [c for c in cells if c not in grid]
 
-    def cell_txt(r):
-        return f"{r['tflops']:.0f}" if r and r["status"] == "ok" else (r["status"] if r else "")
+    def cell_txt(r, key="tflops"):
+        return f"{r[key]:.0f}" if r and r["status"] == "ok" else (r["status"] if r else "")
 
-    def ratio(a, b):
+    def ratio(a, b, key="time_ms"):
         ra, rb = by.get(a), by.get(b)
         if ra and rb and ra["status"] == "ok" and rb["status"] == "ok":
-            return rb["time_ms"] / ra["time_ms"]
+            return rb[key] / ra[key]
         return None
 
+    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None  # noqa: E731
     with open(path, "w") as f:
         f.write(f"# Forward + backward, bf16 ({meta.get('gpu', meta['device'])}, commit "
                 f"{meta['commit']})\n\n`{meta['command']}`\n\nTFLOP/s (forward x 3.5); ratios "
@@ -184,20 +276,73 @@ def write_md(meta, rows, names, path):
         f.write("| cell | " + " | ".join(names) + " | vs torch-flash | vs torch-cudnn |\n")
         f.write("|---" * (len(names) + 3) + "|\n")
         fa, cd = [], []
-        for c in cells:
+        for c in grid:
             rf = ratio((c, "hipflash"), (c, "torch-flash"))
             rc = ratio((c, "hipflash"), (c, "torch-cudnn"))
             fa += [rf] if rf else []
             cd += [rc] if rc else []
             f.write(f"| {c} | " + " | ".join(cell_txt(by.get((c, n))) for n in names) +
                     f" | {f'{rf:.2f}x' if rf else ''} | {f'{rc:.2f}x' if rc else ''} |\n")
-        gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None  # noqa: E731
         if fa or cd:
             f.write(f"\nGeomean: hipflash vs torch-flash (FA2) "
                     f"{gm(fa):.2f}x (lowest {min(fa):.2f}x), " if fa else "\n")
             f.write(f"vs torch-cudnn {gm(cd):.2f}x (lowest {min(cd):.2f}x).\n" if cd else "\n")
+        if others:
+            write_beside_dense(f, others, names, by, first, grid, cell_txt)
+        write_backward_alone(f, cells, names, by, ratio, gm)
         if any(r.get("b2b_ms") is not None for r in rows):
             write_wall_clock(f, cells, names, by, gm)
+
+
+def write_beside_dense(f, others, names, by, first, grid, cell_txt):
+    """GQA and varlen cells beside the grid cell of the same tokens (issue 40: within 10%)."""
+    f.write("\n## GQA and varlen beside the dense cells\n\nTFLOP/s (forward x 3.5); \"dense\": "
+            "hipflash on the grid cell of the same head dim, causality and tokens (varlen: the "
+            "sequence length nearest its FLOP-weighted mean), and the ratio of TFLOP/s.\n\n")
+    f.write("| cell | " + " | ".join(names) + " | dense cell | hipflash there | ratio |\n")
+    f.write("|---" * (len(names) + 4) + "|\n")
+    for c in others:
+        twin = _dense_twin(first[c], set(grid))
+        ours, dense = by.get((c, "hipflash")), by.get((twin, "hipflash")) if twin else None
+        r = (ours["tflops"] / dense["tflops"] if ours and dense and ours["status"] == "ok"
+             and dense["status"] == "ok" else None)
+        f.write(f"| {c} | " + " | ".join(cell_txt(by.get((c, n))) for n in names) +
+                f" | {twin or ''} | {cell_txt(dense) if dense else ''} | "
+                f"{f'{r:.2f}' if r else ''} |\n")
+
+
+def write_backward_alone(f, cells, names, by, ratio, gm):
+    """The backward alone (gradients of a saved forward) and the deterministic mode's cost."""
+    if not any(r.get("bwd_ms") is not None for r in by.values()):
+        return
+    peers = [n for n in ("torch-flash", "torch-cudnn") if n in names]
+    f.write("\n## Backward alone\n\nTFLOP/s (2.5 forwards) of torch.autograd.grad on a saved "
+            "forward; ratios time(peer) / time(hipflash); \"det cost\": hipflash-det's fwd + bwd "
+            "time over hipflash's (deterministic=True).\n\n")
+    f.write("| cell | " + " | ".join(names) + " | " + " | ".join(f"vs {p}" for p in peers) +
+            " | det cost |\n")
+    f.write("|---" * (len(names) + len(peers) + 2) + "|\n")
+    rs = {p: [] for p in peers}
+    det = []
+    for c in cells:
+        vals = []
+        for p in peers:
+            x = ratio((c, "hipflash"), (c, p), "bwd_ms")
+            rs[p] += [x] if x else []
+            vals.append(f"{x:.2f}x" if x else "")
+        d = ratio((c, "hipflash-det"), (c, "hipflash"))
+        det += [1 / d] if d else []
+        f.write(f"| {c} | " + " | ".join(
+            f"{by[(c, n)]['bwd_tflops']:.0f}" if by.get((c, n)) and by[(c, n)].get("bwd_tflops")
+            else "" for n in names) + " | " + " | ".join(vals) +
+            f" | {f'{1 / d:.2f}' if d else ''} |\n")
+    for p in peers:
+        if rs[p]:
+            f.write(f"\nBackward alone, hipflash vs {p}: {gm(rs[p]):.2f}x (lowest "
+                    f"{min(rs[p]):.2f}x).\n")
+    if det:
+        f.write(f"\nDeterministic mode: fwd + bwd {gm(det):.2f}x the default's time (worst "
+                f"{max(det):.2f}x).\n")
 
 
 def write_wall_clock(f, cells, names, by, gm):
