@@ -184,14 +184,17 @@ class _Ring:
 
     def send_recv(self, buf):
         """Starts sending buf to the next rank and receiving the same size from the previous
-        one; returns (works, received buffer)."""
+        one; returns (pending, received buffer). The pending exchange holds buf until _wait."""
         recv = torch.empty_like(buf)
         ops = [dist.P2POp(dist.isend, buf, self.next, self.group),
                dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        return dist.batch_isend_irecv(ops), recv
+        return (dist.batch_isend_irecv(ops), buf), recv
 
 
-def _wait(works):
+def _wait(pending):
+    """Waits for an exchange (on a GPU: makes the current stream wait for it); only then is its
+    send buffer released."""
+    works, _buf = pending
     for w in works:
         w.wait()
 
@@ -301,6 +304,7 @@ class _Varlen:
         self.cu = [int(x) for x in cu_seqlens.tolist()]
         self.n_sub = len(_chunk_ids(rank, world, layout)[0])
         self.device = q.device
+        self._calls = {}  # src rank (or "all") -> its calls, index tensors on the device
         for b in range(len(self.cu) - 1):
             if (self.cu[b + 1] - self.cu[b]) % self.n_sub:
                 raise ValueError(f"sequence {b}'s local length {self.cu[b + 1] - self.cu[b]} must be "
@@ -318,6 +322,11 @@ class _Varlen:
         return [(_Call(qr, kr, self.device), None, l, r) for (l, r), (qr, kr) in groups.items()]
 
     def ring_calls(self, src):
+        if src not in self._calls:  # built once: the backward reuses the forward's
+            self._calls[src] = self._ring_calls(src)
+        return self._calls[src]
+
+    def _ring_calls(self, src):
         per = []
         for b in range(len(self.cu) - 1):
             chunk = (self.cu[b + 1] - self.cu[b]) // self.n_sub
@@ -327,6 +336,11 @@ class _Varlen:
         return self._grouped(per)
 
     def gathered_calls(self):
+        if "all" not in self._calls:
+            self._calls["all"] = self._gathered_calls()
+        return self._calls["all"]
+
+    def _gathered_calls(self):
         q_ids, n = _chunk_ids(self.rank, self.world, self.layout)
         per = []
         for b in range(len(self.cu) - 1):
@@ -439,6 +453,14 @@ def _ring_forward(geom, q, k, v, scale, ring):
 
 def _ring_backward(geom, dout, q, k, v, out, lse, scale, deterministic, ring):
     world, rank = ring.world, ring.rank
+    if world == 1:  # one rank: its own block, nothing to hand on
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for call, keys, l, r in geom.ring_calls(rank):
+            geom.add_rows(dq, call, _attend_bwd(geom, call, keys, l, r, dout, q, k, v, out, lse,
+                                                scale, deterministic, dk, dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     acc_works = acc_recv = None
@@ -502,7 +524,7 @@ def _allgather_backward(geom, dout, q, k, v, out, lse, scale, deterministic, gro
     # Each rank's shard of the sum over ranks: reduce-scatter of the shards (fp32).
     parts = [_as_bytes((geom.shard(dkf, r_), geom.shard(dvf, r_))).view(torch.float32)
              for r_ in range(world)]
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: all_reduce, keep ours
+    if not parts[0].is_cuda:  # CPU tensors (gloo: no reduce_scatter): all_reduce, keep ours
         total = torch.stack(parts)
         dist.all_reduce(total, group=group)
         mine = total[rank]

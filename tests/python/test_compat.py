@@ -83,6 +83,7 @@ def test_fa2_kvcache(device):
     ("kvcache", dict(cache_leftpad=torch.zeros(2, dtype=torch.int32))),
 ])
 def test_fa2_refuses_what_hipflash_lacks_by_name(call, arg):
+    # (softcap=None is "off", as 0.0; a tensor value is refused, never compared)
     q, k, v = qkv("cpu", s=4)
     name = next(iter(arg))
     with pytest.raises(NotImplementedError, match=name):
@@ -167,3 +168,10 @@ def test_fa3_refuses_what_hipflash_lacks_by_name(arg):
     with pytest.raises(NotImplementedError, match="seqused_k"):
         cu = torch.tensor([0, 4], dtype=torch.int32)
         fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4, seqused_k=cu[1:])
+
+
+def test_softcap_none_is_off_and_a_tensor_is_refused():
+    q, k, v = qkv("cpu", s=4)
+    assert torch.equal(fa2.flash_attn_func(q, k, v, softcap=None), hipflash.flash_attn_func(q, k, v))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fa3.flash_attn_func(q, k, v, softcap=torch.tensor(0.0))

@@ -85,6 +85,36 @@ def test_sliding_window_covers_the_last_keys(device, masked):
     _check(out, q, k, v, mask if masked else torch.ones_like(mask), sliding_window=8)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("via", ["position_ids", "cu_seq_lens"])
+def test_padding_free_batches_keep_documents_apart(device, via):
+    # One row of three documents (lengths 5, 8, 3): each attends only to itself.
+    lens = [5, 8, 3]
+    q, k, v, _ = _case(device, 1, 16, 16, 4, 2, 64, (0,))
+    pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
+    cu = torch.tensor([0, 5, 13, 16], dtype=torch.int32, device=device)
+    kw = dict(position_ids=pos) if via == "position_ids" else dict(
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+    out, _ = hf.attention(_Layer(), q, k, v, None, scaling=64 ** -0.5, **kw)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        doc = [t[:, :, a:b] for t in (q, k, v)]
+        mask = torch.ones(1, b - a, dtype=torch.bool, device=device)
+        _check(out[:, a:b], *doc, mask)
+
+
+def test_fp32_inputs_run_in_bf16_and_come_back_fp32():
+    q, k, v, mask = _case("cpu", 2, 8, 8, 2, 2, 64, (0, 3))
+    out, _ = hf.attention(_Layer(), q.float(), k.float(), v.float(), mask, scaling=64 ** -0.5)
+    want, _ = hf.attention(_Layer(), q, k, v, mask, scaling=64 ** -0.5)
+    assert out.dtype == torch.float32 and torch.equal(out, want.float())
+
+
+def test_a_4d_mask_is_refused_with_a_clear_error():
+    q, k, v, _ = _case("cpu", 1, 4, 4, 2, 2, 64, (0,))
+    with pytest.raises(ValueError, match="2-D"):
+        hf.attention(_Layer(), q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
 def test_refuses_what_hipflash_lacks():
     q, k, v, mask = _case("cpu", 1, 4, 4, 2, 2, 64, (0,))
     layer = _Layer().train()

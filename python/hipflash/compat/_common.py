@@ -6,7 +6,8 @@ import torch
 def refuse(name, value, default, why=""):
     """NotImplementedError for an argument hipflash does not implement, unless it has the value
     that means "off" (default)."""
-    off = value is None if default is None else (value == default)
+    off = value is None if default is None else (
+        not isinstance(value, torch.Tensor) and value == default)
     if not off:
         raise NotImplementedError(
             f"hipflash.compat: {name}={_short(value)} is not supported by hipflash yet"

@@ -21,7 +21,7 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 
 def _unsupported(dropout_p, softcap, alibi_slopes):
     refuse_dropout(dropout_p)
-    refuse("softcap", softcap, 0.0)
+    refuse("softcap", 0.0 if softcap is None else softcap, 0.0)
     refuse("alibi_slopes", alibi_slopes, None)
 
 
@@ -107,7 +107,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     refuse("rotary_sin", rotary_sin, None, "rotary embedding on append")
     refuse("cache_batch_idx", cache_batch_idx, None)
     refuse("cache_leftpad", cache_leftpad, None)
-    refuse("softcap", softcap, 0.0)
+    refuse("softcap", 0.0 if softcap is None else softcap, 0.0)
     refuse("alibi_slopes", alibi_slopes, None)
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,

@@ -28,7 +28,7 @@ def _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap
                         ("v_descale", v_descale)):
         refuse(name, value, None, "fp8 attention is issue 43")
     refuse("attention_chunk", attention_chunk, 0)
-    refuse("softcap", softcap, 0.0)
+    refuse("softcap", 0.0 if softcap is None else softcap, 0.0)
 
 
 def _splits(num_splits):

@@ -10,9 +10,11 @@ mask (or None) as transformers' own FlashAttention path does; it returns the nam
 no "flash" in it: transformers 5.x treats any such name as a FlashAttention build or hub kernel
 to load. Layouts, masks and windows follow transformers' FlashAttention integration
 (modeling_flash_attention_utils): a padding mask turns the batch into packed sequences (varlen),
-left padding and generation with a KV cache included; sliding windows cover the last
-`sliding_window` keys; GQA runs natively. Refused with NotImplementedError: attention dropout
-during training, softcap (Gemma 2) and attention sinks, until hipflash has them (issue 42).
+left padding and generation with a KV cache included, and padding-free (packed) batches run
+each document on its own; sliding windows cover the last `sliding_window` keys; GQA runs
+natively; fp32 inputs run in bfloat16 (or the autocast dtype). Refused with
+NotImplementedError: attention dropout during training, softcap (Gemma 2) and attention sinks,
+until hipflash has them (issue 42).
 """
 import torch
 
@@ -45,12 +47,37 @@ def _unpad(mask):
     return idx, cu, int(lens.max().item()) if lens.numel() else 0
 
 
+def _autocast_dtype(device_type):
+    """The autocast dtype when autocast is on for the device type, else None."""
+    if device_type == "cuda" and torch.is_autocast_enabled():
+        get = getattr(torch, "get_autocast_dtype", None)
+        return get("cuda") if get else torch.get_autocast_gpu_dtype()
+    return None
+
+
+def _packed_bounds(position_ids, length):
+    """cu_seqlens of a padding-free batch (batch 1, positions restarting at 0 at each
+    document), or None when the positions do not restart (transformers' _is_packed_sequence)."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1 or \
+            position_ids.shape[1] != length:
+        return None
+    pos = position_ids[0]
+    if bool((pos[1:] >= pos[:-1]).all()):
+        return None
+    starts = torch.nonzero(pos == 0, as_tuple=False).flatten().to(torch.int32)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("packed position_ids must start each document at 0")
+    cu = torch.cat([starts, torch.tensor([length], dtype=torch.int32, device=pos.device)])
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
               sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention-function contract: query [batch, heads, q_len, head_dim], key and
     value [batch, kv_heads, kv_len, head_dim] (the cache's past included), attention_mask a 2-D
-    [batch, kv_len] bool padding mask or None. Returns (out [batch, q_len, heads, head_dim],
-    None)."""
+    [batch, kv_len] bool padding mask or None. Padding-free (packed) batches come as
+    cu_seq_lens_q / _k and max_length_q / _k, or as position_ids restarting per document.
+    Returns (out [batch, q_len, heads, head_dim] in query's dtype, None)."""
     if dropout and module.training:
         raise NotImplementedError(f"hipflash: attention dropout ({dropout}) is not supported; "
                                   "set the config's attention_dropout to 0.0")
@@ -59,7 +86,15 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
                                   "supported yet")
     if s_aux is not None:
         raise NotImplementedError("hipflash: attention sinks (s_aux) are not supported")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"hipflash: expected a 2-D [batch, kv_len] padding mask, got shape "
+                         f"{tuple(attention_mask.shape)}: register() the implementation (it "
+                         "registers FlashAttention's mask function beside it)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    dtype = query.dtype
+    if dtype not in (torch.float16, torch.bfloat16):  # as transformers' FlashAttention path
+        target = _autocast_dtype(query.device.type) or torch.bfloat16
+        query, key, value = (t.to(target) for t in (query, key, value))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [batch, len, heads, dim]
     batch, q_len, heads, dim = q.shape
     kv_len = k.shape[1]
@@ -69,8 +104,23 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         window = (sliding_window - 1, -1 if causal else sliding_window - 1)
     kw = dict(softmax_scale=scaling, causal=bool(causal), window_size=window)
 
+    def done(out):
+        return out.to(dtype), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    packed = None
+    if cu_q is not None and cu_k is not None and attention_mask is None:
+        packed = (cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]),
+                  int(kwargs["max_length_k"]))
+    elif attention_mask is None and batch == 1 and q_len == kv_len:
+        bounds = _packed_bounds(kwargs.get("position_ids"), q_len)
+        if bounds is not None:
+            packed = (bounds[0], bounds[0], bounds[1], bounds[1])
+    if packed is not None:  # documents of one row, each on its own
+        out = hipflash.flash_attn_varlen_func(q[0], k[0], v[0], *packed, **kw)
+        return done(out[None])
     if attention_mask is None:
-        return hipflash.flash_attn_func(q, k, v, **kw), None
+        return done(hipflash.flash_attn_func(q, k, v, **kw))
     mask = attention_mask.to(torch.bool)
     if mask.shape[1] < kv_len:  # a static cache longer than the mask: its first positions
         k, v, kv_len = k[:, :mask.shape[1]], v[:, :mask.shape[1]], mask.shape[1]
@@ -89,4 +139,4 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     out_rows = hipflash.flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k,
                                                **kw)
     out = out_rows.new_zeros(batch * q_len, heads, dim).index_copy(0, idx_q, out_rows)
-    return out.view(batch, q_len, heads, dim), None
+    return done(out.view(batch, q_len, heads, dim))
