@@ -98,8 +98,9 @@ __device__ __forceinline__ void store_rounded(T* dst, const float (&v)[N]) {
 }
 
 /// The direct policy: a block's finished rows from registers to global memory. `Info` is the
-/// schedule's BlockInfo (b, h, split, q_start, len_q, o_rows); held by reference, so the
-/// epilogue costs no registers of its own.
+/// schedule's BlockInfo (b, h, split, q_start, len_q, o_rows), held by reference with the
+/// params; the one value of its own is the base of out's rows (or of the split's partials),
+/// formed once as the kernels did before (per-piece index sums cost ptxas its vector stores).
 template <class Traits, class Info>
 class FwdEpilogue {
  public:
@@ -113,9 +114,10 @@ class FwdEpilogue {
   class Row {
    public:
     /// N consecutive normalised values of the row from column lane_col + col: the split's
-    /// fp32 partial, or out rounded, columns past head_dim not written. `col` is a multiple of
-    /// a power of two above lane_col (8 or 16: lane_col + col < head_dim exactly when col <
-    /// head_dim, a multiple of 32), a constant in the callers' unrolled walks.
+    /// fp32 partial, or out rounded, columns past head_dim not written. `col` is a constant of
+    /// the caller's unrolled walk, a multiple of 8 with lane_col < 8 (of 16 with lane_col < 16:
+    /// the CDNA walk); head_dim being a multiple of 32, lane_col + col < head_dim exactly when
+    /// col < head_dim.
     template <int N>
     __device__ __forceinline__ void put(int col, const float (&v)[N]) const {
       if constexpr (Traits::kSplit)
