@@ -48,12 +48,18 @@ inline void sync(cudaStream_t stream = nullptr) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-class Gpu : public ::testing::Test {
+/// A GPU suite's fixture: skipped, saying why, where no GPU is usable. Gpu for plain tests,
+/// GpuParam<Case> for a parametrised suite (class GpuForward : public GpuParam<Case> {}).
+template <class Base>
+class SkipsWithoutGpu : public Base {
  protected:
   void SetUp() override {
     if (!gpu_available())
       GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
   }
 };
+class Gpu : public SkipsWithoutGpu<::testing::Test> {};
+template <class Case>
+class GpuParam : public SkipsWithoutGpu<::testing::TestWithParam<Case>> {};
 
 }  // namespace hipflash::test

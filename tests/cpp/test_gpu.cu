@@ -63,13 +63,7 @@ float max_abs_diff(const HostTensor& a, const HostTensor& b) {
 
 Dense make(const Case& c, uint32_t seed = 5) { return make_dense(c, seed); }
 
-class GpuForward : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (!gpu_available())
-      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
-  }
-};
+class GpuForward : public GpuParam<Case> {};
 
 TEST_P(GpuForward, MatchesReference) {
   Dense t = make(GetParam());
@@ -439,13 +433,7 @@ TEST_F(Gpu, MatchesTheCpuBackend) {
 
 // ---- Hostile numerics (SPEC §3): NaN through every kernel and split count, tied scores ----------
 
-class GpuNan : public ::testing::TestWithParam<NanCase> {
- protected:
-  void SetUp() override {
-    if (!gpu_available())
-      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
-  }
-};
+class GpuNan : public GpuParam<NanCase> {};
 
 TEST_P(GpuNan, ReachesExactlyWhatTheReferenceReaches) {
   Dense t = make_nan_problem(GetParam());

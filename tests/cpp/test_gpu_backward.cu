@@ -98,13 +98,7 @@ void run_gpu_varlen_backward(const Varlen& t, const HostTensor& dout, const Varl
   g_v.download(dv);
 }
 
-class GpuBackward : public ::testing::TestWithParam<BwdCase> {
- protected:
-  void SetUp() override {
-    if (!gpu_available())
-      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
-  }
-};
+class GpuBackward : public GpuParam<BwdCase> {};
 
 TEST_P(GpuBackward, MatchesTheCpuBackward) {
   const BwdCase& bc = GetParam();

@@ -97,13 +97,7 @@ float merge_tolerance(DType dt) {
   return dt == DType::bf16 ? 8e-3f : dt == DType::f16 ? 1e-3f : 1e-5f;  // ~2 ulp of the dtype
 }
 
-class GpuMerge : public ::testing::TestWithParam<MergeCase> {
- protected:
-  void SetUp() override {
-    if (!gpu_available())
-      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
-  }
-};
+class GpuMerge : public GpuParam<MergeCase> {};
 
 TEST_P(GpuMerge, MatchesTheCpuMerge) {
   const MergeCase& c = GetParam();
@@ -246,13 +240,7 @@ TEST_F(Gpu, MergeBadCallsWriteNothing) {
 // and a contiguous cache give bitwise the same out and LSE, the appended caches equal the CPU
 // append bitwise, and the result matches the fp64 reference of the appended keys.
 
-class GpuKvCache : public ::testing::TestWithParam<KvCase> {
- protected:
-  void SetUp() override {
-    if (!gpu_available())
-      GTEST_SKIP() << "no usable GPU (" << build_info() << "): the GPU suite needs a CUDA device";
-  }
-};
+class GpuKvCache : public GpuParam<KvCase> {};
 
 TEST_P(GpuKvCache, PagedEqualsContiguousAndMatchesTheReference) {
   const KvCase& c = GetParam();
