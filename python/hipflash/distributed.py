@@ -259,11 +259,19 @@ class _Dense:
                           device=q.device)
 
     @staticmethod
-    def fwd(q, k, v, scale, l, r):
+    def key_rows(x, call, keys):
+        return x[:, keys]
+
+    @staticmethod
+    def add_key_rows(x, call, keys, value):
+        x[:, keys] += value.float()
+
+    @staticmethod
+    def fwd(q, k, v, scale, l, r, call):
         return _call(_ops.fwd, q, k, v, scale, False, l, r, 0, True)
 
     @staticmethod
-    def bwd(dout, q, k, v, out, lse, scale, l, r, deterministic):
+    def bwd(dout, q, k, v, out, lse, scale, l, r, deterministic, call):
         return _call(_ops.bwd, dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(),
                      scale, False, l, r, deterministic)
 
@@ -378,6 +386,14 @@ class _Varlen:
         return torch.full((q.shape[1], q.shape[0]), -_INF, dtype=torch.float32, device=q.device)
 
     @staticmethod
+    def key_rows(x, call, keys):
+        return x.index_select(0, call.k_idx)
+
+    @staticmethod
+    def add_key_rows(x, call, keys, value):
+        x.index_add_(0, call.k_idx, value.float())
+
+    @staticmethod
     def fwd(q, k, v, scale, l, r, call):
         return _call(_ops.varlen_fwd, q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k,
                      scale, False, l, r, 0, True, "packed")
@@ -397,32 +413,20 @@ class _Varlen:
                                 self.world, self.layout, 0) for b in range(len(self.cu) - 1)])
 
 
-def _take(geom, call, keys, k, v):
-    """A call's (and its geometry's) key rows of k and v."""
-    if isinstance(geom, _Dense):
-        return k[:, keys], v[:, keys]
-    return k.index_select(0, call.k_idx), v.index_select(0, call.k_idx)
-
-
 def _attend(geom, call, keys, l, r, q, k, v, scale):
-    kk, vv = _take(geom, call, keys, k, v)
-    if isinstance(geom, _Dense):
-        return geom.fwd(geom.rows(q, call), kk, vv, scale, l, r)
-    return geom.fwd(geom.rows(q, call), kk, vv, scale, l, r, call)
+    """One call: its rows of q against its keys of the block k, v."""
+    return geom.fwd(geom.rows(q, call), geom.key_rows(k, call, keys),
+                    geom.key_rows(v, call, keys), scale, l, r, call)
 
 
 def _attend_bwd(geom, call, keys, l, r, dout, q, k, v, out, lse, scale, deterministic, dk, dv):
     """One call's backward: returns dq of its rows, adds dk / dv of its keys."""
-    kk, vv = _take(geom, call, keys, k, v)
-    args = (geom.rows(dout, call), geom.rows(q, call), kk, vv, geom.rows(out, call),
-            geom.lse_rows(lse, call), scale, l, r, deterministic)
-    dq, dkp, dvp = geom.bwd(*args) if isinstance(geom, _Dense) else geom.bwd(*args, call)
-    if isinstance(geom, _Dense):
-        dk[:, keys] += dkp.float()
-        dv[:, keys] += dvp.float()
-    else:
-        dk.index_add_(0, call.k_idx, dkp.float())
-        dv.index_add_(0, call.k_idx, dvp.float())
+    dq, dkp, dvp = geom.bwd(geom.rows(dout, call), geom.rows(q, call),
+                            geom.key_rows(k, call, keys), geom.key_rows(v, call, keys),
+                            geom.rows(out, call), geom.lse_rows(lse, call), scale, l, r,
+                            deterministic, call)
+    geom.add_key_rows(dk, call, keys, dkp)
+    geom.add_key_rows(dv, call, keys, dvp)
     return dq
 
 
