@@ -128,6 +128,18 @@ HIPFLASH_HD T* dv_rows(const BwdParams& p, int64_t b, int64_t start, int64_t hk)
                  start, hk);
 }
 
+/// dq_accum's element (row, col) of (b, h), in floats from dq_accum: rows of padded_head_dim
+/// floats whose 16-byte chunks are XOR-swizzled by row % 8 (seqlen_rounded is a multiple of 8,
+/// so the workspace row and the sequence row agree mod 8). A tile of rows is then one
+/// contiguous run that the warp-specialised dk/dv pass stages in shared memory without bank
+/// conflicts and adds with one bulk reduction (bwd_sm90_ws_kernel.hpp); every writer and the
+/// dq conversion go through this index.
+HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int64_t row,
+                                   int col) {
+  return p.ws_row(b, h, row) * p.padded_head_dim + (((col >> 2) ^ (int(row) & 7)) << 2) +
+         (col & 3);
+}
+
 /// What one block of a dk/dv pass owns: key block n_block (keys [n0, n0 + block_n)) of kv head
 /// hk of batch b, and the query rows [row_lo, row_hi) that see those keys (row_lo rounded down
 /// to the pass's query step block_m), walked for each of the kv head's `groups` query heads.

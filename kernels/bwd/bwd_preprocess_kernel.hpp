@@ -9,7 +9,7 @@
 // Eight threads own a row; each sums 16-byte pieces and the eight reduce by shuffles.
 //
 // bwd_dq_convert_kernel, after it on the atomic path: dq = softmax_scale * dq_accum, rounded to
-// the dtype, for the rows of every sequence.
+// the dtype, for the rows of every sequence (dq_accum's swizzled rows: dq_accum_index).
 //
 // bwd_zero_outside_kernel (varlen): the rows of a [total, H, D] gradient before cu_seqlens[0]
 // and from cu_seqlens[B] on belong to no sequence; their gradient is 0 (the CPU backward's rule).
@@ -86,7 +86,11 @@ __global__ void __launch_bounds__(kConvertThreads)
   const int c = int(piece % pieces) * 8;
   const SeqBounds seq(p, b);
   if (row >= seq.len_q || c >= p.head_dim) return;
-  const float* acc = p.dq_accum + p.ws_row(b, h, row) * p.padded_head_dim + c;
+  // Columns c .. c + 7: two 16-byte chunks of the swizzled row (dq_accum_index).
+  const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c));
+  const float4 hi =
+      *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c + 4));
+  const float acc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
   W w[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) w[e] = B::from_float(acc[e] * p.softmax_scale);

@@ -253,9 +253,11 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
       for (int hh = 0; hh < 2; ++hh) {
         const int64_t row = m0 + mt * 16 + g + 8 * hh;
         if (row >= seq.len_q) continue;
-        float* acc = p.dq_accum + p.ws_row(b, h, row) * p.padded_head_dim + cs * Cfg::kDqCols;
 #pragma unroll
-        for (int c = 0; c < kQCols; ++c) atomicAdd(acc + (c / 2) * 8 + 2 * t + (c % 2), dQ[hh][c]);
+        for (int c = 0; c < kQCols; ++c)
+          atomicAdd(p.dq_accum + dq_accum_index(p, b, h, row,
+                                                cs * Cfg::kDqCols + (c / 2) * 8 + 2 * t + (c % 2)),
+                    dQ[hh][c]);
       }
     }
   }

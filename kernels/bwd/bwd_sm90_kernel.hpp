@@ -224,10 +224,10 @@ __global__ void __launch_bounds__(256, 1)
       for (int hh = 0; hh < 2; ++hh) {
         const int64_t row = row0 + 8 * hh;
         if (row >= seq.len_q) continue;
-        float* acc = p.dq_accum + p.ws_row(b, h, row) * p.padded_head_dim + col0 + 2 * t;
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(acc + 8 * i),
+          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(
+                           p.dq_accum + dq_accum_index(p, b, h, row, col0 + 8 * i + 2 * t)),
                        "f"(dQ[4 * i + 2 * hh]), "f"(dQ[4 * i + 2 * hh + 1])
                        : "memory");
       }

@@ -2,7 +2,8 @@
 // generated instantiation TUs (bwd_<dtype>_hd<hd>.cu, see cmake/HipflashGpu.cmake).
 //
 // Order on the stream: preprocess (delta, lse_log2, dq_accum zeroed) -> dk/dv pass (with the
-// atomic dq terms unless deterministic) -> dq pass (deterministic) or dq conversion (atomic) ->
+// atomic dq terms unless deterministic; on Hopper the warp-specialised kernel for dense calls,
+// the cp.async one for varlen) -> dq pass (deterministic) or dq conversion (atomic) ->
 // zero the rows outside every sequence (varlen).
 #pragma once
 
@@ -13,6 +14,10 @@
 #include "bwd/bwd_sm80_kernel.hpp"
 #include "bwd/bwd_sm90_kernel.hpp"
 #include "gpu/launch_api.hpp"
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+#include "bwd/bwd_sm90_ws_kernel.hpp"
+#include "gpu/fwd_sm90_ws_launch.hpp"  // tma_host::encode
+#endif
 #include "gpu/launch_fwd.hpp"  // set_smem_once_per_device
 #include "hipflash/detail/selector.hpp"  // kBwdSm90MaxHeadDim
 
@@ -46,6 +51,39 @@ void zero_outside(void* base, int64_t row_stride, int64_t head_stride, int64_t t
   check_launch("varlen zero-fill");
 }
 
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+/// Whether the warp-specialised dk/dv pass takes the call: dense (its TMA boxes address rows of
+/// one (batch, head); varlen keeps the cp.async kernel), with operands TMA can describe.
+inline bool sm90_ws_ok(const BwdParams& p) {
+  auto ok = [&](const void* base, int64_t rows, int64_t row_stride, int64_t heads,
+                int64_t head_stride, int64_t batch_stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
+           tma_strides_ok(dtype_size(p.dtype), rows, row_stride, heads, head_stride, p.batch,
+                          batch_stride);
+  };
+  return !p.is_varlen() && p.seqlen_q > 0 && p.seqlen_k > 0 &&  // a map's extents are >= 1
+         ok(p.q, p.seqlen_q, p.q_row_stride, p.heads_q, p.q_head_stride, p.q_batch_stride) &&
+         ok(p.dout, p.seqlen_q, p.do_row_stride, p.heads_q, p.do_head_stride,
+            p.do_batch_stride) &&
+         ok(p.k, p.seqlen_k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.k_batch_stride) &&
+         ok(p.v, p.seqlen_k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.v_batch_stride);
+}
+
+/// The tensor maps of q and dout (boxes of block_m rows) and of k and v (block_n rows).
+inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, int block_m, int block_n) {
+  bwd::BwdTmaMaps maps;
+  maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+                            p.q_row_stride, p.q_head_stride, p.q_batch_stride, block_m);
+  maps.dout = tma_host::encode(p.dout, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+                               p.do_row_stride, p.do_head_stride, p.do_batch_stride, block_m);
+  maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+                            p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n);
+  maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+                            p.v_row_stride, p.v_head_stride, p.v_batch_stride, block_n);
+  return maps;
+}
+#endif  // HIPFLASH_HAS_SM90_KERNELS
+
 }  // namespace bwd_detail
 
 template <class Traits>
@@ -77,7 +115,19 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
     bool done = false;
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
     if constexpr (kHD <= kBwdSm90MaxHeadDim) {
-      if (how.sm90) {
+      if (how.sm90 && sm90_ws_ok(p)) {
+        using Dkdv = bwd::DkdvSm90WsTile<kHD>;
+        constexpr auto dkdv = bwd::bwd_dkdv_sm90_ws_kernel<Traits>;
+        set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
+        const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
+        if (const int64_t grid = blocks * p.heads_kv * p.batch; grid > 0) {
+          const bwd::BwdTmaMaps maps = tma_maps(p, Dkdv::kBlockM, Dkdv::kBlockN);
+          dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
+              p, int(blocks), maps);
+          check_launch("dk/dv (sm90_ws)");
+        }
+        done = true;
+      } else if (how.sm90) {
         using Dkdv = bwd::DkdvSm90Tile<kHD>;
         constexpr auto dkdv = bwd::bwd_dkdv_sm90_kernel<Traits>;
         set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90)");

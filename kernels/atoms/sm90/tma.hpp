@@ -1,7 +1,8 @@
 // hipflash — the Hopper (sm_90a) asynchronous-copy atoms of the warp-specialised kernel:
-// transaction mbarriers, the tensor-memory-accelerator (TMA) tile load, named barriers between
-// warpgroups and the register reallocation between producer and consumers (PTX ISA:
-// "mbarrier", "cp.async.bulk.tensor", "bar.sync / bar.arrive", "setmaxnreg").
+// transaction mbarriers, the tensor-memory-accelerator (TMA) tile load and store, the 1-d bulk
+// copy and bulk reduction, named barriers between warpgroups and the register reallocation
+// between producer and consumers (PTX ISA: "mbarrier", "cp.async.bulk.tensor",
+// "cp.async.bulk", "cp.reduce.async.bulk", "bar.sync / bar.arrive", "setmaxnreg").
 //
 // A tensor map (CUtensorMap, 128 bytes) is built on the host (src/gpu/fwd_sm90_ws_launch.hpp)
 // and passed as a __grid_constant__ kernel parameter; the device side only names its address.
@@ -78,6 +79,24 @@ __device__ __forceinline__ void store_4d(const void* map, uint32_t src, int c0, 
       "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+/// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to
+/// shared memory at `dst`; completion is counted in bytes on `bar` (no tensor map: a 1-d run).
+__device__ __forceinline__ void load_1d(uint32_t dst, const void* src, uint32_t bytes,
+                                        const Mbarrier& bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar.addr)
+      : "memory");
+}
+/// Adds the `bytes` of fp32 values at shared `src` to global `dst` element-wise (one bulk
+/// reduction, performed at L2), in this thread's current bulk group (commit_group after).
+__device__ __forceinline__ void reduce_add_1d(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
 __device__ __forceinline__ void commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
@@ -85,6 +104,12 @@ __device__ __forceinline__ void commit_group() {
 template <int kPending>
 __device__ __forceinline__ void wait_group_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+/// Until at most kPending of this thread's bulk groups are complete (their writes performed).
+template <int kPending>
+__device__ __forceinline__ void wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 /// Brings a tensor map's 128 bytes into the TMA unit's cache ahead of its first use.
