@@ -3,14 +3,16 @@
 // ring, warpgroup MMAs, dQ staged in shared memory and added to the workspace by one bulk
 // reduction per step.
 //
-// A block owns kBlockN = 128 keys of one (batch, kv head) and walks every query block that sees
-// them, for each query head of the group (bwd::KeyBlock), in three warpgroups:
-//  * the producer warp: K and V once, then per step Q, dO (TMA, 128-byte swizzle) and the rows'
+// A work tile is kBlockN = 128 keys of one (batch, kv head) and every query block that sees
+// them, for each query head of the group (bwd::KeyBlock); a persistent block (one per
+// multiprocessor) walks its tiles in three warpgroups:
+//  * the producer warp: a tile's K and V (once the last tile's are released: the load overlaps
+//    the consumers' dK / dV stores), then per step Q, dO (TMA, 128-byte swizzle) and the rows'
 //    (lse_log2, delta) (1-d bulk copies) into the next free stage of the ring;
 //  * the dQ writer warp (atomic path): per step, once the consumers have staged the step's dQ
 //    tile, adds it to dq_accum with cp.reduce.async.bulk (dq_accum's rows are swizzled so that
 //    the tile is one contiguous run: dq_accum_index) and hands the buffer back once read;
-//  * two consumer warpgroups, 64 keys each, holding dK and dV in registers for the whole walk.
+//  * two consumer warpgroups, 64 keys each, holding dK and dV in registers for a tile's walk.
 //    Per step each computes
 //      S^T = K_wg Q^T and dP^T = V_wg dO^T          (wgmma SS, two commit groups)
 //      P^T = exp2(S^T scale log2e - lse_log2)        (while dP^T is still in flight)
@@ -59,7 +61,7 @@ struct DkdvSm90WsTile {
   /// Bytes a stage's full barrier counts: Q, dO, lse_log2 and delta.
   static constexpr uint32_t kStageBytes = 2 * kSmemQ + 2 * kStatBytes;
   // Shared-memory map from the 1024-byte-aligned base: K | V | Q[2] | dO[2] | dS^T | dQ (fp32)
-  // | lse_log2[2] | delta[2] | barriers (K/V full, Q full[2], Q empty[2]).
+  // | lse_log2[2] | delta[2] | barriers (Q full[2], Q empty[2], K/V full, K/V empty).
   static constexpr uint32_t kOffV = kSmemKV, kOffQ = 2 * kSmemKV;
   static constexpr uint32_t kOffDo = kOffQ + kStages * kSmemQ;
   static constexpr uint32_t kOffDs = kOffDo + kStages * kSmemQ;
@@ -67,7 +69,7 @@ struct DkdvSm90WsTile {
   static constexpr uint32_t kOffLse = kOffDq + kSmemDq;
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kStatBytes;
   static constexpr uint32_t kOffBars = kOffDelta + kStages * kStatBytes;
-  static constexpr int kSmemBytes = int(kOffBars + (1 + 2 * kStages) * 8 + 1024);
+  static constexpr int kSmemBytes = int(kOffBars + (2 + 2 * kStages) * 8 + 1024);
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (one or two panels)");
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
   static_assert(kSmemQ % 1024 == 0 && kSmemDs % 1024 == 0, "1024-byte aligned tiles");
@@ -102,21 +104,28 @@ struct Smem {
   __device__ __forceinline__ uint32_t delta(int s) const {
     return base + Cfg::kOffDelta + s * Cfg::kStatBytes;
   }
-  __device__ __forceinline__ Mbarrier kv_full() const { return {base + Cfg::kOffBars}; }
   __device__ __forceinline__ Mbarrier q_full(int s) const {
-    return {base + Cfg::kOffBars + 8u * (1 + s)};
+    return {base + Cfg::kOffBars + 8u * s};
   }
   __device__ __forceinline__ Mbarrier q_empty(int s) const {
-    return {base + Cfg::kOffBars + 8u * (1 + Cfg::kStages + s)};
+    return {base + Cfg::kOffBars + 8u * (Cfg::kStages + s)};
+  }
+  __device__ __forceinline__ Mbarrier kv_full() const {
+    return {base + Cfg::kOffBars + 8u * 2 * Cfg::kStages};
+  }
+  __device__ __forceinline__ Mbarrier kv_empty() const {
+    return {base + Cfg::kOffBars + 8u * (2 * Cfg::kStages + 1)};
   }
   /// One thread: full barriers take the producer's one arrival (plus bytes), empty ones one
   /// arrival per consumer warp.
   __device__ __forceinline__ void init() const {
-    kv_full().init(1);
+    constexpr uint32_t kConsumerWarps = Cfg::kConsumerThreads / 32;
     for (int s = 0; s < Cfg::kStages; ++s) {
       q_full(s).init(1);
-      q_empty(s).init(Cfg::kConsumerThreads / 32);
+      q_empty(s).init(kConsumerWarps);
     }
+    kv_full().init(1);
+    kv_empty().init(kConsumerWarps);
   }
 };
 
@@ -137,10 +146,40 @@ __device__ __forceinline__ float* smem_floats(unsigned char* raw, uint32_t addr)
 
 #endif  // HIPFLASH_HAS_WGMMA
 
+/// One work tile of the persistent grid: key block `tile` of the dk/dv pass (bwd::KeyBlock's
+/// order), its query steps and where they start. Every role of a block decodes the same tiles.
+template <int kBM, int kBN>
+struct DkdvWork {
+  KeyBlock kb;
+  int64_t steps;    ///< query blocks x query heads of the group; 0: no row sees the keys
+  int64_t row_end;  ///< the end of one head's walk (row_lo + its steps x kBM)
+
+  __device__ __forceinline__ DkdvWork(const BwdParams& p, int64_t tile, int num_n_blocks,
+                                      bool masked)
+      : kb(p, tile, num_n_blocks, masked, kBN, kBM) {
+    const int64_t m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
+    steps = m_steps * kb.groups;
+    row_end = kb.row_lo + m_steps * kBM;
+  }
+};
+
+/// A step's (query head, first row), advanced one step at a time (no 64-bit division).
+template <int kBM>
+struct StepPos {
+  int64_t h, m0, row_lo, row_end;
+  __device__ __forceinline__ void next() {
+    m0 += kBM;
+    if (m0 >= row_end) m0 = row_lo, ++h;
+  }
+};
+
+/// Persistent: block i takes tiles i, i + gridDim.x, ... of `tiles` (the causal order's
+/// heaviest first, dealt round robin). The producer loads a tile's K / V as soon as the
+/// consumers have released the last tile's, so that load overlaps their dK / dV stores.
 template <class Traits>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,
-                            const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps) {
+                            const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles) {
 #if defined(HIPFLASH_HAS_WGMMA)
   using namespace ::hipflash::atom::sm90;
   using namespace dkdv_ws;
@@ -153,23 +192,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   using Scores = wgmma::Op<kDT, kBM>;  // 64 keys x kBM queries
   using Grads = wgmma::Op<kDT, kHD>;   // 64 keys x head dim
   using DqOp = wgmma::Op<kDT, 64>;     // a 64 x 64 piece of dQ, over all keys
-
-  // The same block order as bwd_sm90_kernel.hpp (KeyBlock: causal heaviest first).
-  const KeyBlock kb(p, blockIdx.x, num_n_blocks, Traits::kMasked, kBN, kBM);
-  if (kb.past_keys()) return;
-  const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups, row_lo = kb.row_lo;
-  const SeqBounds& seq = kb.seq;
-  const int64_t m_steps = (kb.row_hi - row_lo + kBM - 1) / kBM;  // per query head
-  const int64_t steps = m_steps * groups;
-  /// Step s's (query head, first row), advanced one step at a time (no 64-bit division).
-  struct StepPos {
-    int64_t h, m0, row_lo, row_end;
-    __device__ __forceinline__ void next() {
-      m0 += DkdvSm90WsTile<Traits::kHeadDim>::kBlockM;
-      if (m0 >= row_end) m0 = row_lo, ++h;
-    }
+  using Work = DkdvWork<kBM, kBN>;
+  auto first_step = [](const Work& w) {
+    return StepPos<kBM>{w.kb.hk * w.kb.groups, w.kb.row_lo, w.kb.row_lo, w.row_end};
   };
-  const StepPos first{hk * groups, row_lo, row_lo, row_lo + m_steps * kBM};
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Smem<Cfg> sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
@@ -183,50 +209,55 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
 
   if (warp >= kProducerWarp) {  // the producer warpgroup: loads and dQ reductions
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (warp == kProducerWarp && lane == 0 && steps > 0) {
+    if (warp == kProducerWarp && lane == 0) {
       tma::prefetch_map(&maps.q);
       tma::prefetch_map(&maps.dout);
-      sm.kv_full().arrive_expect_tx(2 * Cfg::kSmemKV);
-#pragma unroll
-      for (int c = 0; c < Cfg::kPanels; ++c) {
-        tma::load_4d(sm.k() + c * kBN * 128, &maps.k, sm.kv_full(), 64 * c, int(n0), int(hk),
-                     int(b));
-        tma::load_4d(sm.v() + c * kBN * 128, &maps.v, sm.kv_full(), 64 * c, int(n0), int(hk),
-                     int(b));
-      }
-      StepPos pos = first;
-      for (int64_t s = 0; s < steps; ++s, pos.next()) {
-        const int st = int(s % Cfg::kStages);
-        const uint32_t parity = uint32_t(s / Cfg::kStages) & 1u;
-        const int64_t h = pos.h, m0 = pos.m0;
-        sm.q_empty(st).wait(parity ^ 1u);
-        const Mbarrier full = sm.q_full(st);
-        full.arrive_expect_tx(Cfg::kStageBytes);
+      uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
+      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const Work w(p, tile, num_n_blocks, Traits::kMasked);
+        if (w.steps == 0) continue;  // the consumers only store zeros
+        const int hk = int(w.kb.hk), b = int(w.kb.b), n0 = int(w.kb.n0);
+        sm.kv_empty().wait((kv_it++ & 1u) ^ 1u);
+        sm.kv_full().arrive_expect_tx(2 * Cfg::kSmemKV);
 #pragma unroll
         for (int c = 0; c < Cfg::kPanels; ++c) {
-          tma::load_4d(sm.q(st) + c * kBM * 128, &maps.q, full, 64 * c, int(m0), int(h), int(b));
-          tma::load_4d(sm.dout(st) + c * kBM * 128, &maps.dout, full, 64 * c, int(m0), int(h),
-                       int(b));
+          tma::load_4d(sm.k() + c * kBN * 128, &maps.k, sm.kv_full(), 64 * c, n0, hk, b);
+          tma::load_4d(sm.v() + c * kBN * 128, &maps.v, sm.kv_full(), 64 * c, n0, hk, b);
         }
-        const int64_t ws = p.ws_row(b, h, m0);
-        tma::load_1d(sm.lse(st), p.lse_log2 + ws, Cfg::kStatBytes, full);
-        tma::load_1d(sm.delta(st), p.delta + ws, Cfg::kStatBytes, full);
+        StepPos<kBM> pos = first_step(w);
+        for (int64_t s = 0; s < w.steps; ++s, pos.next(), ++it) {
+          const int st = int(it % Cfg::kStages);
+          sm.q_empty(st).wait(((it / Cfg::kStages) & 1u) ^ 1u);
+          const Mbarrier full = sm.q_full(st);
+          full.arrive_expect_tx(Cfg::kStageBytes);
+          const int h = int(pos.h), m0 = int(pos.m0);
+#pragma unroll
+          for (int c = 0; c < Cfg::kPanels; ++c) {
+            tma::load_4d(sm.q(st) + c * kBM * 128, &maps.q, full, 64 * c, m0, h, b);
+            tma::load_4d(sm.dout(st) + c * kBM * 128, &maps.dout, full, 64 * c, m0, h, b);
+          }
+          const int64_t ws = p.ws_row(b, h, m0);
+          tma::load_1d(sm.lse(st), p.lse_log2 + ws, Cfg::kStatBytes, full);
+          tma::load_1d(sm.delta(st), p.delta + ws, Cfg::kStatBytes, full);
+        }
       }
-    } else if (warp == kWriterWarp && !p.deterministic && steps > 0) {
-      // The dQ writer: the buffer starts free; one reduction per step, read back before the
-      // consumers may stage the next (a bar.arrive for every consumer sync but the first).
-      named_arrive<kDqBarThreads>(kDqEmpty);
-      StepPos pos = first;
-      for (int64_t s = 0; s < steps; ++s, pos.next()) {
-        named_sync<kDqBarThreads>(kDqFull);
-        if (lane == 0) {
-          tma::reduce_add_1d(p.dq_accum + p.ws_row(b, pos.h, pos.m0) * kHD, sm.dq(),
-                             Cfg::kSmemDq);
-          tma::commit_group();
-          tma::wait_group_read<0>();
+    } else if (warp == kWriterWarp && !p.deterministic) {
+      // The dQ writer, per step: the buffer free (the last reduction has read it), then the
+      // consumers' staged tile added to dq_accum — one bar.arrive per consumer kDqEmpty sync.
+      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const Work w(p, tile, num_n_blocks, Traits::kMasked);
+        StepPos<kBM> pos = first_step(w);
+        for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
+          if (lane == 0) tma::wait_group_read<0>();
+          __syncwarp();
+          named_arrive<kDqBarThreads>(kDqEmpty);
+          named_sync<kDqBarThreads>(kDqFull);
+          if (lane == 0) {
+            tma::reduce_add_1d(p.dq_accum + p.ws_row(w.kb.b, pos.h, pos.m0) * kHD, sm.dq(),
+                               Cfg::kSmemDq);
+            tma::commit_group();
+          }
         }
-        __syncwarp();
-        if (s + 1 < steps) named_arrive<kDqBarThreads>(kDqEmpty);
       }
       if (lane == 0) tma::wait_group<0>();
     }
@@ -236,164 +267,176 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int wg = warp / 4, wi = warp % 4, g = lane / 4, t = lane % 4;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
-  // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h of this warp's 16 (keys
-  // here, queries for dQ), column 8i + 2t + e.
-  float dK[kHD / 2], dV[kHD / 2];
+  uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const Work w(p, tile, num_n_blocks, Traits::kMasked);
+    if (w.kb.past_keys()) continue;  // past this varlen sequence's keys (never: dense only)
+    const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;
+    const SeqBounds& seq = w.kb.seq;
+    // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h of this warp's 16 (keys
+    // here, queries for dQ), column 8i + 2t + e.
+    float dK[kHD / 2], dV[kHD / 2];
 #pragma unroll
-  for (int i = 0; i < kHD / 2; ++i) dK[i] = dV[i] = 0.f;
-  const uint32_t sK_wg = sm.k() + wg * 64 * 128, sV_wg = sm.v() + wg * 64 * 128;
-  const int64_t key0 = n0 + wg * 64 + wi * 16 + g;  // this thread's keys: key0, key0 + 8
-  if (steps > 0) sm.kv_full().wait(0);
+    for (int i = 0; i < kHD / 2; ++i) dK[i] = dV[i] = 0.f;
+    const uint32_t sK_wg = sm.k() + wg * 64 * 128, sV_wg = sm.v() + wg * 64 * 128;
+    const int64_t key0 = n0 + wg * 64 + wi * 16 + g;  // this thread's keys: key0, key0 + 8
+    if (w.steps > 0) sm.kv_full().wait(kv_it & 1u);
 
-  StepPos pos = first;
-  for (int64_t s = 0; s < steps; ++s, pos.next()) {
-    const int st = int(s % Cfg::kStages);
-    const int64_t m0 = pos.m0;
-    sm.q_full(st).wait(uint32_t(s / Cfg::kStages) & 1u);
+    StepPos<kBM> pos = first_step(w);
+    for (int64_t s = 0; s < w.steps; ++s, pos.next(), ++it) {
+      const int st = int(it % Cfg::kStages);
+      const int64_t m0 = pos.m0;
+      sm.q_full(st).wait((it / Cfg::kStages) & 1u);
 
-    // S^T = K Q^T, then dP^T = V dO^T, over head-dim steps of 16 (panel ks / 4, 32 B a step).
-    float S[kBM / 2], dP[kBM / 2];
-    wgmma::fence();
+      // S^T = K Q^T, then dP^T = V dO^T, over head-dim steps of 16 (panel ks / 4, 32 B a step).
+      float S[kBM / 2], dP[kBM / 2];
+      wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < kHD / 16; ++ks) {
-      const uint32_t step = (ks % 4) * 32;
-      Scores::ss(S, wgmma::desc_k_major(sK_wg + (ks / 4) * kBN * 128 + step),
-                 wgmma::desc_k_major(sm.q(st) + (ks / 4) * kBM * 128 + step), ks > 0);
-    }
-    wgmma::commit();
-#pragma unroll
-    for (int ks = 0; ks < kHD / 16; ++ks) {
-      const uint32_t step = (ks % 4) * 32;
-      Scores::ss(dP, wgmma::desc_k_major(sV_wg + (ks / 4) * kBN * 128 + step),
-                 wgmma::desc_k_major(sm.dout(st) + (ks / 4) * kBM * 128 + step), ks > 0);
-    }
-    wgmma::commit();
-
-    // P^T from the saved LSE while dP^T runs (a select for masked pairs: a masked NaN leaks
-    // nothing); the rows seeing this thread's keys key0 and key0 + 8 (KeyPairRows).
-    const float* lse2 = smem_floats(smem_raw, sm.lse(st));
-    const float* delta = smem_floats(smem_raw, sm.delta(st));
-    const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
-    wgmma::wait<1>();
-    wgmma::fence_operands(S);
-#pragma unroll
-    for (int i = 0; i < kBM / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * i + 2 * t + e;
-        const float l2 = lse2[col];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = 4 * i + 2 * hh + e;
-          const float pr = exp2f(S[r] * scale_log2 - l2);
-          S[r] = key_rows.sees(col, hh) ? pr : 0.f;
-        }
+      for (int ks = 0; ks < kHD / 16; ++ks) {
+        const uint32_t step = (ks % 4) * 32;
+        Scores::ss(S, wgmma::desc_k_major(sK_wg + (ks / 4) * kBN * 128 + step),
+                   wgmma::desc_k_major(sm.q(st) + (ks / 4) * kBM * 128 + step), ks > 0);
       }
-    wgmma::wait<0>();  // dP^T done
-    wgmma::fence_operands(dP);
+      wgmma::commit();
 #pragma unroll
-    for (int i = 0; i < kBM / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * i + 2 * t + e;
-        const float dl = delta[col];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = 4 * i + 2 * hh + e;
-          // P^T is 0 where masked, but dP^T - delta may be NaN there: select, don't multiply.
-          dP[r] = key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
-        }
+      for (int ks = 0; ks < kHD / 16; ++ks) {
+        const uint32_t step = (ks % 4) * 32;
+        Scores::ss(dP, wgmma::desc_k_major(sV_wg + (ks / 4) * kBN * 128 + step),
+                   wgmma::desc_k_major(sm.dout(st) + (ks / 4) * kBM * 128 + step), ks > 0);
       }
-    // The C fragments of two 8-query tiles are the A fragment of one 16-query step.
-    uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        Pf[kk][j] = pack2<kDT>(S[8 * kk + 2 * j], S[8 * kk + 2 * j + 1]);
-        dSf[kk][j] = pack2<kDT>(dP[8 * kk + 2 * j], dP[8 * kk + 2 * j + 1]);
-      }
-    // dV += P^T dO, dK += dS^T Q over query steps of 16 (2048 bytes of rows a step).
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-      Grads::rs(dV, Pf[kk], wgmma::desc_mn_major(sm.dout(st) + kk * 16 * 128, kBM * 128), 1);
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-      Grads::rs(dK, dSf[kk], wgmma::desc_mn_major(sm.q(st) + kk * 16 * 128, kBM * 128), 1);
-    wgmma::commit();
+      wgmma::commit();
 
-    if (!p.deterministic) {
-      // dS^T (rounded, as the A operand of dQ) into its SW128 tile. Free: both warpgroups
-      // passed the last step's kDqEmpty sync after their dQ products were done.
-      // Swizzled addresses from this thread's row phase g, kept opaque so that the compiler
-      // builds each from a base and a constant instead of holding 16 of them across the loop.
-      int phase = g;
-      asm volatile("" : "+r"(phase));
-      const uint32_t ds_row = sm.ds() + uint32_t(wg * 64 + wi * 16 + g) * 128 + 4 * t;
+      // P^T from the saved LSE while dP^T runs (a select for masked pairs: a masked NaN leaks
+      // nothing); the rows seeing this thread's keys key0 and key0 + 8 (KeyPairRows).
+      const float* lse2 = smem_floats(smem_raw, sm.lse(st));
+      const float* delta = smem_floats(smem_raw, sm.delta(st));
+      const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
+      wgmma::wait<1>();
+      wgmma::fence_operands(S);
 #pragma unroll
       for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)  // dS^T[4i + 2hh .. + 1]: the pair in dSf[i / 2][2 (i % 2) + hh]
-          st_shared(ds_row + (i / 8) * kBN * 128 + hh * 8 * 128 + (((i % 8) ^ phase) << 4),
-                    dSf[i / 2][2 * (i % 2) + hh]);
-      fence_proxy_async();
-      wgmma::wait<0>();  // dV, dK done: P and dS leave the registers before dQ's arrive
-      wgmma::fence_operands(dV);
-      wgmma::fence_operands(dK);
-      if (lane == 0) sm.q_empty(st).arrive();  // Q, dO and the statistics read
-      named_sync<Cfg::kConsumerThreads>(kDsReady);
-      // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
-      const uint32_t a0 = sm.ds() + (Cfg::kDqByColumns ? 0 : wg * kBN * 128);
-      const uint32_t b0 = sm.k() + (Cfg::kDqByColumns ? wg * kBN * 128 : 0);
-      float dQ[32];
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * i + 2 * t + e;
+          const float l2 = lse2[col];
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = 4 * i + 2 * hh + e;
+            const float pr = exp2f(S[r] * scale_log2 - l2);
+            S[r] = key_rows.sees(col, hh) ? pr : 0.f;
+          }
+        }
+      wgmma::wait<0>();  // dP^T done
+      wgmma::fence_operands(dP);
+#pragma unroll
+      for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * i + 2 * t + e;
+          const float dl = delta[col];
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = 4 * i + 2 * hh + e;
+            // P^T is 0 where masked, but dP^T - delta may be NaN there: select, don't multiply.
+            dP[r] = key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
+          }
+        }
+      // The C fragments of two 8-query tiles are the A fragment of one 16-query step.
+      uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          Pf[kk][j] = pack2<kDT>(S[8 * kk + 2 * j], S[8 * kk + 2 * j + 1]);
+          dSf[kk][j] = pack2<kDT>(dP[8 * kk + 2 * j], dP[8 * kk + 2 * j + 1]);
+        }
+      // dV += P^T dO, dK += dS^T Q over query steps of 16 (2048 bytes of rows a step).
       wgmma::fence();
 #pragma unroll
-      for (int ks = 0; ks < kBN / 16; ++ks)
-        DqOp::ss_tt(dQ, wgmma::desc_mn_major(a0 + ks * 16 * 128, kBN * 128),
-                    wgmma::desc_mn_major(b0 + ks * 16 * 128, kBN * 128), ks > 0);
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Grads::rs(dV, Pf[kk], wgmma::desc_mn_major(sm.dout(st) + kk * 16 * 128, kBM * 128), 1);
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Grads::rs(dK, dSf[kk], wgmma::desc_mn_major(sm.q(st) + kk * 16 * 128, kBM * 128), 1);
       wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(dQ);
 
-      // The piece into the staged tile, rows of kHD floats with dq_accum's chunk swizzle (a
-      // warp's 32 float2 stores fill every bank twice: two wavefronts).
-      named_sync<kDqBarThreads>(kDqEmpty);
-      const int col0 = Cfg::kDqByColumns ? wg * 64 : 0;
-      const uint32_t dq_row =
-          sm.dq() + uint32_t((Cfg::kDqByColumns ? 0 : wg * 64) + wi * 16 + g) * (kHD * 4) + 8 * (t % 2);
+      if (!p.deterministic) {
+        // dS^T (rounded, as the A operand of dQ) into its SW128 tile. Free: both warpgroups
+        // passed the last step's kDqEmpty sync after their dQ products were done.
+        // Swizzled addresses from this thread's row phase g, kept opaque so that the compiler
+        // builds each from a base and a constant instead of holding 16 of them across the loop.
+        int phase = g;
+        asm volatile("" : "+r"(phase));
+        const uint32_t ds_row = sm.ds() + uint32_t(wg * 64 + wi * 16 + g) * 128 + 4 * t;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
+        for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
-        for (int i = 0; i < 8; ++i)  // columns col0 + 8i + 2t, +1: chunk col0 / 4 + 2i + t / 2
-          st_shared(dq_row + hh * 8 * (kHD * 4) + (((col0 / 4 + 2 * i + t / 2) ^ phase) << 4),
-                    dQ[4 * i + 2 * hh], dQ[4 * i + 2 * hh + 1]);
-      fence_proxy_async();
-      named_arrive<kDqBarThreads>(kDqFull);
-    } else {
-      wgmma::wait<0>();
-      wgmma::fence_operands(dV);
-      wgmma::fence_operands(dK);
-      if (lane == 0) sm.q_empty(st).arrive();
+          for (int hh = 0; hh < 2; ++hh)  // dS^T[4i + 2hh ..]: the pair dSf[i / 2][2 (i % 2) + hh]
+            st_shared(ds_row + (i / 8) * kBN * 128 + hh * 8 * 128 + (((i % 8) ^ phase) << 4),
+                      dSf[i / 2][2 * (i % 2) + hh]);
+        fence_proxy_async();
+        wgmma::wait<0>();  // dV, dK done: P and dS leave the registers before dQ's arrive
+        wgmma::fence_operands(dV);
+        wgmma::fence_operands(dK);
+        if (lane == 0) sm.q_empty(st).arrive();  // Q, dO and the statistics read
+        named_sync<Cfg::kConsumerThreads>(kDsReady);
+        // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
+        const uint32_t a0 = sm.ds() + (Cfg::kDqByColumns ? 0 : wg * kBN * 128);
+        const uint32_t b0 = sm.k() + (Cfg::kDqByColumns ? wg * kBN * 128 : 0);
+        float dQ[32];
+        wgmma::fence();
+#pragma unroll
+        for (int ks = 0; ks < kBN / 16; ++ks)
+          DqOp::ss_tt(dQ, wgmma::desc_mn_major(a0 + ks * 16 * 128, kBN * 128),
+                      wgmma::desc_mn_major(b0 + ks * 16 * 128, kBN * 128), ks > 0);
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_operands(dQ);
+
+        // The piece into the staged tile, rows of kHD floats with dq_accum's chunk swizzle (a
+        // warp's 32 float2 stores fill every bank twice: two wavefronts).
+        named_sync<kDqBarThreads>(kDqEmpty);
+        const int col0 = Cfg::kDqByColumns ? wg * 64 : 0;
+        const int row0 = (Cfg::kDqByColumns ? 0 : wg * 64) + wi * 16 + g;
+        const uint32_t dq_row = sm.dq() + uint32_t(row0) * (kHD * 4) + 8 * (t % 2);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int i = 0; i < 8; ++i)  // columns col0 + 8i + 2t, +1: chunk col0 / 4 + 2i + t / 2
+            st_shared(dq_row + hh * 8 * (kHD * 4) + (((col0 / 4 + 2 * i + t / 2) ^ phase) << 4),
+                      dQ[4 * i + 2 * hh], dQ[4 * i + 2 * hh + 1]);
+        fence_proxy_async();
+        named_arrive<kDqBarThreads>(kDqFull);
+      } else {
+        wgmma::wait<0>();
+        wgmma::fence_operands(dV);
+        wgmma::fence_operands(dK);
+        if (lane == 0) sm.q_empty(st).arrive();
+      }
     }
-  }
+    if (w.steps > 0) {  // K and V read (every warp's products waited for): the next tile's load
+      if (lane == 0) sm.kv_empty().arrive();
+      ++kv_it;
+    }
 
-  // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
-  T* dk = dk_rows<T>(p, b, seq.k_start, hk);
-  T* dv = dv_rows<T>(p, b, seq.k_start, hk);
-  const int hd = int(p.head_dim);
+    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
+    T* dk = dk_rows<T>(p, b, seq.k_start, hk);
+    T* dv = dv_rows<T>(p, b, seq.k_start, hk);
+    const int hd = int(p.head_dim);
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int64_t j = key0 + 8 * hh;
-    if (j >= seq.len_k) continue;
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t j = key0 + 8 * hh;
+      if (j >= seq.len_k) continue;
 #pragma unroll
-    for (int i = 0; i < kHD / 8; ++i) {
-      const int col = 8 * i + 2 * t;
-      if (col >= hd) continue;
-      *reinterpret_cast<uint32_t*>(dk + j * p.dk_row_stride + col) =
-          pack2<kDT>(dK[4 * i + 2 * hh] * p.softmax_scale, dK[4 * i + 2 * hh + 1] * p.softmax_scale);
-      *reinterpret_cast<uint32_t*>(dv + j * p.dv_row_stride + col) =
-          pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]);
+      for (int i = 0; i < kHD / 8; ++i) {
+        const int col = 8 * i + 2 * t;
+        if (col >= hd) continue;
+        *reinterpret_cast<uint32_t*>(dk + j * p.dk_row_stride + col) =
+            pack2<kDT>(dK[4 * i + 2 * hh] * p.softmax_scale,
+                       dK[4 * i + 2 * hh + 1] * p.softmax_scale);
+        *reinterpret_cast<uint32_t*>(dv + j * p.dv_row_stride + col) =
+            pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]);
+      }
     }
   }
 #else

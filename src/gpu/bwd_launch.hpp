@@ -7,6 +7,7 @@
 // zero the rows outside every sequence (varlen).
 #pragma once
 
+#include <algorithm>
 #include <string>
 
 #include "bwd/bwd_portable_kernel.hpp"
@@ -120,10 +121,14 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
         constexpr auto dkdv = bwd::bwd_dkdv_sm90_ws_kernel<Traits>;
         set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
-        if (const int64_t grid = blocks * p.heads_kv * p.batch; grid > 0) {
+        if (const int64_t tiles = blocks * p.heads_kv * p.batch; tiles > 0) {
           const bwd::BwdTmaMaps maps = tma_maps(p, Dkdv::kBlockM, Dkdv::kBlockN);
-          dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
-              p, int(blocks), maps);
+          int device = 0;
+          port::check(port::get_device(&device), "querying the current device");
+          // Persistent: one block per multiprocessor walks the tiles.
+          const int64_t grid = std::min<int64_t>(tiles, device_arch(device).num_sms);
+          dkdv<<<unsigned(grid), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(p, int(blocks), maps,
+                                                                             tiles);
           check_launch("dk/dv (sm90_ws)");
         }
         done = true;
