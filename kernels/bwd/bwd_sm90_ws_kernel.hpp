@@ -4,8 +4,8 @@
 // reduction per step.
 //
 // A work tile is kBlockN = 128 keys of one (batch, kv head) and every query block that sees
-// them, for each query head of the group (bwd::KeyBlock); a persistent block (one per
-// multiprocessor) walks its tiles in three warpgroups:
+// them, for each query head of the group (bwd::KeyBlock); a block (persistent, one per
+// multiprocessor, for unmasked calls) walks its tiles in three warpgroups:
 //  * the producer warp: a tile's K and V (once the last tile's are released: the load overlaps
 //    the consumers' dK / dV stores), then per step Q, dO (TMA, 128-byte swizzle) and the rows'
 //    (lse_log2, delta) (1-d bulk copies) into the next free stage of the ring;
@@ -173,9 +173,10 @@ struct StepPos {
   }
 };
 
-/// Persistent: block i takes tiles i, i + gridDim.x, ... of `tiles` (the causal order's
-/// heaviest first, dealt round robin). The producer loads a tile's K / V as soon as the
-/// consumers have released the last tile's, so that load overlaps their dK / dV stores.
+/// Block i takes tiles i, i + gridDim.x, ... of `tiles`: persistent (one block per
+/// multiprocessor, unmasked calls) or one tile per block (the launcher's choice). The producer
+/// loads a tile's K / V as soon as the consumers have released the last tile's, so that load
+/// overlaps their dK / dV stores.
 template <class Traits>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,

@@ -125,10 +125,14 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
           const bwd::BwdTmaMaps maps = tma_maps(p, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
-          // Persistent: one block per multiprocessor walks the tiles.
-          const int64_t grid = std::min<int64_t>(tiles, device_arch(device).num_sms);
-          dkdv<<<unsigned(grid), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(p, int(blocks), maps,
-                                                                             tiles);
+          // Unmasked tiles all cost the same: one persistent block per multiprocessor walks
+          // them round robin. Causal and window tiles differ up to Sk / 128-fold: a block per
+          // tile, which the hardware hands out as multiprocessors free up (round robin lost
+          // 5% at hd128 causal 8k-16k; docs/design-decisions.md, "Backward").
+          const int64_t grid =
+              Traits::kMasked ? tiles : std::min<int64_t>(tiles, device_arch(device).num_sms);
+          dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
+              p, int(blocks), maps, tiles);
           check_launch("dk/dv (sm90_ws)");
         }
         done = true;
