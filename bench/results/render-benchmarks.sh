@@ -10,6 +10,6 @@ python3 bench/make_report.py \
   bench/results/h200-2026-12-02b/decode \
   bench/results/h200-2026-12-02/serving \
   --allow-partial \
-  --append bench/results/h200-2026-11-30d/train \
+  --append bench/results/h200-2026-12-04c/train \
   --append bench/results/h200-2026-12-04/merge \
   --note-file bench/results/benchmarks-note.md
