@@ -27,20 +27,20 @@
 #pragma once
 
 #include "atoms/sm80.hpp"
+#include "atoms/sm90/tensor_map.hpp"
 #include "atoms/sm90/tma.hpp"
 #include "atoms/sm90/wgmma.hpp"
 #include "atoms/sm90/wgmma_ops.hpp"
 #include "bwd/bwd_block_info.hpp"
 #include "common/element.hpp"
 #include "hipflash/detail/softmax_state.hpp"
-#include "sm90_ws/fwd_sm90_ws_kernel.hpp"  // TensorMap
 
 namespace hipflash::bwd {
 
 /// The tensor maps of q, k, v and dout: 4-d (head dim, row, head, batch), boxes of 64 columns
 /// by the tile's rows (kBlockM for q and dout, kBlockN for k and v).
 struct BwdTmaMaps {
-  sm90_ws::TensorMap q, k, v, dout;
+  atom::sm90::TensorMap q, k, v, dout;
 };
 
 template <int kHeadDim_>

@@ -27,6 +27,7 @@
 #include "common/block_info.hpp"
 #include "common/element.hpp"
 #include "common/epilogue.hpp"
+#include "atoms/sm90/tensor_map.hpp"
 #include "common/scheduler.hpp"
 #include "common/softmax.hpp"
 #include "common/swizzle.hpp"
@@ -36,11 +37,7 @@
 
 namespace hipflash::sm90_ws {
 
-/// A TMA tensor map as the kernel sees it: the 128 opaque bytes the host encoded
-/// (CUtensorMap), passed by value in the kernel's parameters.
-struct alignas(64) TensorMap {
-  uint64_t opaque[16];
-};
+using ::hipflash::atom::sm90::TensorMap;
 /// Head dims whose staged output rows go out by TMA (where the tile stages them apart from Q):
 /// out then gets a tensor map (the launcher) and the consumers a bulk store (Consumer).
 template <int kHeadDim>

@@ -17,7 +17,7 @@
 #include "gpu/launch_api.hpp"
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
 #include "bwd/bwd_sm90_ws_kernel.hpp"
-#include "gpu/fwd_sm90_ws_launch.hpp"  // tma_host::encode
+#include "gpu/tma_host.hpp"
 #endif
 #include "gpu/launch_fwd.hpp"  // set_smem_once_per_device
 #include "hipflash/detail/selector.hpp"  // kBwdSm90MaxHeadDim

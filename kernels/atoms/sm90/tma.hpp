@@ -4,8 +4,9 @@
 // between producer and consumers (PTX ISA: "mbarrier", "cp.async.bulk.tensor",
 // "cp.async.bulk", "cp.reduce.async.bulk", "bar.sync / bar.arrive", "setmaxnreg").
 //
-// A tensor map (CUtensorMap, 128 bytes) is built on the host (src/gpu/fwd_sm90_ws_launch.hpp)
-// and passed as a __grid_constant__ kernel parameter; the device side only names its address.
+// A tensor map (atoms/sm90/tensor_map.hpp: a CUtensorMap's 128 bytes) is built on the host
+// (src/gpu/tma_host.hpp) and passed as a __grid_constant__ kernel parameter; the device side
+// only names its address.
 #pragma once
 
 #include <cstdint>
