@@ -21,6 +21,7 @@
 #include "atoms/sm90/wgmma.hpp"
 #include "atoms/sm90/wgmma_ops.hpp"
 #include "bwd/bwd_block_info.hpp"
+#include "bwd/dkdv_sm90_parts.hpp"
 #include "common/block_info.hpp"
 #include "common/element.hpp"
 #include "hipflash/detail/softmax_state.hpp"
@@ -55,9 +56,6 @@ __global__ void __launch_bounds__(256, 1)
   using T = common::element_t<Traits::kDType>;
   constexpr DType kDT = Traits::kDType;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
-  using Scores = wgmma::Op<kDT, kBM>;  // 64 keys x 64 queries
-  using Grads = wgmma::Op<kDT, kHD>;   // 64 keys x head dim
-  using DqOp = wgmma::Op<kDT, 64>;     // 64 queries x 64 columns, over all keys
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -129,18 +127,8 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
     for (int i = 0; i < kBM / 2; ++i) S[i] = dP[i] = 0.f;
     wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < kHD / 16; ++ks) {
-      const uint32_t step = (ks % 4) * 32;
-      Scores::ss(S, wgmma::desc_k_major(sK_wg + (ks / 4) * kBN * 128 + step),
-                 wgmma::desc_k_major(sQ(st) + (ks / 4) * kBM * 128 + step), ks > 0);
-    }
-#pragma unroll
-    for (int ks = 0; ks < kHD / 16; ++ks) {
-      const uint32_t step = (ks % 4) * 32;
-      Scores::ss(dP, wgmma::desc_k_major(sV_wg + (ks / 4) * kBN * 128 + step),
-                 wgmma::desc_k_major(sdO(st) + (ks / 4) * kBM * 128 + step), ks > 0);
-    }
+    sm90_parts::issue_scores<kDT, kBM, kBN, kHD>(S, sK_wg, sQ(st));
+    sm90_parts::issue_scores<kDT, kBM, kBN, kHD>(dP, sV_wg, sdO(st));
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_operands(S);
@@ -190,12 +178,8 @@ __global__ void __launch_bounds__(256, 1)
 
     // dV += P^T dO, dK += dS^T Q over query steps of 16 (2048 bytes of rows a step).
     wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-      Grads::rs(dV, Pf[kk], wgmma::desc_mn_major(sdO(st) + kk * 16 * 128, kBM * 128), 1);
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-      Grads::rs(dK, dSf[kk], wgmma::desc_mn_major(sQ(st) + kk * 16 * 128, kBM * 128), 1);
+    sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sdO(st));
+    sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sQ(st));
     wgmma::commit();
 
     if (!p.deterministic) {
@@ -211,10 +195,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) dQ[i] = 0.f;
       wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < kBN / 16; ++ks)
-        DqOp::ss_tt(dQ, wgmma::desc_mn_major(a0 + ks * 16 * 128, kBN * 128),
-                    wgmma::desc_mn_major(b0 + ks * 16 * 128, kBN * 128), ks > 0);
+      sm90_parts::issue_dq<kDT, kBN>(dQ, a0, b0);
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::fence_operands(dQ);
@@ -241,22 +222,7 @@ __global__ void __launch_bounds__(256, 1)
   cp_async_wait<0>();  // no copy outlives the block (no step: K and V were never read)
 
   // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
-  T* dk = dk_rows<T>(p, b, seq.k_start, hk);
-  T* dv = dv_rows<T>(p, b, seq.k_start, hk);
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int64_t j = key0 + 8 * hh;
-    if (j >= seq.len_k) continue;
-#pragma unroll
-    for (int i = 0; i < kHD / 8; ++i) {
-      const int col = 8 * i + 2 * t;
-      if (col >= hd) continue;
-      *reinterpret_cast<uint32_t*>(dk + j * p.dk_row_stride + col) =
-          pack2<kDT>(dK[4 * i + 2 * hh] * p.softmax_scale, dK[4 * i + 2 * hh + 1] * p.softmax_scale);
-      *reinterpret_cast<uint32_t*>(dv + j * p.dv_row_stride + col) =
-          pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]);
-    }
-  }
+  sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
 #else
   port::trap();  // wgmma needs sm_90a; the launcher picks this kernel only where it was built
 #endif  // HIPFLASH_HAS_WGMMA

@@ -30,8 +30,8 @@
 #include "atoms/sm90/tensor_map.hpp"
 #include "atoms/sm90/tma.hpp"
 #include "atoms/sm90/wgmma.hpp"
-#include "atoms/sm90/wgmma_ops.hpp"
 #include "bwd/bwd_block_info.hpp"
+#include "bwd/dkdv_sm90_parts.hpp"
 #include "common/element.hpp"
 #include "hipflash/detail/softmax_state.hpp"
 
@@ -184,15 +184,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
 #if defined(HIPFLASH_HAS_WGMMA)
   using namespace ::hipflash::atom::sm90;
   using namespace dkdv_ws;
-  using ::hipflash::atom::sm80::pack2;
   using ::hipflash::atom::sm80::smem_addr;
   using Cfg = DkdvSm90WsTile<Traits::kHeadDim>;
-  using T = common::element_t<Traits::kDType>;
   constexpr DType kDT = Traits::kDType;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
-  using Scores = wgmma::Op<kDT, kBM>;  // 64 keys x kBM queries
-  using Grads = wgmma::Op<kDT, kHD>;   // 64 keys x head dim
-  using DqOp = wgmma::Op<kDT, 64>;     // a 64 x 64 piece of dQ, over all keys
   using Work = DkdvWork<kBM, kBN>;
   auto first_step = [](const Work& w) {
     return StepPos<kBM>{w.kb.hk * w.kb.groups, w.kb.row_lo, w.kb.row_lo, w.row_end};
@@ -292,19 +287,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // S^T = K Q^T, then dP^T = V dO^T, over head-dim steps of 16 (panel ks / 4, 32 B a step).
       float S[kBM / 2], dP[kBM / 2];
       wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < kHD / 16; ++ks) {
-        const uint32_t step = (ks % 4) * 32;
-        Scores::ss(S, wgmma::desc_k_major(sK_wg + (ks / 4) * kBN * 128 + step),
-                   wgmma::desc_k_major(sm.q(st) + (ks / 4) * kBM * 128 + step), ks > 0);
-      }
+      sm90_parts::issue_scores<kDT, kBM, kBN, kHD>(S, sK_wg, sm.q(st));
       wgmma::commit();
-#pragma unroll
-      for (int ks = 0; ks < kHD / 16; ++ks) {
-        const uint32_t step = (ks % 4) * 32;
-        Scores::ss(dP, wgmma::desc_k_major(sV_wg + (ks / 4) * kBN * 128 + step),
-                   wgmma::desc_k_major(sm.dout(st) + (ks / 4) * kBM * 128 + step), ks > 0);
-      }
+      sm90_parts::issue_scores<kDT, kBM, kBN, kHD>(dP, sV_wg, sm.dout(st));
       wgmma::commit();
 
       // P^T from the saved LSE while dP^T runs (a select for masked pairs: a masked NaN leaks
@@ -342,23 +327,13 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             dP[r] = key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
           }
         }
-      // The C fragments of two 8-query tiles are the A fragment of one 16-query step.
       uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          Pf[kk][j] = pack2<kDT>(S[8 * kk + 2 * j], S[8 * kk + 2 * j + 1]);
-          dSf[kk][j] = pack2<kDT>(dP[8 * kk + 2 * j], dP[8 * kk + 2 * j + 1]);
-        }
-      // dV += P^T dO, dK += dS^T Q over query steps of 16 (2048 bytes of rows a step).
+      sm90_parts::pack_a<kDT, kBM>(S, Pf);
+      sm90_parts::pack_a<kDT, kBM>(dP, dSf);
+      // dV += P^T dO, dK += dS^T Q.
       wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Grads::rs(dV, Pf[kk], wgmma::desc_mn_major(sm.dout(st) + kk * 16 * 128, kBM * 128), 1);
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Grads::rs(dK, dSf[kk], wgmma::desc_mn_major(sm.q(st) + kk * 16 * 128, kBM * 128), 1);
+      sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
+      sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
       wgmma::commit();
 
       if (!p.deterministic) {
@@ -386,10 +361,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         const uint32_t b0 = sm.k() + (Cfg::kDqByColumns ? wg * kBN * 128 : 0);
         float dQ[32];
         wgmma::fence();
-#pragma unroll
-        for (int ks = 0; ks < kBN / 16; ++ks)
-          DqOp::ss_tt(dQ, wgmma::desc_mn_major(a0 + ks * 16 * 128, kBN * 128),
-                      wgmma::desc_mn_major(b0 + ks * 16 * 128, kBN * 128), ks > 0);
+        sm90_parts::issue_dq<kDT, kBN>(dQ, a0, b0);
         wgmma::commit();
         wgmma::wait<0>();
         wgmma::fence_operands(dQ);
@@ -421,24 +393,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     }
 
     // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
-    T* dk = dk_rows<T>(p, b, seq.k_start, hk);
-    T* dv = dv_rows<T>(p, b, seq.k_start, hk);
-    const int hd = int(p.head_dim);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int64_t j = key0 + 8 * hh;
-      if (j >= seq.len_k) continue;
-#pragma unroll
-      for (int i = 0; i < kHD / 8; ++i) {
-        const int col = 8 * i + 2 * t;
-        if (col >= hd) continue;
-        *reinterpret_cast<uint32_t*>(dk + j * p.dk_row_stride + col) =
-            pack2<kDT>(dK[4 * i + 2 * hh] * p.softmax_scale,
-                       dK[4 * i + 2 * hh + 1] * p.softmax_scale);
-        *reinterpret_cast<uint32_t*>(dv + j * p.dv_row_stride + col) =
-            pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]);
-      }
-    }
+    sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
   }
 #else
   port::trap();  // TMA and wgmma need sm_90a; the launcher picks this kernel only where built
