@@ -1,7 +1,8 @@
-// hipflash — the warp-specialised dk/dv pass of the backward on Hopper (sm_90a), for dense
-// calls (the launcher's rule; varlen keeps bwd_sm90_kernel.hpp): TMA loads into a two-stage
-// ring, warpgroup MMAs, dQ staged in shared memory and added to the workspace by one bulk
-// reduction per step.
+// hipflash — the warp-specialised dk/dv pass of the backward on Hopper (sm_90a), for dense and
+// varlen calls (strides no tensor map describes keep bwd_sm90_kernel.hpp): TMA loads into a
+// two-stage ring, warpgroup MMAs, dQ staged in shared memory and added to the workspace by one
+// bulk reduction per step. A varlen call's maps take its packed rows as one batch; the rows a
+// box reads past its sequence (K, Q, dO) are zeroed in shared memory before use.
 //
 // A work tile is kBlockN = 128 keys of one (batch, kv head) and every query block that sees
 // them, for each query head of the group (bwd::KeyBlock); a block (persistent, one per
@@ -83,7 +84,7 @@ using namespace ::hipflash::atom::sm90;
 
 /// Named barriers (0 is __syncthreads): dS^T staged by both consumers; the dQ tile staged
 /// (consumers arrive, the writer syncs) and read back (the writer arrives, consumers sync).
-enum NamedBarrier : int { kDsReady = 1, kDqFull = 2, kDqEmpty = 3 };
+enum NamedBarrier : int { kDsReady = 1, kDqFull = 2, kDqEmpty = 3, kTailZeroed = 4 };
 /// Consumers plus the writer warp.
 inline constexpr int kDqBarThreads = 256 + 32;
 
@@ -135,6 +136,26 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
 }
 __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
+/// Zeroes rows [first, kRows) of a panelled SW128 tile (a row is 128 contiguous bytes of each
+/// 64-column panel, whatever its swizzle): the rows a varlen tile's TMA box read from the next
+/// sequence, which would otherwise reach this one's gradients as 0 x NaN. The consumer threads
+/// share the work; `sync` 1: they then fence and meet (else the caller does).
+template <class Cfg, int kRows>
+__device__ __forceinline__ void zero_tail_rows(uint32_t tile, int first, int sync) {
+  const int lo = first < 0 ? 0 : first;
+  const int chunks = (kRows - lo) * 8 * Cfg::kPanels;  // 16-byte chunks to zero
+  for (int i = int(threadIdx.x); i < chunks; i += Cfg::kConsumerThreads) {
+    const int panel = i / ((kRows - lo) * 8), rest = i % ((kRows - lo) * 8);
+    const uint32_t addr = tile + uint32_t(panel) * kRows * 128 + uint32_t(lo + rest / 8) * 128 +
+                          uint32_t(rest % 8) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+  }
+  if (sync) {
+    fence_proxy_async();
+    named_sync<Cfg::kConsumerThreads>(kTailZeroed);
+  }
 }
 
 /// A shared-window address as a generic pointer into this block's shared memory.
@@ -193,6 +214,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     return StepPos<kBM>{w.kb.hk * w.kb.groups, w.kb.row_lo, w.kb.row_lo, w.row_end};
   };
 
+  const bool varlen = p.cu_seqlens_q != nullptr;  // FwdParams::is_varlen, on the device
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Smem<Cfg> sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
@@ -212,13 +234,15 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const Work w(p, tile, num_n_blocks, Traits::kMasked);
         if (w.steps == 0) continue;  // the consumers only store zeros
-        const int hk = int(w.kb.hk), b = int(w.kb.b), n0 = int(w.kb.n0);
+        // Map coordinates: a varlen call's maps are its packed rows as one batch.
+        const int hk = int(w.kb.hk), b = int(w.kb.b), mb = varlen ? 0 : b;
+        const int n0 = int(w.kb.seq.k_start + w.kb.n0), q0 = int(w.kb.seq.q_start);
         sm.kv_empty().wait((kv_it++ & 1u) ^ 1u);
         sm.kv_full().arrive_expect_tx(2 * Cfg::kSmemKV);
 #pragma unroll
         for (int c = 0; c < Cfg::kPanels; ++c) {
-          tma::load_4d(sm.k() + c * kBN * 128, &maps.k, sm.kv_full(), 64 * c, n0, hk, b);
-          tma::load_4d(sm.v() + c * kBN * 128, &maps.v, sm.kv_full(), 64 * c, n0, hk, b);
+          tma::load_4d(sm.k() + c * kBN * 128, &maps.k, sm.kv_full(), 64 * c, n0, hk, mb);
+          tma::load_4d(sm.v() + c * kBN * 128, &maps.v, sm.kv_full(), 64 * c, n0, hk, mb);
         }
         StepPos<kBM> pos = first_step(w);
         for (int64_t s = 0; s < w.steps; ++s, pos.next(), ++it) {
@@ -229,8 +253,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
           const int h = int(pos.h), m0 = int(pos.m0);
 #pragma unroll
           for (int c = 0; c < Cfg::kPanels; ++c) {
-            tma::load_4d(sm.q(st) + c * kBM * 128, &maps.q, full, 64 * c, m0, h, b);
-            tma::load_4d(sm.dout(st) + c * kBM * 128, &maps.dout, full, 64 * c, m0, h, b);
+            tma::load_4d(sm.q(st) + c * kBM * 128, &maps.q, full, 64 * c, q0 + m0, h, mb);
+            tma::load_4d(sm.dout(st) + c * kBM * 128, &maps.dout, full, 64 * c, q0 + m0, h, mb);
           }
           const int64_t ws = p.ws_row(b, h, m0);
           tma::load_1d(sm.lse(st), p.lse_log2 + ws, Cfg::kStatBytes, full);
@@ -266,7 +290,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const Work w(p, tile, num_n_blocks, Traits::kMasked);
-    if (w.kb.past_keys()) continue;  // past this varlen sequence's keys (never: dense only)
+    if (w.kb.past_keys()) continue;  // past this varlen sequence's keys
     const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;
     const SeqBounds& seq = w.kb.seq;
     // Accumulators in wgmma order: element 4i + 2h + e is row g + 8h of this warp's 16 (keys
@@ -276,13 +300,23 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     for (int i = 0; i < kHD / 2; ++i) dK[i] = dV[i] = 0.f;
     const uint32_t sK_wg = sm.k() + wg * 64 * 128, sV_wg = sm.v() + wg * 64 * 128;
     const int64_t key0 = n0 + wg * 64 + wi * 16 + g;  // this thread's keys: key0, key0 + 8
-    if (w.steps > 0) sm.kv_full().wait(kv_it & 1u);
+    if (w.steps > 0) {
+      sm.kv_full().wait(kv_it & 1u);
+      if (varlen && n0 + kBN > seq.len_k)  // the next sequence's keys: K zeroed
+        zero_tail_rows<Cfg, kBN>(sm.k(), int(seq.len_k - n0), 1);
+    }
 
     StepPos<kBM> pos = first_step(w);
     for (int64_t s = 0; s < w.steps; ++s, pos.next(), ++it) {
       const int st = int(it % Cfg::kStages);
       const int64_t m0 = pos.m0;
       sm.q_full(st).wait((it / Cfg::kStages) & 1u);
+      if (varlen && m0 + kBM > seq.len_q) {  // the next sequence's rows: Q, dO zeroed
+        zero_tail_rows<Cfg, kBM>(sm.q(st), int(seq.len_q - m0), 0);
+        zero_tail_rows<Cfg, kBM>(sm.dout(st), int(seq.len_q - m0), 0);
+        fence_proxy_async();
+        named_sync<Cfg::kConsumerThreads>(kTailZeroed);
+      }
 
       // S^T = K Q^T, then dP^T = V dO^T, over head-dim steps of 16 (panel ks / 4, 32 B a step).
       float S[kBM / 2], dP[kBM / 2];

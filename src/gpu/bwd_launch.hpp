@@ -2,8 +2,8 @@
 // generated instantiation TUs (bwd_<dtype>_hd<hd>.cu, see cmake/HipflashGpu.cmake).
 //
 // Order on the stream: preprocess (delta, lse_log2, dq_accum zeroed) -> dk/dv pass (with the
-// atomic dq terms unless deterministic; on Hopper the warp-specialised kernel for dense calls,
-// the cp.async one for varlen) -> dq pass (deterministic) or dq conversion (atomic) ->
+// atomic dq terms unless deterministic; on Hopper the warp-specialised kernel, the cp.async
+// one for strides no tensor map describes) -> dq pass (deterministic) or dq conversion (atomic) ->
 // zero the rows outside every sequence (varlen).
 #pragma once
 
@@ -53,34 +53,47 @@ void zero_outside(void* base, int64_t row_stride, int64_t head_stride, int64_t t
 }
 
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
-/// Whether the warp-specialised dk/dv pass takes the call: dense (its TMA boxes address rows of
-/// one (batch, head); varlen keeps the cp.async kernel), with operands TMA can describe.
-inline bool sm90_ws_ok(const BwdParams& p) {
-  auto ok = [&](const void* base, int64_t rows, int64_t row_stride, int64_t heads,
+/// The rows, batch extent and batch stride a tensor map describes: a dense operand's (rows a
+/// sequence, its batches), or a varlen one's packed rows as one batch (total rows).
+struct MapRows {
+  int64_t rows, batch;
+};
+inline MapRows q_map_rows(const BwdParams& p, const BwdLaunch& how) {
+  return p.is_varlen() ? MapRows{how.total_q, 1} : MapRows{p.seqlen_q, p.batch};
+}
+inline MapRows k_map_rows(const BwdParams& p, const BwdLaunch& how) {
+  return p.is_varlen() ? MapRows{how.total_k, 1} : MapRows{p.seqlen_k, p.batch};
+}
+
+/// Whether the warp-specialised dk/dv pass takes the call: operands TMA can describe (a varlen
+/// call's packed rows as one batch), with rows to describe (a map's extents are >= 1).
+inline bool sm90_ws_ok(const BwdParams& p, const BwdLaunch& how) {
+  const MapRows q = q_map_rows(p, how), k = k_map_rows(p, how);
+  auto ok = [&](const void* base, MapRows m, int64_t row_stride, int64_t heads,
                 int64_t head_stride, int64_t batch_stride) {
-    return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
-           tma_strides_ok(dtype_size(p.dtype), rows, row_stride, heads, head_stride, p.batch,
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && m.rows > 0 &&
+           tma_strides_ok(dtype_size(p.dtype), m.rows, row_stride, heads, head_stride, m.batch,
                           batch_stride);
   };
-  return !p.is_varlen() && p.seqlen_q > 0 && p.seqlen_k > 0 &&  // a map's extents are >= 1
-         ok(p.q, p.seqlen_q, p.q_row_stride, p.heads_q, p.q_head_stride, p.q_batch_stride) &&
-         ok(p.dout, p.seqlen_q, p.do_row_stride, p.heads_q, p.do_head_stride,
-            p.do_batch_stride) &&
-         ok(p.k, p.seqlen_k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.k_batch_stride) &&
-         ok(p.v, p.seqlen_k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.v_batch_stride);
+  return ok(p.q, q, p.q_row_stride, p.heads_q, p.q_head_stride, p.q_batch_stride) &&
+         ok(p.dout, q, p.do_row_stride, p.heads_q, p.do_head_stride, p.do_batch_stride) &&
+         ok(p.k, k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.k_batch_stride) &&
+         ok(p.v, k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.v_batch_stride);
 }
 
 /// The tensor maps of q and dout (boxes of block_m rows) and of k and v (block_n rows).
-inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, int block_m, int block_n) {
+inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int block_m,
+                                int block_n) {
+  const MapRows q = q_map_rows(p, how), k = k_map_rows(p, how);
   bwd::BwdTmaMaps maps;
-  maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                            p.q_row_stride, p.q_head_stride, p.q_batch_stride, block_m);
-  maps.dout = tma_host::encode(p.dout, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+  maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, q.rows, p.heads_q, q.batch, p.q_row_stride,
+                            p.q_head_stride, p.q_batch_stride, block_m);
+  maps.dout = tma_host::encode(p.dout, p.dtype, p.head_dim, q.rows, p.heads_q, q.batch,
                                p.do_row_stride, p.do_head_stride, p.do_batch_stride, block_m);
-  maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                            p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n);
-  maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                            p.v_row_stride, p.v_head_stride, p.v_batch_stride, block_n);
+  maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch, p.k_row_stride,
+                            p.k_head_stride, p.k_batch_stride, block_n);
+  maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch, p.v_row_stride,
+                            p.v_head_stride, p.v_batch_stride, block_n);
   return maps;
 }
 #endif  // HIPFLASH_HAS_SM90_KERNELS
@@ -116,21 +129,21 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
     bool done = false;
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
     if constexpr (kHD <= kBwdSm90MaxHeadDim) {
-      if (how.sm90 && sm90_ws_ok(p)) {
+      if (how.sm90 && sm90_ws_ok(p, how)) {
         using Dkdv = bwd::DkdvSm90WsTile<kHD>;
         constexpr auto dkdv = bwd::bwd_dkdv_sm90_ws_kernel<Traits>;
         set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
         if (const int64_t tiles = blocks * p.heads_kv * p.batch; tiles > 0) {
-          const bwd::BwdTmaMaps maps = tma_maps(p, Dkdv::kBlockM, Dkdv::kBlockN);
+          const bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
-          // Unmasked tiles all cost the same: one persistent block per multiprocessor walks
-          // them round robin. Causal and window tiles differ up to Sk / 128-fold: a block per
+          // Unmasked dense tiles all cost the same: one persistent block per multiprocessor
+          // walks them round robin. Causal, window and varlen tiles differ in cost: a block per
           // tile, which the hardware hands out as multiprocessors free up (round robin lost
           // 5% at hd128 causal 8k-16k; docs/design-decisions.md, "Backward").
-          const int64_t grid =
-              Traits::kMasked ? tiles : std::min<int64_t>(tiles, device_arch(device).num_sms);
+          const bool even = !Traits::kMasked && !p.is_varlen();
+          const int64_t grid = even ? std::min<int64_t>(tiles, device_arch(device).num_sms) : tiles;
           dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
               p, int(blocks), maps, tiles);
           check_launch("dk/dv (sm90_ws)");

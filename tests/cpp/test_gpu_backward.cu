@@ -222,6 +222,47 @@ TEST_F(Gpu, VarlenBackwardMatchesTheCpuAndZeroesRowsOutsideSequences) {
     }
 }
 
+TEST_F(Gpu, VarlenBackwardKeepsTheNextSequencesNanOut) {
+  // NaN in the first query, key, value and upstream-gradient rows of sequence 1. Sequence 0's
+  // last query and key blocks end inside sequence 1 (a block load reads its rows): its gradients
+  // stay finite; sequence 1's are the CPU's, NaN for NaN.
+  for (bool det : {true, false}) {
+    Varlen t(DType::bf16, {37, 50}, {45, 60}, 2, 2, 64, LseLayout::packed, 13);
+    const int64_t q1 = 37, k1 = 45;  // sequence 1's first rows
+    auto poison_row = [](HostTensor& x, int64_t row) {
+      x.set_raw(x.base() + row * x.ref.strides[0] + 5, kNaN);  // head 0, column 5
+    };
+    poison_row(t.q, q1);
+    poison_row(t.k, k1);
+    poison_row(t.v, k1);
+    t.run();
+    std::mt19937 rng(4);
+    HostTensor dout = t.out;
+    dout.randomize(rng);
+    poison_row(dout, q1);
+    HostTensor dq = t.q, dk = t.k, dv = t.v, dq_c = t.q, dk_c = t.k, dv_c = t.v;
+    for (HostTensor* g : {&dq, &dk, &dv, &dq_c, &dk_c, &dv_c}) g->fill(kNaN);
+    VarlenBwdOptions bo;
+    bo.deterministic = det;
+    bo.max_seqlen_q = t.opts.max_seqlen_q;
+    bo.max_seqlen_k = t.opts.max_seqlen_k;
+    bo.lse_layout = LseLayout::packed;
+    varlen_backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, t.cu_q.ref,
+                    t.cu_k.ref, dq_c.ref, dk_c.ref, dv_c.ref, bo);
+    run_gpu_varlen_backward(t, dout, bo, dq, dk, dv);
+    EXPECT_TRUE(close(dq, dq_c, DType::bf16, "dq", true)) << det;
+    EXPECT_TRUE(close(dk, dk_c, DType::bf16, "dk", true)) << det;
+    EXPECT_TRUE(close(dv, dv_c, DType::bf16, "dv", true)) << det;
+    auto finite_rows = [](const HostTensor& g, int64_t rows) {
+      for (int64_t i = 0; i < rows * g.ref.strides[0]; ++i)
+        if (!std::isfinite(g.get_raw(g.base() + i))) return false;
+      return true;
+    };
+    EXPECT_TRUE(finite_rows(dq, q1)) << "sequence 0's dq, det " << det;
+    EXPECT_TRUE(finite_rows(dk, k1) && finite_rows(dv, k1)) << "sequence 0's dk / dv, det " << det;
+  }
+}
+
 TEST_F(Gpu, VarlenBackwardRowsOutsideSequencesAreZero) {
   // cu_seqlens starting past row 0 and ending before the last row.
   Varlen t(DType::f16, {20, 33}, {20, 40}, 2, 2, 64, LseLayout::packed, 5);
