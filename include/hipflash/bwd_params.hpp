@@ -28,11 +28,16 @@ struct BwdParams : FwdParams {
 
   // Workspace, fp32, indexed by (b, h, row) with the row padded to seqlen_rounded (rows of a
   // varlen sequence counted from its first): the forward's LSE in base 2 with -inf (a row that
-  // sees no key) turned into +inf so that exp2(s - lse) is 0; D = rowsum(dO * O); and, for the
-  // atomic path, dq_accum [B, Hq, seqlen_rounded, padded head dim].
+  // sees no key) turned into +inf so that exp2(s - lse) is 0; D = rowsum(dO * O); and, where
+  // the dk/dv pass adds dq (atomic or ordered), dq_accum [B, Hq, seqlen_rounded, padded head dim].
   float* __restrict__ lse_log2 = nullptr;
   float* __restrict__ delta = nullptr;
   float* __restrict__ dq_accum = nullptr;
+  /// Deterministic dq inside the warp-specialised dk/dv pass: a counter per (b, h, 64-row block)
+  /// of dq_accum, zeroed with it, of the key blocks whose terms it holds; each key block adds
+  /// its term when the counter reaches its rank (key-block order), so the fp32 sums are
+  /// repeatable. Null: atomic dq, or the deterministic dq pass.
+  int32_t* __restrict__ dq_semaphore = nullptr;
   int64_t seqlen_rounded = 0;
   int padded_head_dim = 0;
 

@@ -43,6 +43,17 @@ struct SeqBounds : common::SeqBounds {
     hi = int(h < -1 ? -1 : h);
   }
 
+  /// The first key block (of bn keys) that rows [m0, m0 + bm) see part of (m0 < len_q): with a
+  /// left window edge, key block n's last row is n bn + bn - 1 - diag + left (rows_seeing), so
+  /// the smallest n with n bn + bn - diag + left > m0; else block 0. The key blocks a row block
+  /// sees are consecutive from it (the ordered dq's ranks, bwd_sm90_ws_kernel.hpp).
+  HIPFLASH_HD int64_t first_key_block_seeing(const FwdParams& p, int64_t m0, int bn) const {
+    if (p.window_left < 0) return 0;
+    const int64_t x = m0 + diag - p.window_left - bn;  // n > x / bn
+    const int64_t floor_div = x >= 0 ? x / bn : -((-x + bn - 1) / bn);
+    return floor_div + 1 > 0 ? floor_div + 1 : 0;
+  }
+
   /// Whether the tile of rows [m0, m0 + bm) and keys [n0, n0 + bn) needs per-element masking:
   /// keys past the sequence, or a window edge inside the tile (common::BlockInfo::needs_mask's
   /// rule for any tile).

@@ -5,11 +5,13 @@
 //   lse_log2 = the forward's LSE in base 2, with -inf (a row that sees no key) made +inf so
 //              that P = exp2(s * scale * log2e - lse_log2) is exactly 0 there; NaN stays NaN;
 //   rows past the sequence: delta 0, lse_log2 +inf (they take part in nothing);
-//   and, on the atomic path, the row's dq_accum zeroed.
+//   and, where the dk/dv pass adds dq, the row's dq_accum zeroed (and its 64-row block's
+//   counter, where it adds in key-block order).
 // Eight threads own a row; each sums 16-byte pieces and the eight reduce by shuffles.
 //
-// bwd_dq_convert_kernel, after it on the atomic path: dq = softmax_scale * dq_accum, rounded to
-// the dtype, for the rows of every sequence (dq_accum's swizzled rows: dq_accum_index).
+// bwd_dq_convert_kernel, after it wherever the dk/dv pass adds dq: dq = softmax_scale *
+// dq_accum, rounded to the dtype, for the rows of every sequence (dq_accum's swizzled rows:
+// dq_accum_index).
 //
 // bwd_zero_outside_kernel (varlen): the rows of a [total, H, D] gradient before cu_seqlens[0]
 // and from cu_seqlens[B] on belong to no sequence; their gradient is 0 (the CPU backward's rule).
@@ -61,11 +63,12 @@ __global__ void __launch_bounds__(kPrepThreads)
     p.delta[ws] = delta;
     p.lse_log2[ws] = lse2;
   }
-  if (!p.deterministic) {
+  if (p.dq_accum != nullptr) {
     float4* acc = reinterpret_cast<float4*>(p.dq_accum + ws * p.padded_head_dim);
     for (int c = lane; c < p.padded_head_dim / 4; c += kPrepLanesPerRow)
       acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+  if (p.dq_semaphore != nullptr && lane == 0 && row % 64 == 0) p.dq_semaphore[ws / 64] = 0;
 }
 
 inline constexpr int kConvertThreads = 256;

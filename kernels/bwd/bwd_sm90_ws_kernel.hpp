@@ -21,7 +21,8 @@
 //      dV += P^T dO,  dK += dS^T Q                   (wgmma RS: P and dS stay in registers)
 //    and, on the atomic path, writes dS^T to shared memory; after both warpgroups have,
 //    dQ = dS K (wgmma SS: a 64 x 64 piece each, as in bwd_sm90_kernel.hpp) goes into the
-//    staged fp32 tile. The deterministic path leaves dQ to the dq pass.
+//    staged fp32 tile. Deterministic calls take the same path, the writer adding a row block's
+//    terms in key-block order (a counter per block in dq_semaphore).
 // The exponentials overlap the dP^T product, dV / dK the staging of dS^T; the two warpgroups'
 // non-MMA phases interleave with each other's products, and no consumer issues a load or a
 // global reduction.
@@ -158,6 +159,20 @@ __device__ __forceinline__ void zero_tail_rows(uint32_t tile, int first, int syn
   }
 }
 
+/// The ordered dq's counter (dq_semaphore): an acquiring load and a releasing add at GPU scope,
+/// and the fence that orders the bulk reductions (async proxy) with them.
+__device__ __forceinline__ int load_acquire(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release(int32_t* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 /// A shared-window address as a generic pointer into this block's shared memory.
 __device__ __forceinline__ float* smem_floats(unsigned char* raw, uint32_t addr) {
   return reinterpret_cast<float*>(raw + (addr - ::hipflash::atom::sm80::smem_addr(raw)));
@@ -261,9 +276,12 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
           tma::load_1d(sm.delta(st), p.delta + ws, Cfg::kStatBytes, full);
         }
       }
-    } else if (warp == kWriterWarp && !p.deterministic) {
+    } else if (warp == kWriterWarp && p.dq_accum != nullptr) {
       // The dQ writer, per step: the buffer free (the last reduction has read it), then the
       // consumers' staged tile added to dq_accum — one bar.arrive per consumer kDqEmpty sync.
+      // Deterministic: a row block's key blocks add in key-block order, each once the block's
+      // counter equals its rank and its own addition complete before it counts on.
+      const bool ordered = p.dq_semaphore != nullptr;
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const Work w(p, tile, num_n_blocks, Traits::kMasked);
         StepPos<kBM> pos = first_step(w);
@@ -273,9 +291,20 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
           named_arrive<kDqBarThreads>(kDqEmpty);
           named_sync<kDqBarThreads>(kDqFull);
           if (lane == 0) {
-            tma::reduce_add_1d(p.dq_accum + p.ws_row(w.kb.b, pos.h, pos.m0) * kHD, sm.dq(),
-                               Cfg::kSmemDq);
+            const int64_t ws = p.ws_row(w.kb.b, pos.h, pos.m0);
+            int32_t* const counter = ordered ? p.dq_semaphore + ws / 64 : nullptr;
+            if (ordered) {
+              const int rank = int(w.kb.n_block - w.kb.seq.first_key_block_seeing(p, pos.m0, kBN));
+              while (load_acquire(counter) != rank) __nanosleep(32);
+              fence_proxy_async_global();
+            }
+            tma::reduce_add_1d(p.dq_accum + ws * kHD, sm.dq(), Cfg::kSmemDq);
             tma::commit_group();
+            if (ordered) {
+              tma::wait_group<0>();  // performed, not just read
+              fence_proxy_async_global();
+              add_release(counter, 1);
+            }
           }
         }
       }
@@ -370,7 +399,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
       wgmma::commit();
 
-      if (!p.deterministic) {
+      if (p.dq_accum != nullptr) {
         // dS^T (rounded, as the A operand of dQ) into its SW128 tile. Free: both warpgroups
         // passed the last step's kDqEmpty sync after their dQ products were done.
         // Swizzled addresses from this thread's row phase g, kept opaque so that the compiler

@@ -1,9 +1,10 @@
 // hipflash — the one place that launches the backward kernels (SPEC §7). Included only by the
 // generated instantiation TUs (bwd_<dtype>_hd<hd>.cu, see cmake/HipflashGpu.cmake).
 //
-// Order on the stream: preprocess (delta, lse_log2, dq_accum zeroed) -> dk/dv pass (with the
-// atomic dq terms unless deterministic; on Hopper the warp-specialised kernel, the cp.async
-// one for strides no tensor map describes) -> dq pass (deterministic) or dq conversion (atomic) ->
+// Order on the stream: preprocess (delta, lse_log2, dq_accum and its counters zeroed) -> dk/dv
+// pass (on Hopper the warp-specialised kernel, adding dq in key-block order when deterministic;
+// the cp.async one for strides no tensor map describes; elsewhere dq added atomically unless
+// deterministic) -> dq pass (deterministic, not warp-specialised) or dq conversion ->
 // zero the rows outside every sequence (varlen).
 #pragma once
 
@@ -101,10 +102,20 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
 }  // namespace bwd_detail
 
 template <class Traits>
-void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream) {
+void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t stream) {
   using namespace bwd_detail;
   constexpr DType kDT = Traits::kDType;
   constexpr int kHD = Traits::kHeadDim;
+  // The dk/dv pass decides where dq comes from: the warp-specialised one adds it to dq_accum,
+  // in key-block order when deterministic (dq_semaphore); the others atomically, or leave it
+  // to the dq pass when deterministic (dq_accum and the counters then unused: dropped here).
+  bool ws = false;
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+  if constexpr (kHD <= kBwdSm90MaxHeadDim) ws = how.sm90 && sm90_ws_ok(params, how);
+#endif
+  BwdParams p = params;
+  if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
+  if (!ws && p.deterministic) p.dq_accum = nullptr;
   // Launches kernel<<<blocks (per (head, batch)) * heads * B, threads, smem>>>(p, blocks).
   auto pass = [&](auto kernel, int64_t blocks, int64_t heads, int threads, int smem,
                   const char* what) {
@@ -129,7 +140,7 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
     bool done = false;
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
     if constexpr (kHD <= kBwdSm90MaxHeadDim) {
-      if (how.sm90 && sm90_ws_ok(p, how)) {
+      if (ws) {
         using Dkdv = bwd::DkdvSm90WsTile<kHD>;
         constexpr auto dkdv = bwd::bwd_dkdv_sm90_ws_kernel<Traits>;
         set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
@@ -139,10 +150,12 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
           // Unmasked dense tiles all cost the same: one persistent block per multiprocessor
-          // walks them round robin. Causal, window and varlen tiles differ in cost: a block per
+          // walks them round robin (tile order). Causal, window and varlen tiles differ in cost: a block per
           // tile, which the hardware hands out as multiprocessors free up (round robin lost
           // 5% at hd128 causal 8k-16k; docs/design-decisions.md, "Backward").
-          const bool even = !Traits::kMasked && !p.is_varlen();
+          // Deterministic calls too: a block waits on the key blocks before its own (lower tile
+          // indices), which a persistent grid's resident blocks are sure to reach.
+          const bool even = (!Traits::kMasked && !p.is_varlen()) || p.dq_semaphore != nullptr;
           const int64_t grid = even ? std::min<int64_t>(tiles, device_arch(device).num_sms) : tiles;
           dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
               p, int(blocks), maps, tiles);
@@ -166,7 +179,7 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
       pass(dkdv, ceil_div(p.seqlen_k, Dkdv::kBlockN), p.heads_kv, Dkdv::kThreads,
            Dkdv::kSmemBytes, "dk/dv");
     }
-    if (p.deterministic) {
+    if (p.deterministic && p.dq_semaphore == nullptr) {
       using Dq = bwd::DqTile<kHD>;
       constexpr auto dq = bwd::bwd_dq_sm80_kernel<Traits>;
       set_smem_once_per_device<dq>(Dq::kSmemBytes, "backward dq");
@@ -175,7 +188,7 @@ void launch_bwd(const BwdParams& p, const BwdLaunch& how, port::stream_t stream)
 #endif  // HIPFLASH_PLATFORM_NVIDIA
   }
 
-  if (!p.deterministic && !how.portable)
+  if (p.dq_accum != nullptr && !how.portable)
     pass(bwd::bwd_dq_convert_kernel<kDT>,
          ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads), p.heads_q,
          bwd::kConvertThreads, 0, "dq conversion");

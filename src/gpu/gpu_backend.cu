@@ -337,12 +337,24 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   }();
   if (portable) p.deterministic = true;
 
-  // Workspace: lse_log2 and delta [B, Hq, rows], dq_accum [B, Hq, rows, hd] (atomic path), rows
-  // padded to 128 (every tile's row block stays inside).
+  BwdLaunch how;
+  how.portable = portable;
+  // The wgmma dk/dv pass where it was built (sm_90a) and the device is Hopper; the switch that
+  // hides the sm90 forward kernels (HIPFLASH_DISABLE_SM90=1) hides it too.
+  how.sm90 = !portable && build_caps().sm90 && hd <= kBwdSm90MaxHeadDim &&
+             device_arch(device).version == 90;
+
+  // Workspace: lse_log2 and delta [B, Hq, rows], dq_accum [B, Hq, rows, hd] where the dk/dv pass
+  // adds dq (atomic; deterministic on Hopper, where the warp-specialised pass may order it:
+  // launch_bwd drops it where that pass does not run) and then dq_semaphore [B, Hq, rows / 64];
+  // rows padded to 128 (every tile's row block stays inside).
   p.seqlen_rounded = (p.seqlen_q + 127) / 128 * 128;
   p.padded_head_dim = hd;
+  const bool accum = !p.deterministic || how.sm90;
+  const bool ordered = p.deterministic && how.sm90;
   const size_t rows = size_t(p.batch) * size_t(p.heads_q) * size_t(p.seqlen_rounded);
-  const size_t need = rows * sizeof(float) * (2 + (p.deterministic ? 0 : size_t(hd)));
+  const size_t need = rows * sizeof(float) * (2 + (accum ? size_t(hd) : 0)) +
+                      (ordered ? rows / 64 * sizeof(int32_t) : 0);
   ScopedDevice guard(device);
   std::unique_ptr<ScratchBuffer> scratch;
   void* base = ws.data;  // an empty problem needs none (and must not ask the allocator)
@@ -352,14 +364,8 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
     HIPFLASH_CHECK(aligned16(base), "the backward's workspace must be 16-byte aligned");
   p.lse_log2 = static_cast<float*>(base);
   p.delta = p.lse_log2 + rows;
-  p.dq_accum = p.deterministic ? nullptr : p.delta + rows;
-
-  BwdLaunch how;
-  how.portable = portable;
-  // The wgmma dk/dv pass where it was built (sm_90a) and the device is Hopper; the switch that
-  // hides the sm90 forward kernels (HIPFLASH_DISABLE_SM90=1) hides it too.
-  how.sm90 = !portable && build_caps().sm90 && hd <= kBwdSm90MaxHeadDim &&
-             device_arch(device).version == 90;
+  p.dq_accum = accum ? p.delta + rows : nullptr;
+  p.dq_semaphore = ordered ? reinterpret_cast<int32_t*>(p.dq_accum + rows * hd) : nullptr;
   how.total_q = total_q;
   how.total_k = total_k;
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
