@@ -199,6 +199,19 @@ struct DkdvWork {
   }
 };
 
+/// The tiles this block walks, in increasing order: a stride of gridDim.x, or (`snake`)
+/// common::SnakeScheduler's walk — round r takes tile r G + block, or r G + G - 1 - block when
+/// r is odd, pairing a heavy causal tile (they come first) with a light one.
+struct TileWalk {
+  int64_t tile;
+  bool odd = false;
+  __device__ __forceinline__ void next(bool snake) {
+    const int64_t block = blockIdx.x, blocks = gridDim.x;
+    tile += !snake ? blocks : odd ? 2 * block + 1 : 2 * (blocks - block) - 1;
+    odd = !odd;
+  }
+};
+
 /// A step's (query head, first row), advanced one step at a time (no 64-bit division).
 template <int kBM>
 struct StepPos {
@@ -209,14 +222,16 @@ struct StepPos {
   }
 };
 
-/// Block i takes tiles i, i + gridDim.x, ... of `tiles`: persistent (one block per
-/// multiprocessor, unmasked calls) or one tile per block (the launcher's choice). The producer
-/// loads a tile's K / V as soon as the consumers have released the last tile's, so that load
-/// overlaps their dK / dV stores.
+/// Block i takes tiles i, i + gridDim.x, ... of `tiles` (or the snake's): persistent (one block
+/// per multiprocessor) or one tile per block (the launcher's choice), tiles numbered in
+/// bwd::KeyBlock's order (`key_block_slowest`: every head's heaviest causal blocks first). The
+/// producer loads a tile's K / V as soon as the consumers have released the last tile's, so
+/// that load overlaps their dK / dV stores.
 template <class Traits>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,
-                            const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles) {
+                            const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles,
+                            bool snake, bool key_block_slowest) {
 #if defined(HIPFLASH_HAS_WGMMA)
   using namespace ::hipflash::atom::sm90;
   using namespace dkdv_ws;
@@ -246,8 +261,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       tma::prefetch_map(&maps.q);
       tma::prefetch_map(&maps.dout);
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const Work w(p, tile, num_n_blocks, Traits::kMasked);
+      for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
+        const int64_t tile = walk.tile;
+        const Work w(p, tile, num_n_blocks, key_block_slowest);
         if (w.steps == 0) continue;  // the consumers only store zeros
         // Map coordinates: a varlen call's maps are its packed rows as one batch.
         const int hk = int(w.kb.hk), b = int(w.kb.b), mb = varlen ? 0 : b;
@@ -282,8 +298,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // Deterministic: a row block's key blocks add in key-block order, each once the block's
       // counter equals its rank and its own addition complete before it counts on.
       const bool ordered = p.dq_semaphore != nullptr;
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const Work w(p, tile, num_n_blocks, Traits::kMasked);
+      for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
+        const int64_t tile = walk.tile;
+        const Work w(p, tile, num_n_blocks, key_block_slowest);
         StepPos<kBM> pos = first_step(w);
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
           if (lane == 0) tma::wait_group_read<0>();
@@ -317,8 +334,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   const int wg = warp / 4, wi = warp % 4, g = lane / 4, t = lane % 4;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
   uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const Work w(p, tile, num_n_blocks, Traits::kMasked);
+  for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
+    const int64_t tile = walk.tile;
+    const Work w(p, tile, num_n_blocks, key_block_slowest);
     if (w.kb.past_keys()) continue;  // past this varlen sequence's keys
     const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;
     const SeqBounds& seq = w.kb.seq;

@@ -149,16 +149,23 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           const bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
-          // Unmasked dense tiles all cost the same: one persistent block per multiprocessor
-          // walks them round robin (tile order). Causal, window and varlen tiles differ in cost: a block per
-          // tile, which the hardware hands out as multiprocessors free up (round robin lost
-          // 5% at hd128 causal 8k-16k; docs/design-decisions.md, "Backward").
-          // Deterministic calls too: a block waits on the key blocks before its own (lower tile
-          // indices), which a persistent grid's resident blocks are sure to reach.
-          const bool even = (!Traits::kMasked && !p.is_varlen()) || p.dq_semaphore != nullptr;
-          const int64_t grid = even ? std::min<int64_t>(tiles, device_arch(device).num_sms) : tiles;
+          // Unmasked dense tiles (all of a cost): persistent, one block per multiprocessor, in a
+          // stride. Masked and varlen ones: a block per tile, handed out by the hardware as
+          // multiprocessors free up, key block fastest, so that a head's key blocks run side by
+          // side and share its Q, dO and dq_accum in L2 (+13-15% at causal S = 512-1k, hd128),
+          // unless there are too few tiles to even out: heaviest first then (GQA 8 at S = 2k:
+          // 256 tiles, -15% key block fastest). Deterministic: persistent (a block waits on the
+          // key blocks before its own, lower tile indices, which a persistent grid's resident
+          // blocks are sure to reach), heaviest first in a snake (key block fastest: +19-57%
+          // time, the blocks of a head queueing on each other's counters).
+          const int num_sms = device_arch(device).num_sms;
+          const bool ordered = p.dq_semaphore != nullptr;
+          const bool persistent = ordered || (!p.is_varlen() && !Traits::kMasked);
+          const bool slowest = Traits::kMasked && (ordered || tiles < 4 * int64_t(num_sms));
+          const bool snake = Traits::kMasked && persistent;
+          const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
           dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
-              p, int(blocks), maps, tiles);
+              p, int(blocks), maps, tiles, snake, slowest);
           check_launch("dk/dv (sm90_ws)");
         }
         done = true;
