@@ -435,7 +435,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::wait<0>();  // dV, dK done: P and dS leave the registers before dQ's arrive
         wgmma::fence_operands(dV);
         wgmma::fence_operands(dK);
-        if (lane == 0) sm.q_empty(st).arrive();  // Q, dO and the statistics read
+        // Q, dO and the statistics read: every lane's reads before its lane 0's release.
+        __syncwarp();
+        if (lane == 0) sm.q_empty(st).arrive();
         named_sync<Cfg::kConsumerThreads>(kDsReady);
         // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
         const uint32_t a0 = sm.ds() + (Cfg::kDqByColumns ? 0 : wg * kBN * 128);
@@ -465,10 +467,12 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::wait<0>();
         wgmma::fence_operands(dV);
         wgmma::fence_operands(dK);
+        __syncwarp();
         if (lane == 0) sm.q_empty(st).arrive();
       }
     }
     if (w.steps > 0) {  // K and V read (every warp's products waited for): the next tile's load
+      __syncwarp();
       if (lane == 0) sm.kv_empty().arrive();
       ++kv_it;
     }
