@@ -8,6 +8,7 @@
 #include "backend.hpp"
 #include "common/block_info.hpp"
 #include "hipflash/detail/host_numeric.hpp"
+#include "hipflash/detail/softmax_state.hpp"
 #include "tensor_checks.hpp"
 
 namespace hipflash {
@@ -41,6 +42,7 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
                   const TensorRef& dq, const TensorRef& dk, const TensorRef& dv) {
   const int64_t B = p.batch, Hq = p.heads_q, Hkv = p.heads_kv, D = p.head_dim, G = Hq / Hkv;
   const float scale = p.softmax_scale;
+  const detail::Softcap softcap{p.softcap};
   const DType dt = p.dtype;
   // Element (batch b, row `row` of the sequence starting at `start`, head h) of a dense
   // [B, S, H, D] or varlen [total, H, D] tensor.
@@ -91,8 +93,16 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
               sc += qi[size_t(d)] * kj[d];
               dp += doi[size_t(d)] * vj[d];
             }
-            const float pij = std::exp(sc * scale - lse_i);  // P from the forward's LSE
-            const float ds = pij * (dp - Di);
+            // P from the forward's LSE; with a softcap, of the capped score, and dS carries
+            // the cap's slope 1 - tanh^2 back to the scaled score.
+            float score = sc * scale, slope = 1.f;
+            if (softcap.on()) {
+              const float t = softcap.tanh_of(score);
+              score = softcap.cap * t;
+              slope = 1.f - t * t;
+            }
+            const float pij = std::exp(score - lse_i);
+            const float ds = pij * (dp - Di) * slope;
             float* dkj = &dk_acc[size_t(j * D)];
             float* dvj = &dv_acc[size_t(j * D)];
             for (int64_t d = 0; d < D; ++d) {
@@ -166,12 +176,19 @@ BwdParams gpu_params(const FwdParams& fp, const TensorRef& dout, const TensorRef
   return p;
 }
 
+/// What the GPU backward cannot run yet, refused before anything is written.
+void refuse_on_gpu(const FwdParams& p) {
+  HIPFLASH_CHECK_AS(not_implemented, p.softcap == 0.f,
+                    "softcap runs on the CPU backend only: the GPU kernels do not cap scores yet");
+}
+
 FwdOptions forward_options(const BwdOptions& opts) {
   FwdOptions fo;
   fo.softmax_scale = opts.softmax_scale;
   fo.causal = opts.causal;
   fo.window_left = opts.window_left;
   fo.window_right = opts.window_right;
+  fo.softcap = opts.softcap;
   fo.num_splits = 1;
   fo.return_lse = true;
   return fo;
@@ -187,6 +204,7 @@ void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, con
   const FwdParams p = make_dense_params(q, k, v, out, &lse, forward_options(opts));
   check_grads(dout, q, k, v, out, lse, dq, dk, dv, {});
   if (q.loc.kind == Location::gpu) {
+    refuse_on_gpu(p);
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
                       workspace, 0, 0);
     return;
@@ -207,6 +225,7 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
   const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo, stream);
   check_grads(dout, q, k, v, out, lse, dq, dk, dv, {&cu_seqlens_q, &cu_seqlens_k});
   if (q.loc.kind == Location::gpu) {  // the launcher zeroes the rows outside every sequence
+    refuse_on_gpu(p);
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
                       workspace, q.sizes[0], k.sizes[0]);
     return;

@@ -107,6 +107,8 @@ void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                  "softmax_scale must be a number in (0, ", kMaxSoftmaxScale,
                  "] (larger scales overflow the fp32 scores), got ",
                  opts.softmax_scale.value_or(0.f));
+  HIPFLASH_CHECK(std::isfinite(opts.softcap) && opts.softcap >= 0.f,
+                 "softcap must be a finite number >= 0 (0: off), got ", opts.softcap);
   HIPFLASH_CHECK(opts.window_left >= -1 && opts.window_right >= -1,
                  "window_size must be (left, right) with -1 (unbounded) or values >= 0, got (",
                  opts.window_left, ", ", opts.window_right, ")");
@@ -236,6 +238,8 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
     check_workspace_size(plan.num_splits);
     return plan;
   }
+  HIPFLASH_CHECK_AS(not_implemented, p.softcap == 0.f,
+                    "softcap runs on the CPU backend only: the GPU kernels do not cap scores yet");
   plan.arch = gpu::device_arch(loc.index);
   plan.sel = select_kernel(make_problem(p), plan.arch, gpu::build_caps());
   HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);
@@ -330,6 +334,7 @@ FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const Tensor
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
+  p.softcap = opts.softcap;
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   if (opts.return_lse) {
@@ -459,6 +464,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
+  p.softcap = opts.softcap;
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   p.lse_layout = opts.lse_layout;

@@ -24,6 +24,7 @@ struct BwdOptions {
   std::optional<float> softmax_scale;  ///< the forward's (default 1/sqrt(D))
   bool causal = false;
   int64_t window_left = -1, window_right = -1;
+  float softcap = 0.f;  ///< the forward's (FwdOptions::softcap)
   /// Bitwise-repeatable gradients. The CPU backward always is (each kv head's dk/dv are
   /// accumulated by one thread, in a fixed order). On the GPU dk/dv always are (one thread block
   /// owns a key block of a kv head and walks its query heads); dq is summed by a separate pass

@@ -26,6 +26,9 @@ struct FwdOptions {
   int64_t window_right = -1;           ///< -1: unbounded
   int num_splits = 0;                  ///< 0: heuristic; 1: no split-K
   bool return_lse = false;             ///< write lse; requires an lse buffer
+  /// > 0: logit soft-capping, cap * tanh(score / cap) before the softmax (FlashAttention 2's
+  /// softcap, Gemma 2); 0: off. The CPU backend only, for now: a GPU call raises not_implemented.
+  float softcap = 0.f;
 };
 
 struct VarlenOptions : FwdOptions {

@@ -62,6 +62,7 @@ struct FwdParams {
 
   DType dtype = DType::f16;
   float softmax_scale = 1.f;
+  float softcap = 0.f;  ///< > 0: scores capped to softcap * tanh(score / softcap) (detail::Softcap)
   // Key j is valid for row i when  i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right;
   // -1 means unbounded. Causal is (window_left, 0).
   int64_t window_left = -1, window_right = -1;

@@ -101,6 +101,14 @@ def _scale(softmax_scale):
     return float(softmax_scale)
 
 
+def _softcap(softcap):
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    return float(softcap)
+
+
 def _int(value, name):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -177,10 +185,10 @@ class _FlashAttnFunc(torch.autograd.Function):
     recomputes P from that LSE (torch.ops.hipflash.bwd). The LSE output is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, left, right, num_splits, deterministic):
-        out, lse = _ops.fwd(q, k, v, scale, causal, left, right, num_splits, True)
+    def forward(ctx, q, k, v, scale, causal, left, right, num_splits, deterministic, softcap):
+        out, lse = _ops.fwd(q, k, v, scale, causal, left, right, num_splits, True, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, left, right, deterministic)
+        ctx.args = (scale, causal, left, right, deterministic, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -189,7 +197,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
             dq, dk, dv = _ops.bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return _first_order(dq, dk, dv) + (None,) * 6
+        return _first_order(dq, dk, dv) + (None,) * 7
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -197,23 +205,21 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, num_splits,
-                lse_layout, deterministic):
+                lse_layout, deterministic, softcap):
         out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left,
-                                   right, num_splits, True, lse_layout)
+                                   right, num_splits, True, lse_layout, softcap)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, scale, causal, left, right, deterministic, lse_layout)
+        ctx.args = (max_q, max_k, scale, causal, left, right, deterministic, lse_layout, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, scale, causal, left, right, deterministic, lse_layout = ctx.args
         with torch.no_grad():
             dq, dk, dv = _ops.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
-                                         max_q, max_k, scale, causal, left, right, deterministic,
-                                         lse_layout)
-        return _first_order(dq, dk, dv) + (None,) * 11
+                                         *ctx.args)
+        return _first_order(dq, dk, dv) + (None,) * 12
 
 
 def _wants_grad(*tensors):
@@ -224,7 +230,7 @@ def _wants_grad(*tensors):
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    num_splits=0, return_lse=False, out=None, deterministic=False):
+                    num_splits=0, return_lse=False, out=None, deterministic=False, softcap=0.0):
     """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
 
     Arguments:
@@ -255,6 +261,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             are; dq then comes from a separate pass summing in a fixed order instead of fp32
             atomics from the dk / dv pass (False, the default as in FlashAttention: faster,
             run-to-run differences in the last bits of dq). The CPU backward always is.
+        softcap: float >= 0. Logit soft-capping (Gemma 2, FlashAttention 2's softcap): each
+            scaled score s = softmax_scale * q_i . k_j becomes softcap * tanh(s / softcap)
+            before the softmax; the LSE is that of the capped scores. 0 (the default) is off.
+            CPU tensors only for now: on the GPU a softcap > 0 raises NotImplementedError.
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -284,27 +294,30 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     causal, return_lse = bool(causal), bool(return_lse)
+    softcap = _softcap(softcap)
 
     if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
-                         bool(deterministic))
+                         bool(deterministic), softcap)
         return (out, lse) if return_lse else out
     if out is None:
-        out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits, return_lse)
+        out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits, return_lse,
+                         softcap)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 4:
         # A q of the wrong rank gets no buffer: the C++ rank check reports it.
         lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                           device=q.device)
-    _call(_ops.fwd_out, q, k, v, out, lse, scale, causal, left, right, num_splits, return_lse)
+    _call(_ops.fwd_out, q, k, v, out, lse, scale, causal, left, right, num_splits, return_lse,
+          softcap)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
                            return_lse=False, lse_layout="padded", out=None, deterministic=False,
-                           block_table=None):
+                           block_table=None, softcap=0.0):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -321,7 +334,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q: int >= every query length and <= total_q (sizes the padded LSE and the
             launch; no sequence can be longer than q, so a larger value raises ValueError).
         max_seqlen_k: int >= every key length and <= total_k.
-        softmax_scale, causal, window_size, num_splits, return_lse, out: as for
+        softmax_scale, causal, window_size, num_splits, return_lse, out, softcap: as for
             :func:`flash_attn_func`.
         lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
             past a sequence's length are -inf, or "packed" for (nheads, total_q), the layout of
@@ -367,23 +380,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q = _bounded(_int(max_seqlen_q, "max_seqlen_q"), "max_seqlen_q", -_INT64_MAX, _INT64_MAX)
     max_seqlen_k = _bounded(_int(max_seqlen_k, "max_seqlen_k"), "max_seqlen_k", -_INT64_MAX, _INT64_MAX)
     causal, return_lse = bool(causal), bool(return_lse)
+    softcap = _softcap(softcap)
 
     if block_table is not None:  # chunked prefill: k and v are paged caches
         if out is not None:
             raise ValueError("out= is not supported with a block_table")
         out, lse = _call(_ops.varlen_fwd_paged, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
-                         return_lse, lse_layout)
+                         return_lse, lse_layout, softcap)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
-                         lse_layout, bool(deterministic))
+                         lse_layout, bool(deterministic), softcap)
         return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, scale, causal, left, right, num_splits, return_lse,
-                         lse_layout)
+                         lse_layout, softcap)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 3:
@@ -395,13 +409,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             lse = torch.empty((cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q),
                               dtype=torch.float32, device=q.device)
     _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-          out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout)
+          out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout, softcap)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), num_splits=0, return_lse=False):
+                            window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -418,7 +432,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         block_table: optional (batch_size, max_blocks_per_seq) int32 on q's device: row j of
             sequence b lives in page block_table[b, j // page_size]. Entries past what a
             sequence uses are never read.
-        softmax_scale, causal, window_size, num_splits, return_lse: as for
+        softmax_scale, causal, window_size, num_splits, return_lse, softcap: as for
             :func:`flash_attn_func`, with seqlen_k = cache_seqlens[b] + seqlen_new per sequence
             (causal is bottom-right aligned against it).
 
@@ -456,7 +470,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                     scale, bool(causal), left, right, num_splits, bool(return_lse))
+                     scale, bool(causal), left, right, num_splits, bool(return_lse),
+                     _softcap(softcap))
     return (out, lse) if return_lse else out
 
 

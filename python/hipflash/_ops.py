@@ -79,7 +79,8 @@ def _lse_like(q, shape):
     return q.new_empty(shape, dtype=torch.float32)
 
 
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_splits, return_lse):
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_splits, return_lse,
+              softcap=0.0):
     out = q.new_empty(q.shape)
     lse = _lse_like(q, (q.shape[0], q.shape[2], q.shape[1]) if return_lse and q.dim() == 4 else (0,))
     return out, lse
@@ -87,7 +88,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_spl
 
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_left, window_right, num_splits, return_lse,
-                     lse_layout):
+                     lse_layout, softcap=0.0):
     out = q.new_empty(q.shape)
     shape = (0,)
     if return_lse and q.dim() == 3:
@@ -101,13 +102,13 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, *args):
-    max_seqlen_q, _, _, _, _, _, _, return_lse, lse_layout = args
+    max_seqlen_q, _, _, _, _, _, _, return_lse, lse_layout = args[:9]
     return _varlen_fwd_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0,
                             None, False, -1, -1, 0, return_lse, lse_layout)
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-                  window_left, window_right, num_splits, return_lse):
+                  window_left, window_right, num_splits, return_lse, softcap=0.0):
     # The caches are mutated in place (declared in the schema); the outputs are new.
     return _fwd_fake(q, None, None, softmax_scale, causal, window_left, window_right, num_splits,
                      return_lse)

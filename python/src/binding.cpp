@@ -113,7 +113,7 @@ hipflash::TensorRef to_ref(const at::Tensor& t, const char* name, Role role) {
 /// The schema's int64 options, range-checked before they narrow.
 hipflash::FwdOptions fwd_options(c10::optional<double> softmax_scale, bool causal,
                                  int64_t window_left, int64_t window_right, int64_t num_splits,
-                                 bool return_lse) {
+                                 bool return_lse, double softcap) {
   HIPFLASH_CHECK(num_splits >= 0 && num_splits <= hipflash::kMaxSplits, "num_splits must be in [0, ",
                  hipflash::kMaxSplits, "] (0 = heuristic), got ", num_splits);
   hipflash::FwdOptions o;
@@ -123,6 +123,7 @@ hipflash::FwdOptions fwd_options(c10::optional<double> softmax_scale, bool causa
   o.window_right = window_right;
   o.num_splits = int(num_splits);
   o.return_lse = return_lse;
+  o.softcap = float(softcap);  // beyond float: inf, refused
   return o;
 }
 
@@ -178,7 +179,7 @@ void run_launcher(F&& call) {
 void fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
              const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
              bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-             bool return_lse) {
+             bool return_lse, double softcap) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
@@ -187,7 +188,7 @@ void fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     if (lse) lser = to_ref(*lse, "lse", Role::lse);
     hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr,
                       fwd_options(softmax_scale, causal, window_left, window_right, num_splits,
-                                  return_lse),
+                                  return_lse, softcap),
                       stream_of(q), torch_workspace(q, keep));
   });
 }
@@ -207,12 +208,12 @@ at::Tensor alloc_lse(const at::Tensor& q, bool return_lse, std::vector<int64_t> 
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, c10::optional<double> softmax_scale,
                                        bool causal, int64_t window_left, int64_t window_right,
-                                       int64_t num_splits, bool return_lse) {
+                                       int64_t num_splits, bool return_lse, double softcap) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
   fwd_out(q, k, v, out, return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt,
-          softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+          softmax_scale, causal, window_left, window_right, num_splits, return_lse, softcap);
   return {out, lse};
 }
 
@@ -221,11 +222,11 @@ hipflash::VarlenOptions varlen_options(int64_t max_seqlen_q, int64_t max_seqlen_
                                        c10::optional<double> softmax_scale, bool causal,
                                        int64_t window_left, int64_t window_right,
                                        int64_t num_splits, bool return_lse,
-                                       const std::string& lse_layout) {
+                                       const std::string& lse_layout, double softcap) {
   hipflash::VarlenOptions opts;
   opts.lse_layout = lse_layout_of(lse_layout);
-  static_cast<hipflash::FwdOptions&>(opts) =
-      fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+  static_cast<hipflash::FwdOptions&>(opts) = fwd_options(
+      softmax_scale, causal, window_left, window_right, num_splits, return_lse, softcap);
   opts.max_seqlen_q = max_seqlen_q;
   opts.max_seqlen_k = max_seqlen_k;
   return opts;
@@ -236,12 +237,12 @@ void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
                     const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
                     bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-                    bool return_lse, const std::string& lse_layout) {
+                    bool return_lse, const std::string& lse_layout, double softcap) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
     const hipflash::VarlenOptions opts =
         varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, num_splits, return_lse, lse_layout);
+                       window_right, num_splits, return_lse, lse_layout, softcap);
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
                vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
     const auto cuq = to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index);
@@ -272,14 +273,14 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged(
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& block_table,
     int64_t max_seqlen_q, int64_t max_seqlen_k, c10::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, int64_t num_splits, bool return_lse,
-    const std::string& lse_layout) {
+    const std::string& lse_layout, double softcap) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   std::vector<at::Tensor> keep;
   run_launcher([&] {
     const hipflash::VarlenOptions opts =
         varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, num_splits, return_lse, lse_layout);
+                       window_right, num_splits, return_lse, lse_layout, softcap);
     std::optional<hipflash::TensorRef> lser;
     if (return_lse) lser = to_ref(lse, "lse", Role::lse);
     hipflash::varlen_paged_forward(
@@ -297,12 +298,12 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    int64_t num_splits, bool return_lse, const std::string& lse_layout) {
+    int64_t num_splits, bool return_lse, const std::string& lse_layout, double softcap) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   varlen_fwd_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                  return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt, softmax_scale,
-                 causal, window_left, window_right, num_splits, return_lse, lse_layout);
+                 causal, window_left, window_right, num_splits, return_lse, lse_layout, softcap);
   return {out, lse};
 }
 
@@ -328,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
     const c10::optional<at::Tensor>& cache_seqlens, const c10::optional<at::Tensor>& block_table,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    int64_t num_splits, bool return_lse) {
+    int64_t num_splits, bool return_lse, double softcap) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
@@ -336,7 +337,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   run_launcher([&] {
     hipflash::KvCacheOptions o;
     static_cast<hipflash::FwdOptions&>(o) =
-        fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse);
+        fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse,
+                    softcap);
     const auto qr = to_ref(q, "q", Role::operand), kc = to_ref(k_cache, "k_cache", Role::operand),
                vc = to_ref(v_cache, "v_cache", Role::operand), outr = to_ref(out, "out", Role::operand);
     std::optional<hipflash::TensorRef> kr, vr, sr, br, lr;
@@ -357,15 +359,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::optional<double> softmax_scale,
-    bool causal, int64_t window_left, int64_t window_right, bool deterministic) {
+    bool causal, int64_t window_left, int64_t window_right, bool deterministic, double softcap) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
   std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
   run_launcher([&] {
     hipflash::BwdOptions o;
     const hipflash::FwdOptions f =
-        fwd_options(softmax_scale, causal, window_left, window_right, 1, true);
+        fwd_options(softmax_scale, causal, window_left, window_right, 1, true, softcap);
     o.softmax_scale = f.softmax_scale;
+    o.softcap = f.softcap;
     o.causal = causal;
     o.window_left = window_left;
     o.window_right = window_right;
@@ -386,13 +389,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    bool deterministic, const std::string& lse_layout) {
+    bool deterministic, const std::string& lse_layout, double softcap) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
   std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
   run_launcher([&] {
     hipflash::VarlenBwdOptions o;
-    o.softmax_scale = fwd_options(softmax_scale, causal, window_left, window_right, 1, true).softmax_scale;
+    const hipflash::FwdOptions f =
+        fwd_options(softmax_scale, causal, window_left, window_right, 1, true, softcap);
+    o.softmax_scale = f.softmax_scale;
+    o.softcap = f.softcap;
     o.causal = causal;
     o.window_left = window_left;
     o.window_right = window_right;
@@ -503,34 +509,36 @@ bool python_interrupted() {
 
 TORCH_LIBRARY(hipflash, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, int window_left, "
-        "int window_right, int num_splits, bool return_lse) -> (Tensor out, Tensor lse)");
+        "int window_right, int num_splits, bool return_lse, float softcap=0.0) "
+        "-> (Tensor out, Tensor lse)");
   m.def("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse) -> ()");
+        "bool return_lse, float softcap=0.0) -> ()");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, int window_left, "
-        "int window_right, int num_splits, bool return_lse, str lse_layout) "
-        "-> (Tensor out, Tensor lse)");
+        "int window_right, int num_splits, bool return_lse, str lse_layout, "
+        "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def("varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, str lse_layout) -> ()");
+        "bool return_lse, str lse_layout, float softcap=0.0) -> ()");
   m.def("varlen_fwd_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor block_table, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, str lse_layout) -> (Tensor out, Tensor lse)");
+        "bool return_lse, str lse_layout, float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def("merge_attn_states(Tensor outs, Tensor lses) -> (Tensor out, Tensor lse)");
   m.def("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
         "Tensor? cache_seqlens, Tensor? block_table, float? softmax_scale, bool causal, "
-        "int window_left, int window_right, int num_splits, bool return_lse) "
-        "-> (Tensor out, Tensor lse)");
+        "int window_left, int window_right, int num_splits, bool return_lse, "
+        "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
-        "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "bool deterministic, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
-        "bool deterministic, str lse_layout) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "bool deterministic, str lse_layout, float softcap=0.0) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 /// The backend kernels: one function for both dispatch keys (the launcher picks the backend
@@ -592,7 +600,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          int64_t window_right, int64_t num_splits) {
         return hipflash::resolve_num_splits(
             to_ref(q, "q", Role::operand), to_ref(k, "k", Role::operand),
-            fwd_options(c10::nullopt, causal, window_left, window_right, num_splits, false));
+            fwd_options(c10::nullopt, causal, window_left, window_right, num_splits, false, 0.0));
       },
       py::arg("q"), py::arg("k"), py::arg("causal") = false, py::arg("window_left") = -1,
       py::arg("window_right") = -1, py::arg("num_splits") = 0,

@@ -90,6 +90,7 @@ void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_
       }
     }
     const float scale_log2 = p.softmax_scale * kLog2e;
+    const detail::Softcap softcap{p.softcap};
     for (int64_t r = 0; r < rows; ++r) {
       int64_t lo, hi;
       key_range(p, s, m0 + r, lo, hi);
@@ -103,7 +104,9 @@ void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_
       float tile_max = kNegInf;
       for (int64_t j = 0; j < cols; ++j) {
         const int64_t key = n0 + j;
-        x[j] = key >= lo && key < hi ? x[j] * scale_log2 : kNegInf;
+        const float xs = softcap.on() ? softcap.apply(x[j] * p.softmax_scale) * kLog2e
+                                      : x[j] * scale_log2;
+        x[j] = key >= lo && key < hi ? xs : kNegInf;
         tile_max = std::max(tile_max, x[j]);
       }
       SoftmaxState& st = state[r];

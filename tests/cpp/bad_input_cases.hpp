@@ -186,6 +186,9 @@ inline std::vector<Case> cases() {
        "window_size"},
       {"forward-scale", E::forward, [](Call& c) { c.opts.softmax_scale = -1.f; }, inv,
        "softmax_scale"},
+      {"forward-softcap", E::forward, [](Call& c) { c.opts.softcap = -1.f; }, inv, "softcap"},
+      {"forward-softcap-nan", E::forward, [](Call& c) { c.opts.softcap = kNaN; }, inv,
+       "softcap"},
       {"forward-splits", E::forward, [](Call& c) { c.opts.num_splits = 100000; }, inv,
        "num_splits"},
       // varlen_forward
@@ -209,6 +212,7 @@ inline std::vector<Case> cases() {
       {"kvcache-expanded-pages", E::kvcache_paged,
        [](Call& c) { c.KP.strides[0] = 0, c.VP.strides[0] = 0; }, inv,
        "k_cache must not overlap itself"},
+      {"kvcache-softcap", E::kvcache, [](Call& c) { c.kopts.softcap = kInf; }, inv, "softcap"},
       {"kvcache-caches-alias", E::kvcache, [](Call& c) { c.VC = c.KC; }, inv, "must not alias"},
       {"kvcache-cache-aliases-new", E::kvcache, [](Call& c) { c.KNew.data = c.KC.data; }, inv,
        "must not alias k"},
@@ -257,6 +261,26 @@ inline std::vector<Case> cases() {
        "too small"},
       {"varlen-backward-dv-aliases-dk", E::varlen_backward, [](Call& c) { c.VDV = c.VDK; }, inv,
        "must not alias"},
+      {"varlen-backward-softcap", E::varlen_backward, [](Call& c) { c.vbopts.softcap = -2.f; },
+       inv, "softcap"},
+  };
+}
+
+/// What the CPU backend runs and the GPU refuses (not_implemented, nothing written: a KV
+/// cache's append included): tests/cpp/test_gpu_bad_inputs.cu runs these on the device.
+inline std::vector<Case> gpu_refused_cases() {
+  using E = Entry;
+  const Err ni = Err::not_impl;
+  const char* softcap = "softcap runs on the CPU backend only";
+  return {
+      {"forward-softcap", E::forward, [](Call& c) { c.opts.softcap = 30.f; }, ni, softcap},
+      {"varlen-softcap", E::varlen, [](Call& c) { c.vopts.softcap = 30.f; }, ni, softcap},
+      {"kvcache-softcap", E::kvcache, [](Call& c) { c.kopts.softcap = 30.f; }, ni, softcap},
+      {"kvcache-paged-softcap", E::kvcache_paged, [](Call& c) { c.kopts.softcap = 30.f; }, ni,
+       softcap},
+      {"backward-softcap", E::backward, [](Call& c) { c.bopts.softcap = 30.f; }, ni, softcap},
+      {"varlen-backward-softcap", E::varlen_backward,
+       [](Call& c) { c.vbopts.softcap = 30.f; }, ni, softcap},
   };
 }
 

@@ -48,6 +48,7 @@ struct Problem {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
   int64_t max_seqlen_q = 0;  ///< dense Sq; varlen max_seqlen_q (rows of a padded lse)
   double softmax_scale = 1.0;
+  double softcap = 0.0;  ///< > 0: scores capped to softcap * tanh(score / softcap)
   int64_t window_left = -1, window_right = -1;  ///< causal folded in as right = 0
 
   static Problem dense(const TensorRef& q, const TensorRef& k, const TensorRef& v,
@@ -126,6 +127,7 @@ struct Problem {
   void set_options(const FwdOptions& opts) {
     softmax_scale = opts.softmax_scale ? double(*opts.softmax_scale)
                                        : double(1.f / std::sqrt(float(head_dim)));
+    softcap = opts.softcap;
     window_left = opts.window_left;
     window_right = opts.causal ? 0 : opts.window_right;
   }
@@ -186,6 +188,7 @@ inline Row reference_row(const Problem& p, int64_t b, int64_t h, int64_t i, KvSl
     double dot = 0;
     for (int64_t d = 0; d < D; ++d) dot += q[size_t(d)] * double(kj[d]);
     s[j] = dot * p.softmax_scale;
+    if (p.softcap > 0) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
     s_lp[j] = round_to(s[j], dt);
     m = std::max(m, s[j]);
     m_lp = std::max(m_lp, s_lp[j]);

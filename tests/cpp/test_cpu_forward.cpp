@@ -202,6 +202,33 @@ TEST(CpuForwardOptions, CustomSoftmaxScale) {
   }
 }
 
+TEST(CpuForwardOptions, SoftcapMatchesReference) {
+  // A cap that bends most scores (2) and Gemma 2's (50), causal or not, split or not: out and
+  // the LSE of the capped scores against the fp64 reference.
+  for (float cap : {2.f, 50.f})
+    for (bool causal : {false, true})
+      for (int splits : {1, 3}) {
+        Dense t = make({DType::bf16, 2, 37, 113, 4, 2, 64, causal, -1, -1, splits});
+        t.opts.softcap = cap;
+        t.opts.softmax_scale = 1.f;  // |scores| of several units: tanh is far from linear
+        t.run();
+        EXPECT_REF_OK(t.check()) << "cap " << cap << " causal " << causal << " splits " << splits;
+      }
+}
+
+TEST(CpuForwardOptions, SoftcapChangesTheResult) {
+  // The cap is not a no-op the reference happens to share: the capped output differs.
+  Dense a = make({DType::f16, 1, 17, 64, 2, 1, 64, false, -1, -1, 1});
+  Dense b = make({DType::f16, 1, 17, 64, 2, 1, 64, false, -1, -1, 1});
+  a.opts.softmax_scale = b.opts.softmax_scale = 1.f;
+  b.opts.softcap = 2.f;
+  a.run();
+  b.run();
+  EXPECT_FALSE(a.out.bitwise_equal(b.out));
+  EXPECT_FALSE(a.lse.bitwise_equal(b.lse));
+  EXPECT_REF_OK(b.check());
+}
+
 TEST(CpuForwardOptions, StridedViews) {
   // q, k, v as views of one packed QKV buffer [B, S, 3, H, D]; out as a view with a row gap.
   const int64_t B = 2, S = 113, H = 4, D = 64;

@@ -35,13 +35,15 @@ def _round(x, dtype):
     return x.to(dtype).float()
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), lowp=False):
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), lowp=False,
+                  softcap=0.0):
     """SPEC §3 for dense q/k/v. Returns (out fp32 [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]).
 
     lowp=False: fp32 math on the upcast inputs (ref32). lowp=True: the same math with every
     intermediate rounded to q's dtype as FlashAttention's reference does without upcast (scaled
     q, scores, probabilities, output; products accumulated in fp32) — its error against ref32
-    is the yardstick of SPEC §6. The lse is always the fp32 one.
+    is the yardstick of SPEC §6. The lse is always the fp32 one. softcap > 0: each scaled
+    score s becomes softcap * tanh(s / softcap) before the softmax (FlashAttention 2's softcap).
     """
     batch, seqlen_q, heads_q, dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -59,6 +61,10 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         s = _round(s, dtype)
     else:
         s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kf) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+        if lowp:
+            s = _round(s, dtype)
     s = s.masked_fill(~mask, NEG_INF)
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row has no valid key
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])

@@ -19,8 +19,9 @@ DEVICES = [
 ]
 
 
-def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None):
-    """SDPA of SPEC §3 in `dtype` with PyTorch ops (autograd reference); [B, S, H, D] layout."""
+def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None, softcap=0.0):
+    """SDPA of SPEC §3 in `dtype` with PyTorch ops (autograd reference); [B, S, H, D] layout;
+    softcap > 0 caps the scaled scores to softcap * tanh(s / softcap)."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -32,6 +33,8 @@ def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None):
     native = not (dtype == torch.float16 and q.device.type == "cpu")
     mm = (lambda a, b: a @ b) if native else (lambda a, b: (a.float() @ b.float()).to(dtype))
     s = mm(qq, kk.transpose(-1, -2)) * scale
+    if softcap:  # in fp32 (no float16 tanh on PyTorch 1.13's CPU), rounded once
+        s = (softcap * torch.tanh(s.float() / softcap)).to(dtype)
     mask = valid_mask(sq, k.shape[1], causal, window, device=q.device)
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(dtype)  # empty rows: zero

@@ -77,13 +77,12 @@ def test_fa2_kvcache(device):
 
 
 @pytest.mark.parametrize("call, arg", [
-    ("func", dict(dropout_p=0.1)), ("func", dict(softcap=30.0)),
+    ("func", dict(dropout_p=0.1)),
     ("func", dict(alibi_slopes=torch.ones(4))), ("kvcache", dict(rotary_cos=torch.ones(8, 16))),
     ("kvcache", dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32))),
     ("kvcache", dict(cache_leftpad=torch.zeros(2, dtype=torch.int32))),
 ])
 def test_fa2_refuses_what_hipflash_lacks_by_name(call, arg):
-    # (softcap=None is "off", as 0.0; a tensor value is refused, never compared)
     q, k, v = qkv("cpu", s=4)
     name = next(iter(arg))
     with pytest.raises(NotImplementedError, match=name):
@@ -159,8 +158,7 @@ def test_fa3_combine_layouts_and_out_dtype(device):
 
 
 @pytest.mark.parametrize("arg", [
-    dict(qv=torch.ones(1)), dict(q_descale=torch.ones(1)), dict(attention_chunk=64),
-    dict(softcap=10.0)])
+    dict(qv=torch.ones(1)), dict(q_descale=torch.ones(1)), dict(attention_chunk=64)])
 def test_fa3_refuses_what_hipflash_lacks_by_name(arg):
     q, k, v = qkv("cpu", s=4)
     with pytest.raises(NotImplementedError, match=next(iter(arg))):

@@ -120,8 +120,6 @@ def test_refuses_what_hipflash_lacks():
     layer = _Layer().train()
     with pytest.raises(NotImplementedError, match="dropout"):
         hf.attention(layer, q, k, v, mask, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        hf.attention(_Layer(), q, k, v, mask, softcap=50.0)
     with pytest.raises(NotImplementedError, match="sinks"):
         hf.attention(_Layer(), q, k, v, mask, s_aux=torch.zeros(2))
 

@@ -36,6 +36,24 @@ HIPFLASH_HD float fast_exp2(float x) {
 #endif
 }
 
+/// Logit soft-capping (FlashAttention 2's `softcap`, Gemma 2's attn_logit_softcapping): a row's
+/// scaled score s = softmax_scale * q.k enters the softmax as cap * tanh(s / cap) when cap > 0
+/// (as is when cap == 0), and the LSE is that of the capped scores. Its slope, for the
+/// backward: d(capped) / ds = 1 - tanh^2(s / cap). NaN stays NaN; +-inf caps to +-cap.
+struct Softcap {
+  float cap = 0.f;  ///< 0: off
+  HIPFLASH_HD bool on() const { return cap > 0.f; }
+  /// tanh(s / cap) (on() only).
+  HIPFLASH_HD float tanh_of(float s) const {
+#if defined(__CUDA_ARCH__)
+    return tanhf(s / cap);
+#else
+    return std::tanh(s / cap);
+#endif
+  }
+  HIPFLASH_HD float apply(float s) const { return on() ? cap * tanh_of(s) : s; }
+};
+
 struct SoftmaxState {
   float m = kNegInf;  ///< running max, base-2 scaled units
   float l = 0.f;      ///< running sum of 2^(x - m)

@@ -20,6 +20,16 @@ def _short(value):
     return repr(value)
 
 
+def softcap_value(softcap):
+    """FlashAttention's softcap as hipflash takes it: None and 0.0 are off; a tensor is refused
+    (never compared)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, torch.Tensor):
+        refuse("softcap", softcap, 0.0, "a float is expected")
+    return softcap
+
+
 def refuse_dropout(dropout_p):
     if dropout_p != 0.0:
         raise NotImplementedError(

@@ -8,27 +8,27 @@ Function names, argument names and defaults as in FlashAttention 3. ``return_att
 ``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
-NotImplementedError: qv, q/k/v_descale (fp8), attention_chunk, softcap, seqused_q / seqused_k,
+NotImplementedError: qv, q/k/v_descale (fp8), attention_chunk, seqused_q / seqused_k,
 rotary embedding, cache_batch_idx, cache_leftpad, and varlen queries appending new keys
-(cu_seqlens_k_new).
+(cu_seqlens_k_new). softcap runs on CPU tensors; on the GPU a softcap > 0 raises
+NotImplementedError until the kernels cap scores.
 """
 import torch
 
 import hipflash
 
-from ._common import refuse, split_qkv
+from ._common import refuse, softcap_value, split_qkv
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "flash_attn_combine"]
 
 
-def _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap):
+def _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk):
     refuse("qv", qv, None)
     for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
                         ("v_descale", v_descale)):
         refuse(name, value, None, "fp8 attention is issue 43")
     refuse("attention_chunk", attention_chunk, 0)
-    refuse("softcap", 0.0 if softcap is None else softcap, 0.0)
 
 
 def _splits(num_splits):
@@ -40,11 +40,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                     return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
-    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap)
+    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
     return hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                     window_size=window_size, num_splits=_splits(num_splits),
                                     return_lse=bool(return_attn_probs),
-                                    deterministic=deterministic)
+                                    deterministic=deterministic, softcap=softcap_value(softcap))
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None,
@@ -76,14 +76,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs=False):
     """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim); the LSE (nheads,
     total_q)."""
-    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap)
+    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
     refuse("seqused_q", seqused_q, None)
     refuse("seqused_k", seqused_k, None)
     return hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_attn_probs), lse_layout="packed",
-        deterministic=deterministic)
+        deterministic=deterministic, softcap=softcap_value(softcap))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
@@ -97,7 +97,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     """Attention against a KV cache (contiguous, or paged with page_table) after appending
     k / v in place at cache_seqlens. Varlen queries (cu_seqlens_q) attend to a paged cache
     without appending (hipflash's chunked prefill)."""
-    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, softcap)
+    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("rotary_seqlens", rotary_seqlens), ("cache_batch_idx", cache_batch_idx),
                         ("cache_leftpad", cache_leftpad), ("cu_seqlens_k_new", cu_seqlens_k_new)):
@@ -118,11 +118,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, max_k,
             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
-            lse_layout="packed", block_table=page_table)
+            lse_layout="packed", block_table=page_table, softcap=softcap_value(softcap))
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse))
+        num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
+        softcap=softcap_value(softcap))
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):

@@ -13,8 +13,9 @@ to load. Layouts, masks and windows follow transformers' FlashAttention integrat
 left padding and generation with a KV cache included, and padding-free (packed) batches run
 each document on its own; sliding windows cover the last `sliding_window` keys; GQA runs
 natively; fp32 inputs run in bfloat16 (or the autocast dtype). Refused with
-NotImplementedError: attention dropout during training, softcap (Gemma 2) and attention sinks,
-until hipflash has them (issue 42).
+NotImplementedError: attention dropout during training and attention sinks,
+until hipflash has them (issue 42). Gemma 2's logit softcapping runs on CPU tensors; on the GPU
+it raises NotImplementedError until the kernels cap scores.
 """
 import torch
 
@@ -81,9 +82,6 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if dropout and module.training:
         raise NotImplementedError(f"hipflash: attention dropout ({dropout}) is not supported; "
                                   "set the config's attention_dropout to 0.0")
-    if softcap:
-        raise NotImplementedError("hipflash: attention softcap (attn_logit_softcapping) is not "
-                                  "supported yet")
     if s_aux is not None:
         raise NotImplementedError("hipflash: attention sinks (s_aux) are not supported")
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -102,7 +100,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if sliding_window is not None and kv_len > sliding_window:
         # The last `sliding_window` keys (transformers' kv_idx > q_idx - sliding_window).
         window = (sliding_window - 1, -1 if causal else sliding_window - 1)
-    kw = dict(softmax_scale=scaling, causal=bool(causal), window_size=window)
+    # Gemma 2's attn_logit_softcapping (CPU tensors; the GPU kernels refuse it for now).
+    kw = dict(softmax_scale=scaling, causal=bool(causal), window_size=window,
+              softcap=float(softcap or 0.0))
 
     def done(out):
         return out.to(dtype), None

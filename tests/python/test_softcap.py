@@ -1,0 +1,173 @@
+"""Logit soft-capping (FlashAttention 2's softcap, Gemma 2's attn_logit_softcapping): each
+scaled score s becomes softcap * tanh(s / softcap) before the softmax, and the LSE is that of the
+capped scores. The CPU backend runs it in the forward (dense, varlen, KV cache) and the
+backward, checked here against the fp64 / fp32 references; the GPU kernels refuse it with
+NotImplementedError before anything is written, checked on a GPU."""
+import math
+
+import pytest
+import torch
+
+import hipflash
+import hipflash.compat.flash_attn as fa2
+import hipflash.compat.flash_attn_interface as fa3
+from reference import (assert_bitwise_equal, check_attention, check_lse, check_out, make_qkv,
+                       make_varlen, varlen_attention_ref)
+from test_backward import grads, torch_attention
+
+GPU = torch.cuda.is_available() and hipflash.gpu_available()
+BF16 = torch.bfloat16
+
+# (B, Sq, Sk, Hq, Hkv, D, causal, window); a softmax_scale of 1 gives |scores| of several units,
+# where tanh is far from linear for the caps below.
+CASES = [
+    (2, 37, 50, 4, 2, 64, False, (-1, -1)),
+    (1, 64, 64, 2, 1, 128, True, (-1, -1)),
+    (1, 50, 70, 2, 2, 32, False, (10, 5)),
+]
+
+
+def case_id(c):
+    return f"b{c[0]}_sq{c[1]}_sk{c[2]}_h{c[3]}x{c[4]}_d{c[5]}_c{int(c[6])}_w{c[7][0]}x{c[7][1]}"
+
+
+@pytest.mark.parametrize("softcap", [1.0, 5.0, 50.0])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_forward_matches_the_reference(case, num_splits, softcap):
+    b, sq, sk, hq, hkv, d, causal, window = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=5)
+    out, lse = hipflash.flash_attn_func(q, k, v, softmax_scale=1.0, causal=causal,
+                                        window_size=window, num_splits=num_splits,
+                                        return_lse=True, softcap=softcap)
+    check_attention(out, lse, q, k, v, f"softcap {softcap}", softmax_scale=1.0, causal=causal,
+                    window_size=window, softcap=softcap)
+
+
+def test_the_cap_bends_the_scores():
+    # Not a no-op the reference would share: a small cap changes out and bounds the LSE by
+    # log(Sk) + cap.
+    q, k, v = make_qkv(1, 16, 64, 2, 2, 64, BF16, seed=9)
+    out, lse = hipflash.flash_attn_func(q, k, v, softmax_scale=1.0, return_lse=True)
+    out_c, lse_c = hipflash.flash_attn_func(q, k, v, softmax_scale=1.0, return_lse=True,
+                                            softcap=1.0)
+    assert not torch.equal(out, out_c)
+    assert (lse_c <= math.log(64) + 1.0 + 1e-4).all() and (lse > math.log(64) + 1.0).any()
+    # softcap=0 (and None through the compatibility modules) is off: bitwise the plain call.
+    assert_bitwise_equal(hipflash.flash_attn_func(q, k, v, softcap=0.0),
+                         hipflash.flash_attn_func(q, k, v), "softcap=0")
+
+
+def test_varlen_matches_the_reference():
+    q, k, v, cu_q, cu_k = make_varlen([5, 0, 33], [9, 4, 40], 4, 2, 64, BF16, seed=4)
+    for layout in ("padded", "packed"):
+        out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 40,
+                                                   softmax_scale=1.0, causal=True,
+                                                   return_lse=True, lse_layout=layout,
+                                                   softcap=3.0)
+        kw = dict(softmax_scale=1.0, causal=True, softcap=3.0)
+        out_ref, lse_packed, lse_padded = varlen_attention_ref(q, k, v, cu_q, cu_k, 33, **kw)
+        out_lp, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, 33, lowp=True, **kw)
+        check_out(out, out_ref, out_lp, f"varlen {layout}")
+        check_lse(lse, lse_packed if layout == "packed" else lse_padded, f"varlen {layout}")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_equals_the_dense_call_on_its_keys(paged):
+    torch.manual_seed(2)
+    b, hq, hkv, d, cap = 2, 4, 2, 64, 16
+    q = torch.randn(b, 1, hq, d).to(BF16)
+    k_cache = torch.randn(b, cap, hkv, d).to(BF16)
+    v_cache = torch.randn(b, cap, hkv, d).to(BF16)
+    lens = torch.tensor([7, 16], dtype=torch.int32)
+    kw = dict(softmax_scale=1.0, return_lse=True, softcap=2.0)
+    if paged:  # one page of 16 rows per sequence
+        table = torch.arange(b, dtype=torch.int32)[:, None]
+        out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                    block_table=table, **kw)
+    else:
+        out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **kw)
+    for i in range(b):
+        n = int(lens[i])
+        want, want_lse = hipflash.flash_attn_func(q[i:i + 1], k_cache[i:i + 1, :n],
+                                                  v_cache[i:i + 1, :n], **kw)
+        assert_bitwise_equal(out[i:i + 1], want, f"sequence {i}")
+        assert_bitwise_equal(lse[i:i + 1], want_lse, f"sequence {i} lse")
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("softcap", [2.0, 30.0])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gradients_match_fp64_autograd(case, softcap, deterministic):
+    # FlashAttention's rule: max error <= 2 x PyTorch's same-precision error + 1e-5.
+    b, sq, sk, hq, hkv, d, causal, window = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=7)
+    dout = torch.randn(b, sq, hq, d, generator=torch.Generator().manual_seed(8)).to(BF16)
+    kw = dict(causal=causal, window=window, scale=1.0, softcap=softcap)
+    _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, **kw), q, k, v, dout)
+    _, glp = grads(lambda *a: torch_attention(*a, BF16, **kw), q, k, v, dout)
+    _, ghf = grads(lambda *a: hipflash.flash_attn_func(
+        *a, softmax_scale=1.0, causal=causal, window_size=window, softcap=softcap,
+        deterministic=deterministic), q, k, v, dout)
+    _, gplain = grads(lambda *a: hipflash.flash_attn_func(
+        *a, softmax_scale=1.0, causal=causal, window_size=window), q, k, v, dout)
+    for name, ours, low, ref, plain in zip("qkv", ghf, glp, g64, gplain):
+        err = (ours.double() - ref).abs().max().item()
+        tol = 2 * (low.double() - ref).abs().max().item() + 1e-5
+        assert err <= tol, f"d{name}: max|err| {err:.3e} > {tol:.3e}"
+        assert not torch.equal(ours, plain), f"d{name}: the cap changed nothing"
+
+
+def test_varlen_gradients_match_the_dense_per_sequence():
+    q, k, v, cu_q, cu_k = make_varlen([6, 20], [9, 20], 2, 2, 64, BF16, seed=3)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(BF16)
+    _, g = grads(lambda *a: hipflash.flash_attn_varlen_func(
+        *a, cu_q, cu_k, 20, 20, softmax_scale=1.0, causal=True, softcap=4.0), q, k, v, dout)
+    for i in range(2):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        _, gd = grads(lambda *a: hipflash.flash_attn_func(
+            *a, softmax_scale=1.0, causal=True, softcap=4.0), q[None, q0:q1], k[None, k0:k1],
+            v[None, k0:k1], dout[None, q0:q1])
+        assert_bitwise_equal(g[0][q0:q1], gd[0][0], f"dq of sequence {i}")
+        assert_bitwise_equal(g[1][k0:k1], gd[1][0], f"dk of sequence {i}")
+        assert_bitwise_equal(g[2][k0:k1], gd[2][0], f"dv of sequence {i}")
+
+
+@pytest.mark.parametrize("softcap, error", [(-1.0, ValueError), (float("nan"), ValueError),
+                                            (float("inf"), ValueError), (1e300, ValueError),
+                                            ("2", TypeError), (True, TypeError)])
+def test_bad_softcap_is_refused_and_nothing_is_written(softcap, error):
+    q, k, v = make_qkv(1, 4, 4, 2, 2, 64, BF16)
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(error, match="softcap"):
+        hipflash.flash_attn_func(q, k, v, out=out, softcap=softcap)
+    assert torch.isnan(out).all()
+
+
+def test_the_compatibility_modules_pass_it_through():
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 64, BF16, seed=6)
+    want = hipflash.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+    assert_bitwise_equal(fa2.flash_attn_func(q, k, v, causal=True, softcap=5.0), want, "fa2")
+    assert_bitwise_equal(fa3.flash_attn_func(q, k, v, causal=True, softcap=5.0), want, "fa3")
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fa2.flash_attn_func(q, k, v, softcap=torch.tensor(5.0))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
+                    f"kernels (this build: {hipflash.build_info()!r})")
+def test_the_gpu_refuses_it_before_writing():
+    q, k, v = (t.cuda() for t in make_qkv(1, 8, 8, 2, 2, 64, BF16))
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(NotImplementedError, match="softcap runs on the CPU backend only"):
+        hipflash.flash_attn_func(q, k, v, out=out, softcap=30.0)
+    assert torch.isnan(out).all()
+    k_cache = torch.zeros(1, 16, 2, 64, dtype=BF16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    lens = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(NotImplementedError, match="softcap"):
+        hipflash.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, k[:, :1], v[:, :1],
+                                         cache_seqlens=lens, softcap=30.0)
+    assert not k_cache.any() and not v_cache.any(), "the append ran before the refusal"
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        hipflash.flash_attn_func(qg, kg, vg, softcap=30.0)
