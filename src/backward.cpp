@@ -76,6 +76,7 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
       for (int64_t i = 0; i < Sq; ++i) {
         std::fill(dqi.begin(), dqi.end(), 0.f);
         const float lse_i = lse_data[p.lse_offset(b, h, q0, i)];
+        const float slope = p.alibi_slope(b, h);
         if (lse_i != detail::kNegInf) {  // a row with no valid key has no gradient
           float Di = 0.f;  // rowsum(dO * O), from the saved (rounded) output, as the GPU will
           const int64_t oq = off(q, b, q0, i, h), oo = off(out, b, q0, i, h), od = off(dout, b, q0, i, h);
@@ -95,14 +96,15 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
             }
             // P from the forward's LSE; with a softcap, of the capped score, and dS carries
             // the cap's slope 1 - tanh^2 back to the scaled score.
-            float score = sc * scale, slope = 1.f;
+            float score = sc * scale, cap_slope = 1.f;
             if (softcap.on()) {
               const float t = softcap.tanh_of(score);
               score = softcap.cap * t;
-              slope = 1.f - t * t;
+              cap_slope = 1.f - t * t;
             }
+            if (p.alibi_slopes) score += detail::alibi_bias(slope, i + diag, j);  // no gradient
             const float pij = std::exp(score - lse_i);
-            const float ds = pij * (dp - Di) * slope;
+            const float ds = pij * (dp - Di) * cap_slope;
             float* dkj = &dk_acc[size_t(j * D)];
             float* dvj = &dv_acc[size_t(j * D)];
             for (int64_t d = 0; d < D; ++d) {
@@ -130,7 +132,8 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
 /// The gradients' checks (after the forward's own checks of q, k, v, out and lse).
 void check_grads(const TensorRef& dout, const TensorRef& q, const TensorRef& k, const TensorRef& v,
                  const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
-                 const TensorRef& dk, const TensorRef& dv, std::initializer_list<const TensorRef*> extra) {
+                 const TensorRef& dk, const TensorRef& dv,
+                 std::initializer_list<std::pair<const TensorRef*, const char*>> extra) {
   check_like(dout, "dout", out, "out");
   check_like(dq, "dq", q, "q");
   check_like(dk, "dk", k, "k");
@@ -141,7 +144,8 @@ void check_grads(const TensorRef& dout, const TensorRef& q, const TensorRef& k, 
   for (auto [g, gname] : grads) {
     detail::check_no_self_overlap(*g, gname);
     for (auto [t, tname] : inputs) detail::check_disjoint(*g, gname, *t, tname);
-    for (const TensorRef* t : extra) detail::check_disjoint(*g, gname, *t, "cu_seqlens");
+    for (auto [t, tname] : extra)  // cu_seqlens, alibi_slopes (null: not passed)
+      if (t != nullptr) detail::check_disjoint(*g, gname, *t, tname);
     for (auto [h, hname] : grads)
       if (g != h) detail::check_disjoint(*g, gname, *h, hname);
   }
@@ -180,6 +184,9 @@ BwdParams gpu_params(const FwdParams& fp, const TensorRef& dout, const TensorRef
 void refuse_on_gpu(const FwdParams& p) {
   HIPFLASH_CHECK_AS(not_implemented, p.softcap == 0.f,
                     "softcap runs on the CPU backend only: the GPU kernels do not cap scores yet");
+  HIPFLASH_CHECK_AS(not_implemented, p.alibi_slopes == nullptr,
+                    "alibi_slopes run on the CPU backend only: the GPU kernels do not add ALiBi "
+                    "biases yet");
 }
 
 FwdOptions forward_options(const BwdOptions& opts) {
@@ -189,6 +196,7 @@ FwdOptions forward_options(const BwdOptions& opts) {
   fo.window_left = opts.window_left;
   fo.window_right = opts.window_right;
   fo.softcap = opts.softcap;
+  fo.alibi_slopes = opts.alibi_slopes;
   fo.num_splits = 1;
   fo.return_lse = true;
   return fo;
@@ -202,7 +210,7 @@ void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, con
               Workspace workspace) {
   // The forward's own checks of q, k, v, out and lse (shapes, dtypes, devices, aliasing).
   const FwdParams p = make_dense_params(q, k, v, out, &lse, forward_options(opts));
-  check_grads(dout, q, k, v, out, lse, dq, dk, dv, {});
+  check_grads(dout, q, k, v, out, lse, dq, dk, dv, {{opts.alibi_slopes, "alibi_slopes"}});
   if (q.loc.kind == Location::gpu) {
     refuse_on_gpu(p);
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
@@ -223,7 +231,9 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
   vo.max_seqlen_k = opts.max_seqlen_k;
   vo.lse_layout = opts.lse_layout;
   const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo, stream);
-  check_grads(dout, q, k, v, out, lse, dq, dk, dv, {&cu_seqlens_q, &cu_seqlens_k});
+  check_grads(dout, q, k, v, out, lse, dq, dk, dv,
+              {{&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"},
+               {opts.alibi_slopes, "alibi_slopes"}});
   if (q.loc.kind == Location::gpu) {  // the launcher zeroes the rows outside every sequence
     refuse_on_gpu(p);
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,

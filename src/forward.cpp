@@ -144,6 +144,27 @@ void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, c
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_disjoint(*lse, "lse", *t, name);
 }
 
+/// ALiBi's slopes (FwdOptions::alibi_slopes): fp32 [Hq] or [B, Hq] with a contiguous last
+/// dimension, on q's device, not overlapping out; into p (which has its batch and heads).
+void fill_alibi(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& out) {
+  const TensorRef* a = opts.alibi_slopes;
+  if (a == nullptr) return;
+  HIPFLASH_CHECK_AS(dtype_error, a->dtype == DType::f32, "alibi_slopes must have dtype float32, got ",
+                    dtype_name(a->dtype));
+  const bool per_head = a->rank == 1 && a->sizes[0] == p.heads_q;
+  const bool per_batch = a->rank == 2 && a->sizes[0] == p.batch && a->sizes[1] == p.heads_q;
+  HIPFLASH_CHECK(per_head || per_batch, "alibi_slopes must have shape [heads_q] = [", p.heads_q,
+                 "] or [batch, heads_q] = [", p.batch, ", ", p.heads_q, "], got ", shape_str(*a));
+  HIPFLASH_CHECK(p.heads_q <= 1 || a->strides[a->rank - 1] == 1,
+                 "alibi_slopes must have a contiguous last dimension");
+  HIPFLASH_CHECK(a->data != nullptr || p.heads_q == 0 || p.batch == 0,
+                 "alibi_slopes has no data pointer");
+  check_location(*a, "alibi_slopes", q.loc);
+  check_disjoint(out, "out", *a, "alibi_slopes");
+  p.alibi_slopes = static_cast<const float*>(a->data);
+  p.alibi_batch_stride = per_batch ? a->strides[0] : 0;
+}
+
 /// The window of SPEC §3, saturated: a bound that reaches every key of every row is the same
 /// as -1, however large the integer, so the kernels' window arithmetic never overflows and such
 /// a call runs unmasked. Bottom-right aligned, row i sees keys [i + d - left, i + d + right]
@@ -240,6 +261,9 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
   }
   HIPFLASH_CHECK_AS(not_implemented, p.softcap == 0.f,
                     "softcap runs on the CPU backend only: the GPU kernels do not cap scores yet");
+  HIPFLASH_CHECK_AS(not_implemented, p.alibi_slopes == nullptr,
+                    "alibi_slopes run on the CPU backend only: the GPU kernels do not add ALiBi "
+                    "biases yet");
   plan.arch = gpu::device_arch(loc.index);
   plan.sel = select_kernel(make_problem(p), plan.arch, gpu::build_caps());
   HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);
@@ -335,6 +359,7 @@ FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const Tensor
   p.dtype = q.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
+  fill_alibi(p, opts, q, out);
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   if (opts.return_lse) {
@@ -465,6 +490,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   p.dtype = q.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
+  fill_alibi(p, opts, q, out);
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   p.lse_layout = opts.lse_layout;

@@ -25,6 +25,7 @@ struct BwdOptions {
   bool causal = false;
   int64_t window_left = -1, window_right = -1;
   float softcap = 0.f;  ///< the forward's (FwdOptions::softcap)
+  const TensorRef* alibi_slopes = nullptr;  ///< the forward's (FwdOptions::alibi_slopes)
   /// Bitwise-repeatable gradients. The CPU backward always is (each kv head's dk/dv are
   /// accumulated by one thread, in a fixed order). On the GPU dk/dv always are (one thread block
   /// owns a key block of a kv head and walks its query heads); dq is summed by a separate pass

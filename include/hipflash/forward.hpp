@@ -29,6 +29,10 @@ struct FwdOptions {
   /// > 0: logit soft-capping, cap * tanh(score / cap) before the softmax (FlashAttention 2's
   /// softcap, Gemma 2); 0: off. The CPU backend only, for now: a GPU call raises not_implemented.
   float softcap = 0.f;
+  /// ALiBi (FlashAttention 2's alibi_slopes): fp32 [heads_q] or [batch, heads_q] on q's device;
+  /// row i's score of key j gets -slope * |i + Sk - Sq - j| (after the softcap). nullptr: off.
+  /// The CPU backend only, for now: a GPU call raises not_implemented.
+  const TensorRef* alibi_slopes = nullptr;
 };
 
 struct VarlenOptions : FwdOptions {

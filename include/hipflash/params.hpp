@@ -63,6 +63,10 @@ struct FwdParams {
   DType dtype = DType::f16;
   float softmax_scale = 1.f;
   float softcap = 0.f;  ///< > 0: scores capped to softcap * tanh(score / softcap) (detail::Softcap)
+  /// ALiBi slopes, fp32 [Hq] (alibi_batch_stride 0) or [B, Hq], or nullptr: row i's score of key
+  /// j gets detail::alibi_bias(slope, i + Sk - Sq, j) (per sequence for varlen and a KV cache).
+  const float* __restrict__ alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
   // Key j is valid for row i when  i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right;
   // -1 means unbounded. Causal is (window_left, 0).
   int64_t window_left = -1, window_right = -1;
@@ -87,6 +91,11 @@ struct FwdParams {
   /// Row of (split, b, h, row) in the split-K workspace ([splits, B, Hq, Sq(max)], padded rows).
   HIPFLASH_HD int64_t partial_row(int split, int64_t b, int64_t h, int64_t row) const {
     return ((int64_t(split) * batch + b) * heads_q + h) * seqlen_q + row;
+  }
+
+  /// The ALiBi slope of (batch b, query head h); 0 without ALiBi.
+  HIPFLASH_HD float alibi_slope(int64_t b, int64_t h) const {
+    return alibi_slopes ? alibi_slopes[b * alibi_batch_stride + h] : 0.f;
   }
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }

@@ -185,10 +185,12 @@ class _FlashAttnFunc(torch.autograd.Function):
     recomputes P from that LSE (torch.ops.hipflash.bwd). The LSE output is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, left, right, num_splits, deterministic, softcap):
-        out, lse = _ops.fwd(q, k, v, scale, causal, left, right, num_splits, True, softcap)
+    def forward(ctx, q, k, v, scale, causal, left, right, num_splits, deterministic, softcap,
+                alibi_slopes):
+        out, lse = _ops.fwd(q, k, v, scale, causal, left, right, num_splits, True, softcap,
+                            alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, left, right, deterministic, softcap)
+        ctx.args = (scale, causal, left, right, deterministic, softcap, alibi_slopes)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -197,7 +199,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
             dq, dk, dv = _ops.bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return _first_order(dq, dk, dv) + (None,) * 7
+        return _first_order(dq, dk, dv) + (None,) * 8
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -205,11 +207,12 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, num_splits,
-                lse_layout, deterministic, softcap):
+                lse_layout, deterministic, softcap, alibi_slopes):
         out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left,
-                                   right, num_splits, True, lse_layout, softcap)
+                                   right, num_splits, True, lse_layout, softcap, alibi_slopes)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, scale, causal, left, right, deterministic, lse_layout, softcap)
+        ctx.args = (max_q, max_k, scale, causal, left, right, deterministic, lse_layout, softcap,
+                    alibi_slopes)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -219,7 +222,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         with torch.no_grad():
             dq, dk, dv = _ops.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
                                          *ctx.args)
-        return _first_order(dq, dk, dv) + (None,) * 12
+        return _first_order(dq, dk, dv) + (None,) * 13
 
 
 def _wants_grad(*tensors):
@@ -230,7 +233,8 @@ def _wants_grad(*tensors):
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    num_splits=0, return_lse=False, out=None, deterministic=False, softcap=0.0):
+                    num_splits=0, return_lse=False, out=None, deterministic=False, softcap=0.0,
+                    alibi_slopes=None):
     """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
 
     Arguments:
@@ -265,6 +269,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             scaled score s = softmax_scale * q_i . k_j becomes softcap * tanh(s / softcap)
             before the softmax; the LSE is that of the capped scores. 0 (the default) is off.
             CPU tensors only for now: on the GPU a softcap > 0 raises NotImplementedError.
+        alibi_slopes: optional (nheads,) or (batch_size, nheads) float32 tensor on q's device.
+            ALiBi (BLOOM, MPT; FlashAttention 2's alibi_slopes): the bias
+            ``-alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j|`` is added to each (capped)
+            score; the LSE includes it. No gradient flows to the slopes. CPU tensors only for
+            now: on the GPU it raises NotImplementedError.
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -289,7 +298,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         _check_tensor(t, name)
     if out is not None:
         _check_tensor(out, "out")
-    _check_same_device(q, [("k", k), ("v", v)] + ([("out", out)] if out is not None else []))
+    if alibi_slopes is not None:
+        _check_tensor(alibi_slopes, "alibi_slopes")
+    _check_same_device(q, [("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
+                       + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else []))
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
@@ -298,11 +310,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
     if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
-                         bool(deterministic), softcap)
+                         bool(deterministic), softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits, return_lse,
-                         softcap)
+                         softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 4:
@@ -310,14 +322,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                           device=q.device)
     _call(_ops.fwd_out, q, k, v, out, lse, scale, causal, left, right, num_splits, return_lse,
-          softcap)
+          softcap, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
                            return_lse=False, lse_layout="padded", out=None, deterministic=False,
-                           block_table=None, softcap=0.0):
+                           block_table=None, softcap=0.0, alibi_slopes=None):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -334,8 +346,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q: int >= every query length and <= total_q (sizes the padded LSE and the
             launch; no sequence can be longer than q, so a larger value raises ValueError).
         max_seqlen_k: int >= every key length and <= total_k.
-        softmax_scale, causal, window_size, num_splits, return_lse, out, softcap: as for
-            :func:`flash_attn_func`.
+        softmax_scale, causal, window_size, num_splits, return_lse, out, softcap,
+            alibi_slopes: as for :func:`flash_attn_func` (ALiBi with each sequence's lengths).
         lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
             past a sequence's length are -inf, or "packed" for (nheads, total_q), the layout of
             FlashAttention-2/3 and PyTorch.
@@ -367,12 +379,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_tensor(out, "out")
     if block_table is not None:
         _check_tensor(block_table, "block_table")
+    if alibi_slopes is not None:
+        _check_tensor(alibi_slopes, "alibi_slopes")
     if lse_layout not in _LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be 'padded' or 'packed', got {lse_layout!r}")
     _check_same_device(q, [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                            ("cu_seqlens_k", cu_seqlens_k)]
                        + ([("out", out)] if out is not None else [])
-                       + ([("block_table", block_table)] if block_table is not None else []))
+                       + ([("block_table", block_table)] if block_table is not None else [])
+                       + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else []))
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
@@ -387,17 +402,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError("out= is not supported with a block_table")
         out, lse = _call(_ops.varlen_fwd_paged, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
-                         return_lse, lse_layout, softcap)
+                         return_lse, lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
-                         lse_layout, bool(deterministic), softcap)
+                         lse_layout, bool(deterministic), softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, scale, causal, left, right, num_splits, return_lse,
-                         lse_layout, softcap)
+                         lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 3:
@@ -409,13 +424,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             lse = torch.empty((cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q),
                               dtype=torch.float32, device=q.device)
     _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-          out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout, softcap)
+          out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout, softcap,
+          alibi_slopes)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0):
+                            window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0,
+                            alibi_slopes=None):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -432,7 +449,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         block_table: optional (batch_size, max_blocks_per_seq) int32 on q's device: row j of
             sequence b lives in page block_table[b, j // page_size]. Entries past what a
             sequence uses are never read.
-        softmax_scale, causal, window_size, num_splits, return_lse, softcap: as for
+        softmax_scale, causal, window_size, num_splits, return_lse, softcap, alibi_slopes: as for
             :func:`flash_attn_func`, with seqlen_k = cache_seqlens[b] + seqlen_new per sequence
             (causal is bottom-right aligned against it).
 
@@ -465,13 +482,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if block_table is not None:
         _check_tensor(block_table, "block_table")
         named.append(("block_table", block_table))
+    if alibi_slopes is not None:
+        _check_tensor(alibi_slopes, "alibi_slopes")
+        named.append(("alibi_slopes", alibi_slopes))
     _check_same_device(q, named)
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
-                     _softcap(softcap))
+                     _softcap(softcap), alibi_slopes)
     return (out, lse) if return_lse else out
 
 

@@ -80,7 +80,7 @@ def _lse_like(q, shape):
 
 
 def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_splits, return_lse,
-              softcap=0.0):
+              softcap=0.0, alibi_slopes=None):
     out = q.new_empty(q.shape)
     lse = _lse_like(q, (q.shape[0], q.shape[2], q.shape[1]) if return_lse and q.dim() == 4 else (0,))
     return out, lse
@@ -88,7 +88,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_spl
 
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_left, window_right, num_splits, return_lse,
-                     lse_layout, softcap=0.0):
+                     lse_layout, softcap=0.0, alibi_slopes=None):
     out = q.new_empty(q.shape)
     shape = (0,)
     if return_lse and q.dim() == 3:
@@ -108,7 +108,8 @@ def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_ta
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-                  window_left, window_right, num_splits, return_lse, softcap=0.0):
+                  window_left, window_right, num_splits, return_lse, softcap=0.0,
+                  alibi_slopes=None):
     # The caches are mutated in place (declared in the schema); the outputs are new.
     return _fwd_fake(q, None, None, softmax_scale, causal, window_left, window_right, num_splits,
                      return_lse)

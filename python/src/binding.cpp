@@ -127,6 +127,16 @@ hipflash::FwdOptions fwd_options(c10::optional<double> softmax_scale, bool causa
   return o;
 }
 
+/// An optional tensor argument as the launcher takes it: a TensorRef that lives as long as this
+/// (build it inside run_launcher: to_ref reports a bad tensor).
+struct OptionalRef {
+  std::optional<hipflash::TensorRef> ref;
+  OptionalRef(const c10::optional<at::Tensor>& t, const char* name, Role role) {
+    if (t) ref = to_ref(*t, name, role);
+  }
+  const hipflash::TensorRef* get() const { return ref ? &*ref : nullptr; }
+};
+
 hipflash::LseLayout lse_layout_of(const std::string& s) {
   HIPFLASH_CHECK(s == "padded" || s == "packed", "lse_layout must be 'padded' or 'packed', got '",
                  s, "'");
@@ -179,17 +189,19 @@ void run_launcher(F&& call) {
 void fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
              const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
              bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-             bool return_lse, double softcap) {
+             bool return_lse, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
                vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
     std::optional<hipflash::TensorRef> lser;
     if (lse) lser = to_ref(*lse, "lse", Role::lse);
-    hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr,
-                      fwd_options(softmax_scale, causal, window_left, window_right, num_splits,
-                                  return_lse, softcap),
-                      stream_of(q), torch_workspace(q, keep));
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
+    hipflash::FwdOptions o = fwd_options(softmax_scale, causal, window_left, window_right,
+                                         num_splits, return_lse, softcap);
+    o.alibi_slopes = alibi.get();
+    hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr, o, stream_of(q),
+                      torch_workspace(q, keep));
   });
 }
 
@@ -208,12 +220,14 @@ at::Tensor alloc_lse(const at::Tensor& q, bool return_lse, std::vector<int64_t> 
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, c10::optional<double> softmax_scale,
                                        bool causal, int64_t window_left, int64_t window_right,
-                                       int64_t num_splits, bool return_lse, double softcap) {
+                                       int64_t num_splits, bool return_lse, double softcap,
+                                       const c10::optional<at::Tensor>& alibi_slopes) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
   fwd_out(q, k, v, out, return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt,
-          softmax_scale, causal, window_left, window_right, num_splits, return_lse, softcap);
+          softmax_scale, causal, window_left, window_right, num_splits, return_lse, softcap,
+          alibi_slopes);
   return {out, lse};
 }
 
@@ -237,12 +251,15 @@ void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     int64_t max_seqlen_q, int64_t max_seqlen_k, const at::Tensor& out,
                     const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
                     bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-                    bool return_lse, const std::string& lse_layout, double softcap) {
+                    bool return_lse, const std::string& lse_layout, double softcap,
+                    const c10::optional<at::Tensor>& alibi_slopes) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
-    const hipflash::VarlenOptions opts =
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
+    hipflash::VarlenOptions opts =
         varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, num_splits, return_lse, lse_layout, softcap);
+    opts.alibi_slopes = alibi.get();
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
                vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
     const auto cuq = to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index);
@@ -273,14 +290,16 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged(
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& block_table,
     int64_t max_seqlen_q, int64_t max_seqlen_k, c10::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, int64_t num_splits, bool return_lse,
-    const std::string& lse_layout, double softcap) {
+    const std::string& lse_layout, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   std::vector<at::Tensor> keep;
   run_launcher([&] {
-    const hipflash::VarlenOptions opts =
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
+    hipflash::VarlenOptions opts =
         varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, num_splits, return_lse, lse_layout, softcap);
+    opts.alibi_slopes = alibi.get();
     std::optional<hipflash::TensorRef> lser;
     if (return_lse) lser = to_ref(lse, "lse", Role::lse);
     hipflash::varlen_paged_forward(
@@ -298,12 +317,14 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    int64_t num_splits, bool return_lse, const std::string& lse_layout, double softcap) {
+    int64_t num_splits, bool return_lse, const std::string& lse_layout, double softcap,
+    const c10::optional<at::Tensor>& alibi_slopes) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   varlen_fwd_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                  return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt, softmax_scale,
-                 causal, window_left, window_right, num_splits, return_lse, lse_layout, softcap);
+                 causal, window_left, window_right, num_splits, return_lse, lse_layout, softcap,
+                 alibi_slopes);
   return {out, lse};
 }
 
@@ -329,16 +350,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     const c10::optional<at::Tensor>& k, const c10::optional<at::Tensor>& v,
     const c10::optional<at::Tensor>& cache_seqlens, const c10::optional<at::Tensor>& block_table,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    int64_t num_splits, bool return_lse, double softcap) {
+    int64_t num_splits, bool return_lse, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
   std::vector<at::Tensor> keep;
   run_launcher([&] {
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
     hipflash::KvCacheOptions o;
     static_cast<hipflash::FwdOptions&>(o) =
         fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse,
                     softcap);
+    o.alibi_slopes = alibi.get();
     const auto qr = to_ref(q, "q", Role::operand), kc = to_ref(k_cache, "k_cache", Role::operand),
                vc = to_ref(v_cache, "v_cache", Role::operand), outr = to_ref(out, "out", Role::operand);
     std::optional<hipflash::TensorRef> kr, vr, sr, br, lr;
@@ -359,7 +382,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::optional<double> softmax_scale,
-    bool causal, int64_t window_left, int64_t window_right, bool deterministic, double softcap) {
+    bool causal, int64_t window_left, int64_t window_right, bool deterministic, double softcap,
+    const c10::optional<at::Tensor>& alibi_slopes) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
   std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
@@ -367,8 +391,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     hipflash::BwdOptions o;
     const hipflash::FwdOptions f =
         fwd_options(softmax_scale, causal, window_left, window_right, 1, true, softcap);
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
     o.softmax_scale = f.softmax_scale;
     o.softcap = f.softcap;
+    o.alibi_slopes = alibi.get();
     o.causal = causal;
     o.window_left = window_left;
     o.window_right = window_right;
@@ -389,7 +415,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    bool deterministic, const std::string& lse_layout, double softcap) {
+    bool deterministic, const std::string& lse_layout, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
   std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
@@ -397,8 +423,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     hipflash::VarlenBwdOptions o;
     const hipflash::FwdOptions f =
         fwd_options(softmax_scale, causal, window_left, window_right, 1, true, softcap);
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
     o.softmax_scale = f.softmax_scale;
     o.softcap = f.softcap;
+    o.alibi_slopes = alibi.get();
     o.causal = causal;
     o.window_left = window_left;
     o.window_right = window_right;
@@ -509,35 +537,36 @@ bool python_interrupted() {
 
 TORCH_LIBRARY(hipflash, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, int window_left, "
-        "int window_right, int num_splits, bool return_lse, float softcap=0.0) "
-        "-> (Tensor out, Tensor lse)");
+        "int window_right, int num_splits, bool return_lse, float softcap=0.0, "
+        "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, float softcap=0.0) -> ()");
+        "bool return_lse, float softcap=0.0, Tensor? alibi_slopes=None) -> ()");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, int window_left, "
         "int window_right, int num_splits, bool return_lse, str lse_layout, "
-        "float softcap=0.0) -> (Tensor out, Tensor lse)");
+        "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def("varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, str lse_layout, float softcap=0.0) -> ()");
+        "bool return_lse, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None) -> ()");
   m.def("varlen_fwd_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor block_table, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, str lse_layout, float softcap=0.0) -> (Tensor out, Tensor lse)");
+        "bool return_lse, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None) "
+        "-> (Tensor out, Tensor lse)");
   m.def("merge_attn_states(Tensor outs, Tensor lses) -> (Tensor out, Tensor lse)");
   m.def("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
         "Tensor? cache_seqlens, Tensor? block_table, float? softmax_scale, bool causal, "
         "int window_left, int window_right, int num_splits, bool return_lse, "
-        "float softcap=0.0) -> (Tensor out, Tensor lse)");
+        "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
-        "bool deterministic, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "bool deterministic, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
-        "bool deterministic, str lse_layout, float softcap=0.0) "
+        "bool deterministic, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
 

@@ -74,7 +74,8 @@ void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& 
 /// One split of one row block: partial softmax state and unnormalised accumulator per row.
 template <class Rows>
 void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_rows, int64_t m0,
-            int64_t rows, int64_t key_lo, int64_t key_hi, const std::vector<float>& qf,
+            int64_t rows, int64_t key_lo, int64_t key_hi, float alibi_slope,
+            const std::vector<float>& qf,
             std::vector<SoftmaxState>& state, std::vector<float>& acc,
             std::vector<float>& kf, std::vector<float>& vf, std::vector<float>& x) {
   const int64_t D = p.head_dim;
@@ -91,6 +92,7 @@ void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_
     }
     const float scale_log2 = p.softmax_scale * kLog2e;
     const detail::Softcap softcap{p.softcap};
+    const bool modified = softcap.on() || p.alibi_slopes != nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       int64_t lo, hi;
       key_range(p, s, m0 + r, lo, hi);
@@ -104,8 +106,11 @@ void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_
       float tile_max = kNegInf;
       for (int64_t j = 0; j < cols; ++j) {
         const int64_t key = n0 + j;
-        const float xs = softcap.on() ? softcap.apply(x[j] * p.softmax_scale) * kLog2e
-                                      : x[j] * scale_log2;
+        // The scaled score, capped, then ALiBi's bias (SPEC §3), in log2 units.
+        const float xs = !modified ? x[j] * scale_log2
+                                   : (softcap.apply(x[j] * p.softmax_scale) +
+                                      detail::alibi_bias(alibi_slope, m0 + r + s.len_k - s.len_q,
+                                                         key)) * kLog2e;
         x[j] = key >= lo && key < hi ? xs : kNegInf;
         tile_max = std::max(tile_max, x[j]);
       }
@@ -168,7 +173,7 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
     std::fill(state.begin(), state.end(), SoftmaxState{});
     if (lo < hi)
       with_kv_rows(p, s, b, h / (p.heads_q / p.heads_kv), [&](const auto& kr, const auto& vr) {
-        attend(p, s, kr, vr, m0, rows, lo, hi, qf, state, acc, kf, vf, x);
+        attend(p, s, kr, vr, m0, rows, lo, hi, p.alibi_slope(b, h), qf, state, acc, kf, vf, x);
       });
     if (splits == 1) {
       total = state;

@@ -47,17 +47,19 @@ struct Call {
       dk{DType::bf16, {2, 7, 2, 64}}, dv{DType::bf16, {2, 7, 2, 64}};
   HostTensor vdq{DType::bf16, {7, 4, 64}}, vdk{DType::bf16, {7, 2, 64}},
       vdv{DType::bf16, {7, 2, 64}};
+  HostTensor slopes{DType::f32, {4}};  ///< ALiBi slopes [Hq] (a case passes them)
 
   /// Every buffer, for placing and for the written-nothing check.
   std::vector<HostTensor*> all() {
     return {&q, &k, &v, &out, &lse, &vq, &vk, &vv, &vout, &vlse, &cu_q, &cu_k, &kc, &vc, &kp,
             &vp, &knew, &vnew, &seqlens, &table, &dq_, &dout_, &dlse, &outs, &lses, &mout,
-            &mlse, &gout, &dq, &dk, &dv, &vdq, &vdk, &vdv};
+            &mlse, &gout, &dq, &dk, &dv, &vdq, &vdk, &vdv, &slopes};
   }
 
   // The refs the call passes (placed copies of the buffers' refs; a case edits these).
   TensorRef Q, K, V, Out, Lse, VQ, VK, VV, VOut, VLse, CuQ, CuK, KC, VC, KP, VP, KNew, VNew,
-      Seqlens, Table, DQ_, DOut_, DLse, Outs, Lses, MOut, MLse, GOut, DQ, DK, DV, VDQ, VDK, VDV;
+      Seqlens, Table, DQ_, DOut_, DLse, Outs, Lses, MOut, MLse, GOut, DQ, DK, DV, VDQ, VDK, VDV,
+      Slopes;
   FwdOptions opts;
   VarlenOptions vopts;
   KvCacheOptions kopts;
@@ -90,7 +92,8 @@ struct Call {
   void place_all(Place& place) {
     TensorRef* refs[] = {&Q, &K, &V, &Out, &Lse, &VQ, &VK, &VV, &VOut, &VLse, &CuQ, &CuK, &KC,
                          &VC, &KP, &VP, &KNew, &VNew, &Seqlens, &Table, &DQ_, &DOut_, &DLse,
-                         &Outs, &Lses, &MOut, &MLse, &GOut, &DQ, &DK, &DV, &VDQ, &VDK, &VDV};
+                         &Outs, &Lses, &MOut, &MLse, &GOut, &DQ, &DK, &DV, &VDQ, &VDK, &VDV,
+                         &Slopes};
     const std::vector<HostTensor*> bufs = all();
     for (size_t i = 0; i < bufs.size(); ++i) *refs[i] = place(*bufs[i]);
   }
@@ -189,6 +192,15 @@ inline std::vector<Case> cases() {
       {"forward-softcap", E::forward, [](Call& c) { c.opts.softcap = -1.f; }, inv, "softcap"},
       {"forward-softcap-nan", E::forward, [](Call& c) { c.opts.softcap = kNaN; }, inv,
        "softcap"},
+      {"forward-alibi-dtype", E::forward,
+       [](Call& c) { c.Slopes.dtype = DType::bf16, c.opts.alibi_slopes = &c.Slopes; }, dt,
+       "alibi_slopes must have dtype float32"},
+      {"forward-alibi-shape", E::forward,
+       [](Call& c) { c.Slopes.sizes[0] = 3, c.opts.alibi_slopes = &c.Slopes; }, inv,
+       "alibi_slopes must have shape"},
+      {"forward-alibi-other-device", E::forward,
+       [](Call& c) { c.Slopes.loc = c.other, c.opts.alibi_slopes = &c.Slopes; }, inv,
+       "same device"},
       {"forward-splits", E::forward, [](Call& c) { c.opts.num_splits = 100000; }, inv,
        "num_splits"},
       // varlen_forward
@@ -263,6 +275,9 @@ inline std::vector<Case> cases() {
        "must not alias"},
       {"varlen-backward-softcap", E::varlen_backward, [](Call& c) { c.vbopts.softcap = -2.f; },
        inv, "softcap"},
+      {"backward-dk-aliases-alibi", E::backward,
+       [](Call& c) { c.Slopes.data = c.DK.data, c.bopts.alibi_slopes = &c.Slopes; }, inv,
+       "dk must not alias alibi_slopes"},
   };
 }
 
@@ -272,6 +287,7 @@ inline std::vector<Case> gpu_refused_cases() {
   using E = Entry;
   const Err ni = Err::not_impl;
   const char* softcap = "softcap runs on the CPU backend only";
+  const char* alibi = "alibi_slopes run on the CPU backend only";
   return {
       {"forward-softcap", E::forward, [](Call& c) { c.opts.softcap = 30.f; }, ni, softcap},
       {"varlen-softcap", E::varlen, [](Call& c) { c.vopts.softcap = 30.f; }, ni, softcap},
@@ -281,6 +297,10 @@ inline std::vector<Case> gpu_refused_cases() {
       {"backward-softcap", E::backward, [](Call& c) { c.bopts.softcap = 30.f; }, ni, softcap},
       {"varlen-backward-softcap", E::varlen_backward,
        [](Call& c) { c.vbopts.softcap = 30.f; }, ni, softcap},
+      {"forward-alibi", E::forward, [](Call& c) { c.opts.alibi_slopes = &c.Slopes; }, ni, alibi},
+      {"kvcache-alibi", E::kvcache, [](Call& c) { c.kopts.alibi_slopes = &c.Slopes; }, ni, alibi},
+      {"backward-alibi", E::backward, [](Call& c) { c.bopts.alibi_slopes = &c.Slopes; }, ni,
+       alibi},
   };
 }
 

@@ -49,6 +49,10 @@ struct Problem {
   int64_t max_seqlen_q = 0;  ///< dense Sq; varlen max_seqlen_q (rows of a padded lse)
   double softmax_scale = 1.0;
   double softcap = 0.0;  ///< > 0: scores capped to softcap * tanh(score / softcap)
+  /// ALiBi slopes (host fp32 [Hq] or [B, Hq], alibi_batch_stride 0 for [Hq]) or nullptr: row i's
+  /// score of key j gets -slope * |i + Sk - Sq - j| after the cap.
+  const float* alibi = nullptr;
+  int64_t alibi_batch_stride = 0;
   int64_t window_left = -1, window_right = -1;  ///< causal folded in as right = 0
 
   static Problem dense(const TensorRef& q, const TensorRef& k, const TensorRef& v,
@@ -128,6 +132,10 @@ struct Problem {
     softmax_scale = opts.softmax_scale ? double(*opts.softmax_scale)
                                        : double(1.f / std::sqrt(float(head_dim)));
     softcap = opts.softcap;
+    if (opts.alibi_slopes) {
+      alibi = static_cast<const float*>(opts.alibi_slopes->data);
+      alibi_batch_stride = opts.alibi_slopes->rank == 2 ? opts.alibi_slopes->strides[0] : 0;
+    }
     window_left = opts.window_left;
     window_right = opts.causal ? 0 : opts.window_right;
   }
@@ -189,6 +197,10 @@ inline Row reference_row(const Problem& p, int64_t b, int64_t h, int64_t i, KvSl
     for (int64_t d = 0; d < D; ++d) dot += q[size_t(d)] * double(kj[d]);
     s[j] = dot * p.softmax_scale;
     if (p.softcap > 0) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+    if (p.alibi) {
+      const double diag = double(i + p.seqlen_k(b) - p.seqlen_q(b)), key = double(lo) + double(j);
+      s[j] -= double(p.alibi[b * p.alibi_batch_stride + h]) * std::abs(diag - key);
+    }
     s_lp[j] = round_to(s[j], dt);
     m = std::max(m, s[j]);
     m_lp = std::max(m_lp, s_lp[j]);

@@ -229,6 +229,49 @@ TEST(CpuForwardOptions, SoftcapChangesTheResult) {
   EXPECT_REF_OK(b.check());
 }
 
+TEST(CpuForwardOptions, AlibiMatchesReference) {
+  // Slopes per head ([Hq], BLOOM's geometric ones) and per (batch, head) ([B, Hq]), with a
+  // softcap or not, causal or not, split or not, Sq != Sk (the bias is 0 on the bottom-right
+  // diagonal): out and the LSE of the biased scores against the fp64 reference.
+  for (bool per_batch : {false, true})
+    for (float cap : {0.f, 5.f})
+      for (bool causal : {false, true})
+        for (int splits : {1, 3}) {
+          Dense t = make({DType::bf16, 2, 29, 113, 4, 2, 64, causal, -1, -1, splits});
+          HostTensor slopes = per_batch ? HostTensor(DType::f32, {2, 4})
+                                        : HostTensor(DType::f32, {4});
+          for (int64_t i = 0; i < slopes.ref.numel(); ++i)
+            slopes.f32()[i] = std::exp2(-8.f * float(i % 4 + 1) / 4.f) * float(1 + i / 4);
+          t.opts.alibi_slopes = &slopes.ref;
+          t.opts.softcap = cap;
+          t.run();
+          EXPECT_REF_OK(t.check()) << "per_batch " << per_batch << " cap " << cap << " causal "
+                                   << causal << " splits " << splits;
+        }
+}
+
+TEST(CpuForwardOptions, AlibiChangesTheResult) {
+  Dense a = make({DType::f16, 1, 17, 64, 2, 1, 64, false, -1, -1, 1});
+  Dense b = make({DType::f16, 1, 17, 64, 2, 1, 64, false, -1, -1, 1});
+  HostTensor slopes(DType::f32, {2});
+  slopes.f32()[0] = 0.5f, slopes.f32()[1] = 0.25f;
+  b.opts.alibi_slopes = &slopes.ref;
+  a.run();
+  b.run();
+  EXPECT_FALSE(a.out.bitwise_equal(b.out));
+  EXPECT_REF_OK(b.check());
+}
+
+TEST(CpuVarlen, AlibiUsesEachSequencesOwnLengths) {
+  Varlen t(DType::bf16, {5, 0, 33}, {9, 4, 40}, 4, 2, 64, LseLayout::packed, 3);
+  HostTensor slopes(DType::f32, {3, 4});
+  for (int64_t i = 0; i < 12; ++i) slopes.f32()[i] = 0.05f * float(i + 1);
+  t.opts.alibi_slopes = &slopes.ref;
+  t.opts.causal = true;
+  t.run();
+  EXPECT_REF_OK(t.check());
+}
+
 TEST(CpuForwardOptions, StridedViews) {
   // q, k, v as views of one packed QKV buffer [B, S, 3, H, D]; out as a view with a row gap.
   const int64_t B = 2, S = 113, H = 4, D = 64;

@@ -35,15 +35,28 @@ def _round(x, dtype):
     return x.to(dtype).float()
 
 
+def alibi_bias(slopes, batch, heads, seqlen_q, seqlen_k, device="cpu"):
+    """ALiBi's bias [B, Hq, Sq, Sk] (fp64): -slopes[b, h] * |i + Sk - Sq - j|, slopes [Hq] or
+    [B, Hq]; 0 on the bottom-right diagonal."""
+    i = torch.arange(seqlen_q, device=device, dtype=torch.float64)[:, None]
+    j = torch.arange(seqlen_k, device=device, dtype=torch.float64)[None, :]
+    dist = (i + seqlen_k - seqlen_q - j).abs()
+    s = slopes.double().to(device).reshape(-1 if slopes.dim() == 2 else 1, heads)
+    bias = -s[:, :, None, None] * dist
+    return torch.where(dist == 0, torch.zeros_like(bias), bias).expand(batch, heads, seqlen_q,
+                                                                       seqlen_k)
+
+
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), lowp=False,
-                  softcap=0.0):
+                  softcap=0.0, alibi_slopes=None):
     """SPEC §3 for dense q/k/v. Returns (out fp32 [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]).
 
     lowp=False: fp32 math on the upcast inputs (ref32). lowp=True: the same math with every
     intermediate rounded to q's dtype as FlashAttention's reference does without upcast (scaled
     q, scores, probabilities, output; products accumulated in fp32) — its error against ref32
     is the yardstick of SPEC §6. The lse is always the fp32 one. softcap > 0: each scaled
-    score s becomes softcap * tanh(s / softcap) before the softmax (FlashAttention 2's softcap).
+    score s becomes softcap * tanh(s / softcap) before the softmax (FlashAttention 2's softcap);
+    alibi_slopes ([Hq] or [B, Hq]) then add alibi_bias.
     """
     batch, seqlen_q, heads_q, dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -63,6 +76,11 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kf) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+        if lowp:
+            s = _round(s, dtype)
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, batch, heads_q, seqlen_q, seqlen_k, q.device)
+        s = s + bias.float().reshape(batch, heads_kv, group, seqlen_q, seqlen_k)
         if lowp:
             s = _round(s, dtype)
     s = s.masked_fill(~mask, NEG_INF)
@@ -94,7 +112,10 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, lowp
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         if q1 == q0:
             continue
-        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], lowp=lowp, **kw)
+        kb = dict(kw)
+        if kw.get("alibi_slopes") is not None and kw["alibi_slopes"].dim() == 2:
+            kb["alibi_slopes"] = kw["alibi_slopes"][b]  # this sequence's slopes
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], lowp=lowp, **kb)
         out[q0:q1] = o[0]
         lse_packed[:, q0:q1] = l[0]
         lse_padded[b, :, : q1 - q0] = l[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hipflash
-from reference import make_qkv, make_varlen, valid_mask
+from reference import alibi_bias, make_qkv, make_varlen, valid_mask
 
 GPU = torch.cuda.is_available() and hipflash.gpu_available()
 DEVICES = [
@@ -19,9 +19,11 @@ DEVICES = [
 ]
 
 
-def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None, softcap=0.0):
+def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None, softcap=0.0,
+                    alibi_slopes=None):
     """SDPA of SPEC §3 in `dtype` with PyTorch ops (autograd reference); [B, S, H, D] layout;
-    softcap > 0 caps the scaled scores to softcap * tanh(s / softcap)."""
+    softcap > 0 caps the scaled scores to softcap * tanh(s / softcap), then alibi_slopes add
+    ALiBi's bias (reference.alibi_bias)."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -35,6 +37,9 @@ def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None, s
     s = mm(qq, kk.transpose(-1, -2)) * scale
     if softcap:  # in fp32 (no float16 tanh on PyTorch 1.13's CPU), rounded once
         s = (softcap * torch.tanh(s.float() / softcap)).to(dtype)
+    if alibi_slopes is not None:  # in fp64, rounded once
+        bias = alibi_bias(alibi_slopes, b, hq, sq, k.shape[1], q.device)
+        s = (s.double() + bias).to(dtype)
     mask = valid_mask(sq, k.shape[1], causal, window, device=q.device)
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(dtype)  # empty rows: zero

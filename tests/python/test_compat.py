@@ -78,7 +78,7 @@ def test_fa2_kvcache(device):
 
 @pytest.mark.parametrize("call, arg", [
     ("func", dict(dropout_p=0.1)),
-    ("func", dict(alibi_slopes=torch.ones(4))), ("kvcache", dict(rotary_cos=torch.ones(8, 16))),
+    ("kvcache", dict(rotary_cos=torch.ones(8, 16))),
     ("kvcache", dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32))),
     ("kvcache", dict(cache_leftpad=torch.zeros(2, dtype=torch.int32))),
 ])

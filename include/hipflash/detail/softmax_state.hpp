@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -53,6 +54,14 @@ struct Softcap {
   }
   HIPFLASH_HD float apply(float s) const { return on() ? cap * tanh_of(s) : s; }
 };
+
+/// ALiBi (FlashAttention 2's alibi_slopes; BLOOM, MPT): the bias -slope * |diag - key| added to
+/// a row's score of `key` after the softcap, diag = i + Sk - Sq for row i of a sequence of Sq
+/// queries and Sk keys — 0 on the bottom-right diagonal (also for an infinite slope).
+HIPFLASH_HD float alibi_bias(float slope, int64_t diag, int64_t key) {
+  const int64_t d = diag > key ? diag - key : key - diag;
+  return d == 0 ? 0.f : -slope * float(d);
+}
 
 struct SoftmaxState {
   float m = kNegInf;  ///< running max, base-2 scaled units

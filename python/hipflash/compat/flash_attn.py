@@ -7,9 +7,10 @@ Function names, argument names and defaults as in flash-attn 2.x. Returns: ``out
 ``return_attn_probs=True`` the triple ``(out, softmax_lse, None)`` — the LSE in FlashAttention's
 layouts ([batch, nheads, seqlen] dense, [nheads, total_q] varlen), and no probabilities
 (FlashAttention returns them only with dropout, which hipflash does not have). Refused with
-NotImplementedError: dropout_p > 0, alibi_slopes, and in flash_attn_with_kvcache rotary
-embedding, cache_batch_idx and cache_leftpad. softcap runs on CPU tensors (hipflash's CPU
-backend); on the GPU a softcap > 0 raises NotImplementedError until the kernels cap scores.
+NotImplementedError: dropout_p > 0, and in flash_attn_with_kvcache rotary embedding,
+cache_batch_idx and cache_leftpad. softcap and alibi_slopes run on CPU tensors (hipflash's CPU
+backend, forward and backward); on the GPU they raise NotImplementedError until the kernels
+apply them.
 """
 import hipflash
 
@@ -20,9 +21,6 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
            "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _unsupported(dropout_p, alibi_slopes):
-    refuse_dropout(dropout_p)
-    refuse("alibi_slopes", alibi_slopes, None)
 
 
 def _result(res, return_attn_probs):
@@ -33,10 +31,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
-    _unsupported(dropout_p, alibi_slopes)
+    refuse_dropout(dropout_p)
     res = hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=window_size, return_lse=bool(return_attn_probs),
-                                   deterministic=deterministic, softcap=softcap_value(softcap))
+                                   deterministic=deterministic, softcap=softcap_value(softcap),
+                                   alibi_slopes=alibi_slopes)
     return _result(res, return_attn_probs)
 
 
@@ -64,12 +63,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs=False, block_table=None):
     """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim), or a paged cache with
     block_table; the LSE (nheads, total_q)."""
-    _unsupported(dropout_p, alibi_slopes)
+    refuse_dropout(dropout_p)
     res = hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         return_lse=bool(return_attn_probs), lse_layout="packed", deterministic=deterministic,
-        block_table=block_table, softcap=softcap_value(softcap))
+        block_table=block_table, softcap=softcap_value(softcap), alibi_slopes=alibi_slopes)
     return _result(res, return_attn_probs)
 
 
@@ -107,8 +106,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     refuse("rotary_sin", rotary_sin, None, "rotary embedding on append")
     refuse("cache_batch_idx", cache_batch_idx, None)
     refuse("cache_leftpad", cache_leftpad, None)
-    refuse("alibi_slopes", alibi_slopes, None)
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        num_splits=num_splits, return_lse=return_softmax_lse, softcap=softcap_value(softcap))
+        num_splits=num_splits, return_lse=return_softmax_lse, softcap=softcap_value(softcap),
+        alibi_slopes=alibi_slopes)

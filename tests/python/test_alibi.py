@@ -1,0 +1,174 @@
+"""ALiBi (FlashAttention 2's alibi_slopes; BLOOM, MPT): row i's score of key j gets the bias
+-slope[b, h] * |i + Sk - Sq - j| after the softcap, with each sequence's own lengths, and the
+LSE includes it. The CPU backend runs it in the forward (dense, varlen, KV cache) and the
+backward, checked against the fp64 / fp32 references; the GPU refuses it with
+NotImplementedError before anything is written, checked on a GPU."""
+import pytest
+import torch
+
+import hipflash
+import hipflash.compat.flash_attn as fa2
+from reference import (assert_bitwise_equal, check_attention, check_lse, check_out, make_qkv,
+                       make_varlen, varlen_attention_ref)
+from test_backward import grads, torch_attention
+
+GPU = torch.cuda.is_available() and hipflash.gpu_available()
+BF16 = torch.bfloat16
+
+# (B, Sq, Sk, Hq, Hkv, D, causal, window)
+CASES = [
+    (2, 37, 50, 4, 2, 64, False, (-1, -1)),
+    (1, 64, 40, 2, 1, 128, True, (-1, -1)),   # Sq > Sk: first rows see no key
+    (1, 50, 70, 2, 2, 32, False, (10, 5)),
+]
+
+
+def case_id(c):
+    return f"b{c[0]}_sq{c[1]}_sk{c[2]}_h{c[3]}x{c[4]}_d{c[5]}_c{int(c[6])}_w{c[7][0]}x{c[7][1]}"
+
+
+def bloom_slopes(heads, batch=None):
+    """BLOOM's geometric slopes 2^(-8 i / heads), per head, or per (batch, head) scaled by b+1."""
+    s = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)])
+    if batch is None:
+        return s
+    return torch.stack([s * (b + 1) for b in range(batch)])
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per_head", "per_batch"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_forward_matches_the_reference(case, num_splits, per_batch, softcap):
+    b, sq, sk, hq, hkv, d, causal, window = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=5)
+    slopes = bloom_slopes(hq, b if per_batch else None)
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                        num_splits=num_splits, return_lse=True, softcap=softcap,
+                                        alibi_slopes=slopes)
+    check_attention(out, lse, q, k, v, "alibi", causal=causal, window_size=window,
+                    softcap=softcap, alibi_slopes=slopes)
+
+
+def test_the_bias_changes_the_result_and_zero_slopes_do_not():
+    q, k, v = make_qkv(1, 16, 64, 2, 2, 64, BF16, seed=9)
+    plain = hipflash.flash_attn_func(q, k, v)
+    assert not torch.equal(hipflash.flash_attn_func(q, k, v, alibi_slopes=bloom_slopes(2)), plain)
+    assert_bitwise_equal(hipflash.flash_attn_func(q, k, v, alibi_slopes=torch.zeros(2)), plain,
+                         "zero slopes")
+    # A strided (non-contiguous batch dimension) [B, Hq] view is read where it lies.
+    wide = torch.zeros(1, 8)
+    wide[:, :2] = bloom_slopes(2)
+    assert_bitwise_equal(hipflash.flash_attn_func(q, k, v, alibi_slopes=wide[:, :2]),
+                         hipflash.flash_attn_func(q, k, v, alibi_slopes=bloom_slopes(2)), "view")
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_varlen_uses_each_sequences_lengths(layout):
+    q, k, v, cu_q, cu_k = make_varlen([5, 0, 33], [9, 4, 40], 4, 2, 64, BF16, seed=4)
+    slopes = bloom_slopes(4, 3)
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 40, causal=True,
+                                               return_lse=True, lse_layout=layout,
+                                               alibi_slopes=slopes)
+    kw = dict(causal=True, alibi_slopes=slopes)
+    out_ref, lse_packed, lse_padded = varlen_attention_ref(q, k, v, cu_q, cu_k, 33, **kw)
+    out_lp, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, 33, lowp=True, **kw)
+    check_out(out, out_ref, out_lp, f"varlen {layout}")
+    check_lse(lse, lse_packed if layout == "packed" else lse_padded, f"varlen {layout}")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_equals_the_dense_call_on_its_keys(paged):
+    # Decode against caches of different lengths: the bias is measured from each sequence's
+    # own last key.
+    torch.manual_seed(2)
+    b, hq, hkv, d, cap = 2, 4, 2, 64, 16
+    q = torch.randn(b, 1, hq, d).to(BF16)
+    k_cache = torch.randn(b, cap, hkv, d).to(BF16)
+    v_cache = torch.randn(b, cap, hkv, d).to(BF16)
+    lens = torch.tensor([7, 16], dtype=torch.int32)
+    slopes = bloom_slopes(hq, b)
+    kw = dict(return_lse=True)
+    table = torch.arange(b, dtype=torch.int32)[:, None] if paged else None
+    out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                block_table=table, alibi_slopes=slopes, **kw)
+    for i in range(b):
+        n = int(lens[i])
+        want, want_lse = hipflash.flash_attn_func(q[i:i + 1], k_cache[i:i + 1, :n],
+                                                  v_cache[i:i + 1, :n],
+                                                  alibi_slopes=slopes[i:i + 1], **kw)
+        assert_bitwise_equal(out[i:i + 1], want, f"sequence {i}")
+        assert_bitwise_equal(lse[i:i + 1], want_lse, f"sequence {i} lse")
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gradients_match_fp64_autograd(case, softcap, deterministic):
+    # FlashAttention's rule: max error <= 2 x PyTorch's same-precision error + 1e-5.
+    b, sq, sk, hq, hkv, d, causal, window = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=7)
+    dout = torch.randn(b, sq, hq, d, generator=torch.Generator().manual_seed(8)).to(BF16)
+    slopes = bloom_slopes(hq, b) * 4  # strong enough to move the gradients visibly
+    kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
+    _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, **kw), q, k, v, dout)
+    _, glp = grads(lambda *a: torch_attention(*a, BF16, **kw), q, k, v, dout)
+    _, ghf = grads(lambda *a: hipflash.flash_attn_func(
+        *a, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
+        deterministic=deterministic), q, k, v, dout)
+    _, gplain = grads(lambda *a: hipflash.flash_attn_func(
+        *a, causal=causal, window_size=window, softcap=softcap), q, k, v, dout)
+    for name, ours, low, ref, plain in zip("qkv", ghf, glp, g64, gplain):
+        err = (ours.double() - ref).abs().max().item()
+        tol = 2 * (low.double() - ref).abs().max().item() + 1e-5
+        assert err <= tol, f"d{name}: max|err| {err:.3e} > {tol:.3e}"
+        assert not torch.equal(ours, plain), f"d{name}: the bias changed nothing"
+
+
+def test_slopes_that_require_grad_get_none():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 8, 8, 2, 2, 64, BF16, seed=1))
+    slopes = bloom_slopes(2).requires_grad_()
+    hipflash.flash_attn_func(q, k, v, alibi_slopes=slopes).float().sum().backward()
+    assert q.grad is not None and slopes.grad is None
+
+
+@pytest.mark.parametrize("slopes, error, match", [
+    (torch.ones(2, dtype=torch.float64), TypeError, "alibi_slopes must have dtype float32"),
+    (torch.ones(2, dtype=BF16), TypeError, "alibi_slopes must have dtype float32"),
+    (torch.ones(3), ValueError, "alibi_slopes must have shape"),
+    (torch.ones(2, 2), ValueError, "alibi_slopes must have shape"),
+    (torch.ones(1, 2, 1), ValueError, "alibi_slopes must have shape"),
+    ([0.5, 0.25], TypeError, "alibi_slopes must be a torch.Tensor"),
+])
+def test_bad_slopes_are_refused_and_nothing_is_written(slopes, error, match):
+    q, k, v = make_qkv(1, 4, 4, 2, 2, 64, BF16)
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(error, match=match):
+        hipflash.flash_attn_func(q, k, v, out=out, alibi_slopes=slopes)
+    assert torch.isnan(out).all()
+
+
+def test_fa2_passes_them_through():
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 64, BF16, seed=6)
+    slopes = bloom_slopes(2)
+    want = hipflash.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    assert_bitwise_equal(fa2.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes), want,
+                         "fa2")
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
+                    f"kernels (this build: {hipflash.build_info()!r})")
+def test_the_gpu_refuses_them_before_writing():
+    q, k, v = (t.cuda() for t in make_qkv(1, 8, 8, 2, 2, 64, BF16))
+    slopes = bloom_slopes(2).cuda()
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(NotImplementedError, match="alibi_slopes run on the CPU backend only"):
+        hipflash.flash_attn_func(q, k, v, out=out, alibi_slopes=slopes)
+    assert torch.isnan(out).all()
+    k_cache = torch.zeros(1, 16, 2, 64, dtype=BF16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    lens = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        hipflash.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, k[:, :1], v[:, :1],
+                                         cache_seqlens=lens, alibi_slopes=slopes)
+    assert not k_cache.any() and not v_cache.any(), "the append ran before the refusal"
