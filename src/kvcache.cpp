@@ -63,6 +63,15 @@ int log2_of(int64_t x) {
   return s;
 }
 
+/// A paged cache's page size: >= 1 (the CPU backend), and on the GPU a power of two in
+/// [kMinPageSize, kMaxPageSize] (the kernels' paged loaders; others: not_implemented).
+void check_page_size(int64_t page, const TensorRef& q, const char* what) {
+  HIPFLASH_CHECK(page >= 1, "the page size (", what, ") must be >= 1, got ", page);
+  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind != Location::gpu || gpu_page_size(page),
+                    "page size ", page, " (", what, ") runs on the CPU backend only: the GPU "
+                    "kernels take powers of two in [", kMinPageSize, ", ", kMaxPageSize, "]");
+}
+
 /// The block-table entries sequence b uses for `keys` rows (the first ceil(keys / page)) must
 /// name pages of the cache; entries past them are never read.
 void check_pages_used(const TensorRef& block_table, int64_t b, int64_t keys, int64_t page,
@@ -106,14 +115,15 @@ void append_on_cpu(const FwdParams& p, const TensorRef& src, void* cache, int64_
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t start = p.seqlens_k[b];
     for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
-      const common::PagedRows<uint16_t> paged{rows + hk * head_stride,
-                                              p.block_table + b * p.block_table_stride,
-                                              batch_stride, row_stride, p.page_shift};
+      const int32_t* table = p.block_table ? p.block_table + b * p.block_table_stride : nullptr;
       uint16_t* contiguous = rows + b * batch_stride + hk * head_stride;
       for (int64_t j = 0; j < src.sizes[1]; ++j) {
         const auto* from = static_cast<const uint16_t*>(src.data) + b * src.strides[0] +
                            j * src.strides[1] + hk * src.strides[2];
-        uint16_t* to = p.block_table ? paged.row(start + j) : contiguous + (start + j) * row_stride;
+        const int64_t r = start + j;  // any page size: a division per row
+        uint16_t* to = table ? rows + hk * head_stride + table[r / p.page_size] * batch_stride +
+                                   (r % p.page_size) * row_stride
+                             : contiguous + r * row_stride;
         std::memcpy(to, from, bytes);
       }
     }
@@ -143,9 +153,7 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   if (paged) {
     check_index(*block_table, "block_table", 2, "[batch, max_blocks_per_seq]", q);
     page = k_cache.sizes[1];
-    HIPFLASH_CHECK(power_of_two(page) && page >= kMinPageSize && page <= kMaxPageSize,
-                   "the page size (k_cache.shape[1] with a block_table) must be a power of two in [",
-                   kMinPageSize, ", ", kMaxPageSize, "], got ", page);
+    check_page_size(page, q, "k_cache.shape[1] with a block_table");
     HIPFLASH_CHECK(block_table->sizes[0] == batch, "block_table must have one row per sequence ",
                    "(batch = ", batch, "), got shape ", shape_str(*block_table));
     max_blocks = block_table->sizes[1];
@@ -247,7 +255,8 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   if (paged) {
     p.block_table = static_cast<const int32_t*>(block_table->data);
     p.block_table_stride = block_table->strides[0];
-    p.page_shift = log2_of(page);
+    p.page_size = page;
+    p.page_shift = power_of_two(page) ? log2_of(page) : 0;
   }
   // The window saturates against the capacity (the paged view above had no keys): no sequence
   // has more keys, so a left bound of capacity - 1 reaches every key (fill_window's rule).
@@ -277,9 +286,7 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
                  shape_str(cu_seqlens_q));
   const int64_t batch = cu_seqlens_q.sizes[0] - 1, page = k_cache.sizes[1];
   check_index(block_table, "block_table", 2, "[batch, max_blocks_per_seq]", q);
-  HIPFLASH_CHECK(power_of_two(page) && page >= kMinPageSize && page <= kMaxPageSize,
-                 "the page size (k_cache.shape[1]) must be a power of two in [", kMinPageSize,
-                 ", ", kMaxPageSize, "], got ", page);
+  check_page_size(page, q, "k_cache.shape[1]");
   HIPFLASH_CHECK(block_table.sizes[0] == batch, "block_table must have one row per sequence ",
                  "(batch = ", batch, "), got shape ", shape_str(block_table));
   const int64_t max_blocks = block_table.sizes[1];
@@ -323,7 +330,8 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
   point_at_cache(p, k_cache, v_cache);
   p.block_table = static_cast<const int32_t*>(block_table.data);
   p.block_table_stride = block_table.strides[0];
-  p.page_shift = log2_of(page);
+  p.page_size = page;
+  p.page_shift = power_of_two(page) ? log2_of(page) : 0;
   dispatch_forward(p, opts, q.loc, stream, std::move(workspace));
 }
 

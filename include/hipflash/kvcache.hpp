@@ -38,9 +38,13 @@
 
 namespace hipflash {
 
-/// The smallest and largest page size of a paged cache (powers of two in between).
+/// The page sizes the GPU kernels take: powers of two in [kMinPageSize, kMaxPageSize]. The CPU
+/// backend takes any page size >= 1 (a GPU call with another raises not_implemented).
 inline constexpr int64_t kMinPageSize = 16;
 inline constexpr int64_t kMaxPageSize = 256;
+inline constexpr bool gpu_page_size(int64_t page) {
+  return page >= kMinPageSize && page <= kMaxPageSize && (page & (page - 1)) == 0;
+}
 
 /// Options of kvcache_forward: those of the forward (causal and windows are aligned against
 /// each sequence's key count).

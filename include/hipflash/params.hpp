@@ -52,7 +52,8 @@ struct FwdParams {
   int64_t seqlen_k_new = 0;
   const int32_t* __restrict__ block_table = nullptr;
   int64_t block_table_stride = 0;
-  int page_shift = 0;
+  int page_shift = 0;     ///< log2(page_size) when it is a power of two (the GPU kernels')
+  int64_t page_size = 0;  ///< rows a page (any size >= 1 on the CPU backend)
 
   int64_t batch = 0;
   int64_t seqlen_q = 0;  ///< dense Sq, or max_seqlen_q for varlen

@@ -50,6 +50,15 @@ void key_range(const FwdParams& p, const Seq& s, int64_t i, int64_t& lo, int64_t
 
 using Elem = uint16_t;  // the raw bits of a bf16 / f16 element
 
+/// A paged cache's rows at any page size (the CPU backend's; the GPU kernels' common::PagedRows
+/// takes powers of two): row j in page table[j / page], row j % page of it.
+struct AnyPagedRows {
+  const Elem* base;  ///< row 0 of page 0 (the head offset applied)
+  const int32_t* table;
+  int64_t page_stride, ld, page;
+  const Elem* row(int64_t j) const { return base + table[j / page] * page_stride + (j % page) * ld; }
+};
+
 /// Calls fn(k_rows, v_rows) with the row sources (common/kv_source.hpp) of sequence b's keys and
 /// values for kv head hk: pages through the block table for a paged KV cache, rows at a fixed
 /// stride otherwise. A paged and a contiguous cache run the same arithmetic on the same values.
@@ -57,6 +66,12 @@ template <class Fn>
 void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& fn) {
   const auto* k = static_cast<const Elem*>(p.k);
   const auto* v = static_cast<const Elem*>(p.v);
+  if (p.block_table && (p.page_size & (p.page_size - 1)) != 0) {
+    const int32_t* table = p.block_table + b * p.block_table_stride;
+    fn(AnyPagedRows{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride, p.page_size},
+       AnyPagedRows{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride, p.page_size});
+    return;
+  }
   if (p.block_table) {
     const int32_t* table = p.block_table + b * p.block_table_stride;
     fn(common::PagedRows<const Elem>{k + hk * p.k_head_stride, table, p.k_batch_stride,

@@ -523,6 +523,21 @@ def test_kvcache_splits_match(num_splits):
     check_kv_per_sequence(out, lse, q, k, v, [5000, 17])
 
 
+@pytest.mark.skipif(ON_CPU, reason="the CPU backend takes any page size")
+@pytest.mark.parametrize("page", [1, 12, 512])
+def test_kvcache_page_sizes_the_kernels_lack_are_refused_before_the_append(page):
+    k, v, k_pages, v_pages, table = make_kv_cache([20, 3], 2 * 512, 2, 64, torch.bfloat16, page,
+                                                  seed=2, device=DEVICE)
+    before = k_pages.clone()
+    q = torch.randn(2, 1, 4, 64).bfloat16().to(DEVICE)
+    k_new = torch.randn(2, 1, 2, 64).bfloat16().to(DEVICE)
+    seqlens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="runs on the CPU backend only"):
+        hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, k_new.clone(), seqlens,
+                                         block_table=table)
+    assert_bitwise_equal(k_pages, before, "k_pages")
+
+
 @pytest.mark.parametrize("sq", [1, 5, 33])
 @pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
 @pytest.mark.parametrize("page", [0, 16, 256], ids=lambda p: f"page{p}" if p else "contiguous")

@@ -15,7 +15,7 @@ from reference import make_kv_cache as make_cache
 @pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=lambda h: f"h{h[0]}_{h[1]}")
-@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("page", [1, 3, 16, 17, 64, 256])  # any page size on the CPU
 def test_paged_equals_contiguous_bitwise(page, heads, causal, append):
     hq, hkv = heads
     lens = [2 * page + 5, 0, page, 17]
@@ -110,9 +110,8 @@ def test_bad_calls_write_nothing():
     def call(kp=k_pages, vp=v_pages, bt=table, sl=lens, **kw):
         return hipflash.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, sl, block_table=bt, **kw)
 
-    for bad in (8, 24, 512):
-        with pytest.raises(ValueError, match=r"power of two in \[16, 256\]"):
-            call(kp=torch.zeros(4, bad, 2, 64).bfloat16(), vp=torch.zeros(4, bad, 2, 64).bfloat16())
+    with pytest.raises(ValueError, match="must be >= 1"):
+        call(kp=torch.zeros(4, 0, 2, 64).bfloat16(), vp=torch.zeros(4, 0, 2, 64).bfloat16())
     bt = table.clone()
     bt[1, 2] = k_pages.shape[0]
     with pytest.raises(ValueError, match="is not a page of the cache"):
@@ -153,7 +152,7 @@ def test_requires_grad_is_refused_and_caches_are_bumped():
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=lambda h: f"h{h[0]}_{h[1]}")
-@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("page", [1, 5, 16, 64])
 def test_chunked_prefill_equals_packed_keys_bitwise(page, heads, causal, splits, lse_layout):
     q, cu_q, cu_k, mq, mk, k_pages, v_pages, table, k_packed, v_packed = \
         make_chunked_prefill(page, *heads)
@@ -191,8 +190,8 @@ def test_chunked_prefill_bad_calls_are_refused():
     long_k[1:] += 1000  # sequence 0 longer than its pages
     with pytest.raises(ValueError, match="cache holds"):
         call(cu_seqlens_k=long_k, max_seqlen_k=mk + 1000)
-    with pytest.raises(ValueError, match="page size"):
-        call(k=k_pages[:, :12], v=v_pages[:, :12])
+    with pytest.raises(ValueError, match="page size .* must be >= 1"):
+        call(k=k_pages[:, :0], v=v_pages[:, :0])
     with pytest.raises(ValueError, match="block_table must have one row per sequence"):
         call(block_table=table[:2])
     with pytest.raises(ValueError, match="out= is not supported"):
