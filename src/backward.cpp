@@ -59,7 +59,8 @@ void run_backward(const FwdParams& p, const TensorRef& dout, const TensorRef& q,
     int64_t q0 = 0, k0 = 0, Sq = p.seqlen_q, Sk = p.seqlen_k;
     if (p.is_varlen()) {
       q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
-      Sq = p.cu_seqlens_q[b + 1] - q0, Sk = p.cu_seqlens_k[b + 1] - k0;
+      Sq = p.seqused_q ? p.seqused_q[b] : p.cu_seqlens_q[b + 1] - q0;  // seqused: validated
+      Sk = p.seqused_k ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0;  // <= the cu lengths
     }
     std::vector<float> dk_acc(static_cast<size_t>(Sk * D), 0.f), dv_acc(static_cast<size_t>(Sk * D), 0.f);
     std::vector<float> kf(static_cast<size_t>(Sk * D)), vf(static_cast<size_t>(Sk * D));
@@ -230,30 +231,38 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
   vo.max_seqlen_q = opts.max_seqlen_q;
   vo.max_seqlen_k = opts.max_seqlen_k;
   vo.lse_layout = opts.lse_layout;
+  vo.seqused_q = opts.seqused_q;
+  vo.seqused_k = opts.seqused_k;
   const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo, stream);
   check_grads(dout, q, k, v, out, lse, dq, dk, dv,
               {{&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"},
-               {opts.alibi_slopes, "alibi_slopes"}});
+               {opts.alibi_slopes, "alibi_slopes"}, {opts.seqused_q, "seqused_q"},
+               {opts.seqused_k, "seqused_k"}});
   if (q.loc.kind == Location::gpu) {  // the launcher zeroes the rows outside every sequence
     refuse_on_gpu(p);
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
                       workspace, q.sizes[0], k.sizes[0]);
     return;
   }
-  // Rows outside every sequence (before cu_seqlens[0], from cu_seqlens[B] on) take part in
-  // nothing: their gradients are 0, written here (the sequences' rows are the tasks').
-  auto zero_outside = [&](const TensorRef& g, const int32_t* cu) {
-    const int64_t first = cu[0], last = cu[p.batch], total = g.sizes[0];
+  // Rows outside every sequence (before cu_seqlens[0], from cu_seqlens[B] on) and a
+  // sequence's rows past its seqused take part in nothing: their gradients are 0, written here
+  // (the used rows are the tasks').
+  auto zero_unused = [&](const TensorRef& g, const int32_t* cu, const int32_t* used) {
+    const int64_t total = g.sizes[0];
+    std::vector<char> in_use(size_t(total), 0);
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t r = cu[b]; r < cu[b] + (used ? used[b] : cu[b + 1] - cu[b]); ++r)
+        in_use[size_t(r)] = 1;
     for (int64_t r = 0; r < total; ++r) {
-      if (r >= first && r < last) continue;
+      if (in_use[size_t(r)]) continue;
       for (int64_t h = 0; h < g.sizes[1]; ++h)
         for (int64_t d = 0; d < g.sizes[2]; ++d)
           detail::store_from_float(g.data, r * g.strides[0] + h * g.strides[1] + d, 0.f, g.dtype);
     }
   };
-  zero_outside(dq, p.cu_seqlens_q);
-  zero_outside(dk, p.cu_seqlens_k);
-  zero_outside(dv, p.cu_seqlens_k);
+  zero_unused(dq, p.cu_seqlens_q, p.seqused_q);
+  zero_unused(dk, p.cu_seqlens_k, p.seqused_k);
+  zero_unused(dv, p.cu_seqlens_k, p.seqused_k);
   run_backward(p, dout, q, k, v, out, dq, dk, dv);
 }
 

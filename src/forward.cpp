@@ -144,6 +144,36 @@ void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, c
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_disjoint(*lse, "lse", *t, name);
 }
 
+/// FlashAttention 3's seqused_q / seqused_k (VarlenOptions): int32 [batch], contiguous, on q's
+/// device, not overlapping out or lse; each value in [0, its sequence's cu_seqlens length]
+/// (`cu_q` / `cu_k`: the host copies). CPU tensors only for now (GPU: not_implemented, checked
+/// before any value is read).
+void check_seqused(const VarlenOptions& opts, const TensorRef& q, const TensorRef& out,
+                   const TensorRef* lse, int64_t batch, const std::vector<int32_t>& cu_q,
+                   const std::vector<int32_t>& cu_k) {
+  for (auto [t, name, cu] : {std::tuple{opts.seqused_q, "seqused_q", &cu_q},
+                             std::tuple{opts.seqused_k, "seqused_k", &cu_k}}) {
+    if (t == nullptr) continue;
+    HIPFLASH_CHECK(t->dtype == DType::i32, name, " must have dtype int32, got ",
+                   dtype_name(t->dtype));
+    HIPFLASH_CHECK(t->rank == 1 && t->sizes[0] == batch, name, " must have shape [batch] = [",
+                   batch, "], got ", shape_str(*t));
+    HIPFLASH_CHECK(batch <= 1 || t->strides[0] == 1, name, " must be contiguous");
+    HIPFLASH_CHECK(t->data != nullptr || batch == 0, name, " has no data pointer");
+    check_location(*t, name, q.loc);
+    check_disjoint(out, "out", *t, name);
+    if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
+    HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
+                      name, " runs on the CPU backend only: the GPU kernels do not read it yet");
+    const auto* used = static_cast<const int32_t*>(t->data);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = int64_t((*cu)[b + 1]) - (*cu)[b];
+      HIPFLASH_CHECK(used[b] >= 0 && used[b] <= len, name, "[", b, "] = ", used[b],
+                     " must be in [0, ", len, "] (the sequence's cu_seqlens length)");
+    }
+  }
+}
+
 /// ALiBi's slopes (FwdOptions::alibi_slopes): fp32 [Hq] or [B, Hq] with a contiguous last
 /// dimension, on q's device, not overlapping out; into p (which has its batch and heads).
 void fill_alibi(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& out) {
@@ -475,6 +505,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
     HIPFLASH_CHECK((*cu)[batch] <= total, name, "[-1] = ", (*cu)[batch],
                    " exceeds the number of rows of its tensor (", total, ")");
   }
+  check_seqused(opts, q, out, lse, batch, hq, hk);
   if (host_cu_k != nullptr) *host_cu_k = capturing ? std::vector<int32_t>{} : std::move(hk);
 
   FwdParams p;
@@ -485,6 +516,8 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   p.o_row_stride = out.strides[0]; p.o_head_stride = out.strides[1];
   p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.data);
   p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.data);
+  if (opts.seqused_q) p.seqused_q = static_cast<const int32_t*>(opts.seqused_q->data);
+  if (opts.seqused_k) p.seqused_k = static_cast<const int32_t*>(opts.seqused_k->data);
   p.batch = batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;

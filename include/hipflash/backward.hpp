@@ -47,6 +47,8 @@ void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, con
 struct VarlenBwdOptions : BwdOptions {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   LseLayout lse_layout = LseLayout::padded;
+  const TensorRef* seqused_q = nullptr;  ///< the forward's (VarlenOptions::seqused_q)
+  const TensorRef* seqused_k = nullptr;  ///< the forward's (VarlenOptions::seqused_k)
 };
 void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k,
                      const TensorRef& v, const TensorRef& out, const TensorRef& lse,

@@ -39,6 +39,13 @@ struct VarlenOptions : FwdOptions {
   int64_t max_seqlen_q = 0;
   int64_t max_seqlen_k = 0;
   LseLayout lse_layout = LseLayout::padded;
+  /// FlashAttention 3's seqused_q / seqused_k: int32 [batch] on q's device, or nullptr. Sequence
+  /// b uses only its first seqused_q[b] query rows and seqused_k[b] keys (each at most its
+  /// cu_seqlens length; masks bottom-right aligned on the used lengths); its other rows get
+  /// out = 0 and LSE -inf (and zero gradients). The CPU backend only, for now: a GPU call
+  /// raises not_implemented.
+  const TensorRef* seqused_q = nullptr;
+  const TensorRef* seqused_k = nullptr;
 };
 
 /// Split-K scratch, all optional. A call that splits uses `data` when `bytes` is enough

@@ -41,6 +41,10 @@ struct FwdParams {
   // Varlen: int32 [B + 1] prefix sums, or nullptr for dense.
   const int32_t* __restrict__ cu_seqlens_q = nullptr;
   const int32_t* __restrict__ cu_seqlens_k = nullptr;
+  // Varlen: FlashAttention 3's seqused_q / seqused_k, int32 [B] or nullptr: sequence b's used
+  // query rows / keys (at most its cu_seqlens length). The CPU backend reads them.
+  const int32_t* __restrict__ seqused_q = nullptr;
+  const int32_t* __restrict__ seqused_k = nullptr;
 
   // KV cache (SPEC §7, kvcache_forward; dense q only). seqlens_k: int32 [B], sequence b has
   // seqlens_k[b] + seqlen_k_new keys (nullptr: seqlen_k each). block_table: int32 [B, *] with

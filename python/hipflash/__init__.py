@@ -207,12 +207,13 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, num_splits,
-                lse_layout, deterministic, softcap, alibi_slopes):
+                lse_layout, deterministic, softcap, alibi_slopes, seqused_q, seqused_k):
         out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left,
-                                   right, num_splits, True, lse_layout, softcap, alibi_slopes)
+                                   right, num_splits, True, lse_layout, softcap, alibi_slopes,
+                                   seqused_q, seqused_k)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, scale, causal, left, right, deterministic, lse_layout, softcap,
-                    alibi_slopes)
+                    alibi_slopes, seqused_q, seqused_k)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -222,7 +223,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         with torch.no_grad():
             dq, dk, dv = _ops.varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
                                          *ctx.args)
-        return _first_order(dq, dk, dv) + (None,) * 13
+        return _first_order(dq, dk, dv) + (None,) * 15
 
 
 def _wants_grad(*tensors):
@@ -329,7 +330,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
                            return_lse=False, lse_layout="padded", out=None, deterministic=False,
-                           block_table=None, softcap=0.0, alibi_slopes=None):
+                           block_table=None, softcap=0.0, alibi_slopes=None, seqused_q=None,
+                           seqused_k=None):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -348,6 +350,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_k: int >= every key length and <= total_k.
         softmax_scale, causal, window_size, num_splits, return_lse, out, softcap,
             alibi_slopes: as for :func:`flash_attn_func` (ALiBi with each sequence's lengths).
+        seqused_q, seqused_k: optional (batch_size,) int32 tensors on q's device (FlashAttention
+            3's): sequence b uses only its first seqused_q[b] query rows and seqused_k[b] keys
+            (each at most its cu_seqlens length; masks bottom-right aligned on the used
+            lengths). Its other rows get out = 0 and LSE -inf, and zero gradients. CPU tensors
+            only for now (NotImplementedError on the GPU); not with a block_table.
         lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
             past a sequence's length are -inf, or "packed" for (nheads, total_q), the layout of
             FlashAttention-2/3 and PyTorch.
@@ -382,13 +389,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_tensor(block_table, "block_table")
     if alibi_slopes is not None:
         _check_tensor(alibi_slopes, "alibi_slopes")
+    used = [(n, t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k))
+            if t is not None]
+    for name, t in used:
+        _check_tensor(t, name)
+    if used and block_table is not None:
+        raise NotImplementedError("seqused_q / seqused_k with a block_table (chunked prefill) are "
+                                  "not supported by hipflash yet")
     if lse_layout not in _LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be 'padded' or 'packed', got {lse_layout!r}")
     _check_same_device(q, [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                            ("cu_seqlens_k", cu_seqlens_k)]
                        + ([("out", out)] if out is not None else [])
                        + ([("block_table", block_table)] if block_table is not None else [])
-                       + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else []))
+                       + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else [])
+                       + used)
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
@@ -408,12 +423,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
-                         lse_layout, bool(deterministic), softcap, alibi_slopes)
+                         lse_layout, bool(deterministic), softcap, alibi_slopes, seqused_q,
+                         seqused_k)
         return (out, lse) if return_lse else out
     if out is None:
         out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, scale, causal, left, right, num_splits, return_lse,
-                         lse_layout, softcap, alibi_slopes)
+                         lse_layout, softcap, alibi_slopes, seqused_q, seqused_k)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 3:
@@ -426,7 +442,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                               dtype=torch.float32, device=q.device)
     _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
           out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout, softcap,
-          alibi_slopes)
+          alibi_slopes, seqused_q, seqused_k)
     return (out, lse) if return_lse else out
 
 

@@ -252,14 +252,17 @@ void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
                     bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
                     bool return_lse, const std::string& lse_layout, double softcap,
-                    const c10::optional<at::Tensor>& alibi_slopes) {
+                    const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& seqused_q, const c10::optional<at::Tensor>& seqused_k) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
-    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse),
+        used_q(seqused_q, "seqused_q", Role::index), used_k(seqused_k, "seqused_k", Role::index);
     hipflash::VarlenOptions opts =
         varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, num_splits, return_lse, lse_layout, softcap);
     opts.alibi_slopes = alibi.get();
+    opts.seqused_q = used_q.get();
+    opts.seqused_k = used_k.get();
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
                vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
     const auto cuq = to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index);
@@ -318,13 +321,13 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     int64_t num_splits, bool return_lse, const std::string& lse_layout, double softcap,
-    const c10::optional<at::Tensor>& alibi_slopes) {
+    const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& seqused_q, const c10::optional<at::Tensor>& seqused_k) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   varlen_fwd_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                  return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt, softmax_scale,
                  causal, window_left, window_right, num_splits, return_lse, lse_layout, softcap,
-                 alibi_slopes);
+                 alibi_slopes, seqused_q, seqused_k);
   return {out, lse};
 }
 
@@ -415,7 +418,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    bool deterministic, const std::string& lse_layout, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
+    bool deterministic, const std::string& lse_layout, double softcap,
+    const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& seqused_q, const c10::optional<at::Tensor>& seqused_k) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
   std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
@@ -427,6 +431,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     o.softmax_scale = f.softmax_scale;
     o.softcap = f.softcap;
     o.alibi_slopes = alibi.get();
+    const OptionalRef used_q(seqused_q, "seqused_q", Role::index),
+        used_k(seqused_k, "seqused_k", Role::index);
+    o.seqused_q = used_q.get();
+    o.seqused_k = used_k.get();
     o.causal = causal;
     o.window_left = window_left;
     o.window_right = window_right;
@@ -545,11 +553,13 @@ TORCH_LIBRARY(hipflash, m) {
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, int window_left, "
         "int window_right, int num_splits, bool return_lse, str lse_layout, "
-        "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+        "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? seqused_q=None, "
+        "Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
   m.def("varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None) -> ()");
+        "bool return_lse, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None, "
+        "Tensor? seqused_q=None, Tensor? seqused_k=None) -> ()");
   m.def("varlen_fwd_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor block_table, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
@@ -566,7 +576,8 @@ TORCH_LIBRARY(hipflash, m) {
   m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
-        "bool deterministic, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None) "
+        "bool deterministic, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None, "
+        "Tensor? seqused_q=None, Tensor? seqused_k=None) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
 

@@ -37,8 +37,10 @@ struct Seq {
 Seq sequence(const FwdParams& p, int64_t b) {
   if (p.seqlens_k) return {0, 0, p.seqlen_q, p.seqlens_k[b] + p.seqlen_k_new};  // KV cache
   if (!p.is_varlen()) return {0, 0, p.seqlen_q, p.seqlen_k};
-  return {p.cu_seqlens_q[b], p.cu_seqlens_k[b], p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
-          p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]};
+  // seqused (validated <= the cu_seqlens lengths): the rows and keys the sequence uses.
+  return {p.cu_seqlens_q[b], p.cu_seqlens_k[b],
+          p.seqused_q ? p.seqused_q[b] : p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
+          p.seqused_k ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]};
 }
 
 /// Keys [lo, hi) valid for row i (SPEC §3 masks, bottom-right aligned).
@@ -255,6 +257,16 @@ void run_forward(const FwdParams& p) {
       if (p.return_lse && p.lse_layout == LseLayout::padded)
         for (int64_t h = 0; h < p.heads_q; ++h)
           std::fill_n(p.lse + p.lse_offset(b, h, 0, s.len_q), p.seqlen_q - s.len_q, kNegInf);
+      // seqused_q: the sequence's rows past the used ones take part in nothing: out 0, LSE -inf.
+      const int64_t rows = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+      for (int64_t r = s.len_q; r < rows; ++r)
+        for (int64_t h = 0; h < p.heads_q; ++h) {
+          const int64_t o = (s.q_start + r) * p.o_row_stride + h * p.o_head_stride;
+          for (int64_t d = 0; d < p.head_dim; ++d)
+            detail::store_from_float(p.out, o + d, 0.f, p.dtype);
+          if (p.return_lse && p.lse_layout == LseLayout::packed)
+            p.lse[p.lse_offset(b, h, s.q_start, r)] = kNegInf;
+        }
     }
   }
   const int64_t m_blocks = (rows_q + kBlockM - 1) / kBlockM;

@@ -48,18 +48,19 @@ struct Call {
   HostTensor vdq{DType::bf16, {7, 4, 64}}, vdk{DType::bf16, {7, 2, 64}},
       vdv{DType::bf16, {7, 2, 64}};
   HostTensor slopes{DType::f32, {4}};  ///< ALiBi slopes [Hq] (a case passes them)
+  HostTensor used{DType::i32, {2}};  ///< varlen seqused [B] (a case passes it): {2, 1}
 
   /// Every buffer, for placing and for the written-nothing check.
   std::vector<HostTensor*> all() {
     return {&q, &k, &v, &out, &lse, &vq, &vk, &vv, &vout, &vlse, &cu_q, &cu_k, &kc, &vc, &kp,
             &vp, &knew, &vnew, &seqlens, &table, &dq_, &dout_, &dlse, &outs, &lses, &mout,
-            &mlse, &gout, &dq, &dk, &dv, &vdq, &vdk, &vdv, &slopes};
+            &mlse, &gout, &dq, &dk, &dv, &vdq, &vdk, &vdv, &slopes, &used};
   }
 
   // The refs the call passes (placed copies of the buffers' refs; a case edits these).
   TensorRef Q, K, V, Out, Lse, VQ, VK, VV, VOut, VLse, CuQ, CuK, KC, VC, KP, VP, KNew, VNew,
       Seqlens, Table, DQ_, DOut_, DLse, Outs, Lses, MOut, MLse, GOut, DQ, DK, DV, VDQ, VDK, VDV,
-      Slopes;
+      Slopes, Used;
   FwdOptions opts;
   VarlenOptions vopts;
   KvCacheOptions kopts;
@@ -80,6 +81,7 @@ struct Call {
     lse.randomize(rng);
     vlse.randomize(rng);
     seqlens.i32()[0] = 3, seqlens.i32()[1] = 20;
+    used.i32()[0] = 2, used.i32()[1] = 1;
     const int32_t pages[4] = {4, 0, 2, 3};
     for (int i = 0; i < 4; ++i) table.i32()[i] = pages[i];
     opts.return_lse = vopts.return_lse = kopts.return_lse = true;
@@ -93,7 +95,7 @@ struct Call {
     TensorRef* refs[] = {&Q, &K, &V, &Out, &Lse, &VQ, &VK, &VV, &VOut, &VLse, &CuQ, &CuK, &KC,
                          &VC, &KP, &VP, &KNew, &VNew, &Seqlens, &Table, &DQ_, &DOut_, &DLse,
                          &Outs, &Lses, &MOut, &MLse, &GOut, &DQ, &DK, &DV, &VDQ, &VDK, &VDV,
-                         &Slopes};
+                         &Slopes, &Used};
     const std::vector<HostTensor*> bufs = all();
     for (size_t i = 0; i < bufs.size(); ++i) *refs[i] = place(*bufs[i]);
   }
@@ -209,6 +211,12 @@ inline std::vector<Case> cases() {
        "length of cu_seqlens_q"},
       {"varlen-max-seqlen-small", E::varlen, [](Call& c) { c.vopts.max_seqlen_q = 3, c.VLse = shorter_rows(c.VLse, 3); }, inv,
        "too small"},
+      {"varlen-seqused-dtype", E::varlen,
+       [](Call& c) { c.Used.dtype = DType::f32, c.vopts.seqused_q = &c.Used; }, inv,
+       "seqused_q must have dtype int32"},
+      {"varlen-seqused-shape", E::varlen,
+       [](Call& c) { c.Used.sizes[0] = 3, c.vopts.seqused_k = &c.Used; }, inv,
+       "seqused_k must have shape [batch]"},
       {"varlen-max-seqlen-q-huge", E::varlen,
        [](Call& c) { c.vopts.max_seqlen_q = int64_t(1) << 40; }, inv, "max_seqlen_q"},
       {"varlen-max-seqlen-k-huge", E::varlen,
@@ -303,6 +311,8 @@ inline std::vector<Case> gpu_refused_cases() {
       {"varlen-paged-page-size", E::varlen_paged,
        [](Call& c) { c.KP.sizes[1] = c.VP.sizes[1] = 12; }, ni, "runs on the CPU backend only"},
       {"kvcache-alibi", E::kvcache, [](Call& c) { c.kopts.alibi_slopes = &c.Slopes; }, ni, alibi},
+      {"varlen-seqused", E::varlen, [](Call& c) { c.vopts.seqused_k = &c.Used; }, ni,
+       "seqused_k runs on the CPU backend only"},
       {"backward-alibi", E::backward, [](Call& c) { c.bopts.alibi_slopes = &c.Slopes; }, ni,
        alibi},
   };

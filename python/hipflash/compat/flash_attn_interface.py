@@ -8,10 +8,10 @@ Function names, argument names and defaults as in FlashAttention 3. ``return_att
 ``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
-NotImplementedError: qv, q/k/v_descale (fp8), attention_chunk, seqused_q / seqused_k,
+NotImplementedError: qv, q/k/v_descale (fp8), attention_chunk,
 rotary embedding, cache_batch_idx, cache_leftpad, and varlen queries appending new keys
-(cu_seqlens_k_new). softcap runs on CPU tensors; on the GPU a softcap > 0 raises
-NotImplementedError until the kernels cap scores.
+(cu_seqlens_k_new). softcap and seqused_q / seqused_k run on CPU tensors; on the GPU they raise
+NotImplementedError until the kernels apply them.
 """
 import torch
 
@@ -77,13 +77,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim); the LSE (nheads,
     total_q)."""
     _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
-    refuse("seqused_q", seqused_q, None)
-    refuse("seqused_k", seqused_k, None)
     return hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_attn_probs), lse_layout="packed",
-        deterministic=deterministic, softcap=softcap_value(softcap))
+        deterministic=deterministic, softcap=softcap_value(softcap), seqused_q=seqused_q,
+        seqused_k=seqused_k)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
