@@ -72,6 +72,15 @@ void check_page_size(int64_t page, const TensorRef& q, const char* what) {
                     "kernels take powers of two in [", kMinPageSize, ", ", kMaxPageSize, "]");
 }
 
+/// A paged cache's block table and page size into p (the shift for the GPU kernels' powers of
+/// two; the CPU backend reads page_size).
+void point_at_pages(FwdParams& p, const TensorRef& block_table, int64_t page) {
+  p.block_table = static_cast<const int32_t*>(block_table.data);
+  p.block_table_stride = block_table.strides[0];
+  p.page_size = page;
+  p.page_shift = power_of_two(page) ? log2_of(page) : 0;
+}
+
 /// The block-table entries sequence b uses for `keys` rows (the first ceil(keys / page)) must
 /// name pages of the cache; entries past them are never read.
 void check_pages_used(const TensorRef& block_table, int64_t b, int64_t keys, int64_t page,
@@ -253,10 +262,7 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   p.seqlens_k = cache_seqlens ? static_cast<const int32_t*>(cache_seqlens->data) : nullptr;
   p.seqlen_k_new = s_new;
   if (paged) {
-    p.block_table = static_cast<const int32_t*>(block_table->data);
-    p.block_table_stride = block_table->strides[0];
-    p.page_size = page;
-    p.page_shift = power_of_two(page) ? log2_of(page) : 0;
+    point_at_pages(p, *block_table, page);
   }
   // The window saturates against the capacity (the paged view above had no keys): no sequence
   // has more keys, so a left bound of capacity - 1 reaches every key (fill_window's rule).
@@ -328,10 +334,7 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
     if (!gpu) check_pages_used(block_table, int64_t(b), len, page, k_cache.sizes[0]);
   }
   point_at_cache(p, k_cache, v_cache);
-  p.block_table = static_cast<const int32_t*>(block_table.data);
-  p.block_table_stride = block_table.strides[0];
-  p.page_size = page;
-  p.page_shift = power_of_two(page) ? log2_of(page) : 0;
+  point_at_pages(p, block_table, page);
   dispatch_forward(p, opts, q.loc, stream, std::move(workspace));
 }
 

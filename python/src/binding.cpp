@@ -127,6 +127,8 @@ hipflash::FwdOptions fwd_options(c10::optional<double> softmax_scale, bool causa
   return o;
 }
 
+using OptionalTensor = c10::optional<at::Tensor>;
+
 /// An optional tensor argument as the launcher takes it: a TensorRef that lives as long as this
 /// (build it inside run_launcher: to_ref reports a bad tensor).
 struct OptionalRef {
@@ -136,6 +138,23 @@ struct OptionalRef {
   }
   const hipflash::TensorRef* get() const { return ref ? &*ref : nullptr; }
 };
+
+/// The options bwd and varlen_bwd share (`alibi`: the slopes' ref, which outlives the call).
+hipflash::BwdOptions bwd_options(c10::optional<double> softmax_scale, bool causal,
+                                 int64_t window_left, int64_t window_right, bool deterministic,
+                                 double softcap, const OptionalRef& alibi) {
+  const hipflash::FwdOptions f =
+      fwd_options(softmax_scale, causal, window_left, window_right, 1, true, softcap);
+  hipflash::BwdOptions o;
+  o.softmax_scale = f.softmax_scale;
+  o.softcap = f.softcap;
+  o.alibi_slopes = alibi.get();
+  o.causal = causal;
+  o.window_left = window_left;
+  o.window_right = window_right;
+  o.deterministic = deterministic;
+  return o;
+}
 
 hipflash::LseLayout lse_layout_of(const std::string& s) {
   HIPFLASH_CHECK(s == "padded" || s == "packed", "lse_layout must be 'padded' or 'packed', got '",
@@ -252,7 +271,8 @@ void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
                     bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
                     bool return_lse, const std::string& lse_layout, double softcap,
-                    const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& seqused_q, const c10::optional<at::Tensor>& seqused_k) {
+                    const c10::optional<at::Tensor>& alibi_slopes, const OptionalTensor& seqused_q,
+    const OptionalTensor& seqused_k) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
     const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse),
@@ -321,7 +341,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     int64_t num_splits, bool return_lse, const std::string& lse_layout, double softcap,
-    const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& seqused_q, const c10::optional<at::Tensor>& seqused_k) {
+    const c10::optional<at::Tensor>& alibi_slopes, const OptionalTensor& seqused_q,
+    const OptionalTensor& seqused_k) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   varlen_fwd_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
@@ -391,17 +412,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
              dv = at::empty(v.sizes(), v.options());
   std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
   run_launcher([&] {
-    hipflash::BwdOptions o;
-    const hipflash::FwdOptions f =
-        fwd_options(softmax_scale, causal, window_left, window_right, 1, true, softcap);
     const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
-    o.softmax_scale = f.softmax_scale;
-    o.softcap = f.softcap;
-    o.alibi_slopes = alibi.get();
-    o.causal = causal;
-    o.window_left = window_left;
-    o.window_right = window_right;
-    o.deterministic = deterministic;
+    const hipflash::BwdOptions o = bwd_options(softmax_scale, causal, window_left, window_right,
+                                               deterministic, softcap, alibi);
     hipflash::backward(to_ref(dout, "dout", Role::operand), to_ref(q, "q", Role::operand),
                        to_ref(k, "k", Role::operand), to_ref(v, "v", Role::operand),
                        to_ref(out, "out", Role::operand), to_ref(lse, "lse", Role::lse),
@@ -419,26 +432,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     bool deterministic, const std::string& lse_layout, double softcap,
-    const c10::optional<at::Tensor>& alibi_slopes, const c10::optional<at::Tensor>& seqused_q, const c10::optional<at::Tensor>& seqused_k) {
+    const c10::optional<at::Tensor>& alibi_slopes, const OptionalTensor& seqused_q,
+    const OptionalTensor& seqused_k) {
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
   std::vector<at::Tensor> keep;  // the workspace, held until the kernels are enqueued
   run_launcher([&] {
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse),
+        used_q(seqused_q, "seqused_q", Role::index), used_k(seqused_k, "seqused_k", Role::index);
     hipflash::VarlenBwdOptions o;
-    const hipflash::FwdOptions f =
-        fwd_options(softmax_scale, causal, window_left, window_right, 1, true, softcap);
-    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
-    o.softmax_scale = f.softmax_scale;
-    o.softcap = f.softcap;
-    o.alibi_slopes = alibi.get();
-    const OptionalRef used_q(seqused_q, "seqused_q", Role::index),
-        used_k(seqused_k, "seqused_k", Role::index);
+    static_cast<hipflash::BwdOptions&>(o) = bwd_options(softmax_scale, causal, window_left,
+                                                        window_right, deterministic, softcap, alibi);
     o.seqused_q = used_q.get();
     o.seqused_k = used_k.get();
-    o.causal = causal;
-    o.window_left = window_left;
-    o.window_right = window_right;
-    o.deterministic = deterministic;
     o.max_seqlen_q = max_seqlen_q;
     o.max_seqlen_k = max_seqlen_k;
     o.lse_layout = lse_layout_of(lse_layout);
