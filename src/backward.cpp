@@ -184,7 +184,8 @@ BwdParams gpu_params(const FwdParams& fp, const TensorRef& dout, const TensorRef
 /// What the GPU backward cannot run yet, refused before anything is written.
 void refuse_on_gpu(const FwdParams& p) {
   HIPFLASH_CHECK_AS(not_implemented, p.softcap == 0.f,
-                    "softcap runs on the CPU backend only: the GPU kernels do not cap scores yet");
+                    "softcap's backward runs on the CPU backend only: the GPU backward kernels "
+                    "do not cap scores yet (the GPU forward does)");
   HIPFLASH_CHECK_AS(not_implemented, p.alibi_slopes == nullptr,
                     "alibi_slopes run on the CPU backend only: the GPU kernels do not add ALiBi "
                     "biases yet");

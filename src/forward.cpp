@@ -289,8 +289,10 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
     check_workspace_size(plan.num_splits);
     return plan;
   }
-  HIPFLASH_CHECK_AS(not_implemented, p.softcap == 0.f,
-                    "softcap runs on the CPU backend only: the GPU kernels do not cap scores yet");
+  HIPFLASH_CHECK_AS(not_implemented,
+                    p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
+                    "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "
+                    "cap scores yet");
   HIPFLASH_CHECK_AS(not_implemented, p.alibi_slopes == nullptr,
                     "alibi_slopes run on the CPU backend only: the GPU kernels do not add ALiBi "
                     "biases yet");

@@ -8,12 +8,47 @@
 #pragma once
 
 #include "hipflash/detail/softmax_state.hpp"
+#include "hipflash/params.hpp"
 #include "hipflash/port/port.hpp"
 
 namespace hipflash::common {
 
 using detail::kNegInf;
 using detail::SoftmaxState;
+
+/// The scores' softcap (SPEC §3, detail::Softcap) on a tile of raw q·k before the online-softmax
+/// update: each becomes softcap * tanh(x * scale / softcap) in natural units (a masked -inf
+/// stays -inf, so the mask may come before or after), and the update then takes log2(e) as
+/// its scale (capped_scale_log2). softcap <= 0: nothing. One uniform branch a key block.
+struct ScoreCap {
+  float scale;    ///< softmax_scale / softcap
+  float softcap;  ///< 0: off
+
+  __device__ __forceinline__ explicit ScoreCap(const FwdParams& p)
+      : scale(p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f), softcap(p.softcap) {}
+  __device__ __forceinline__ bool on() const { return softcap > 0.f; }
+  /// The scale_log2 RowSoftmax::update takes after apply(): log2(e), or the plain one.
+  __device__ __forceinline__ float scale_log2(const FwdParams& p) const {
+    return on() ? detail::kLog2e : p.softmax_scale * detail::kLog2e;
+  }
+  __device__ __forceinline__ float cap(float x) const {
+    return x == kNegInf ? x : softcap * detail::fast_tanh(x * scale);
+  }
+  template <int kN>
+  __device__ __forceinline__ void apply(float (&s)[kN]) const {
+    if (!on()) return;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) s[i] = cap(s[i]);
+  }
+  template <int kR, int kC>
+  __device__ __forceinline__ void apply(float (&s)[kR][kC]) const {
+    if (!on()) return;
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+#pragma unroll
+      for (int c = 0; c < kC; ++c) s[r][c] = cap(s[r][c]);
+  }
+};
 
 /// The lanes that hold one row's columns, reduced with one butterfly per mask.
 template <int... kMasks>

@@ -139,7 +139,8 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
   float O[2][2 * Cfg::kDTiles];
   zero_rows<Cfg::kDTiles>(O);
   common::RowSoftmax<2> softmax;
-  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+  const common::ScoreCap cap(p);  // the softcap, when the call has one
+  const float scale_log2 = cap.scale_log2(p);
 
   // ldmatrix lane roles as in the decode kernel, within the warp's own head tile.
   const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);
@@ -159,6 +160,7 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
     const int n = n_begin + i;
     warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
                              [&](float (&S)[2][4]) {
+      cap.apply(S);
       if (!bi.needs_mask(p, n, false)) return;  // the sequence's last, partial key block
 #pragma unroll
       for (int r = 0; r < 2; ++r)

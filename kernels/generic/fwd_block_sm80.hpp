@@ -44,7 +44,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 #pragma unroll
     for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] = 0.f;
   RowSoftmax<kRows> softmax;
-  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+  const common::ScoreCap cap(p);  // the softcap, when the call has one
+  const float scale_log2 = cap.scale_log2(p);
 
   // Row (within the sequence) of fragment row r, and column of fragment column c.
   const int g = lane / 4, t = lane % 4;
@@ -64,6 +65,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 
     float S[kRows][2 * Cfg::kNTiles];
     gemm_qk<Cfg, Traits::kDType>(S, smem_addr(sQ), smem_addr(sK), warp, lane);
+    cap.apply(S);
     if (bi.needs_mask(p, n, Traits::kMasked)) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r)

@@ -66,7 +66,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 #pragma unroll
   for (int i = 0; i < kHD / 2; ++i) O[i] = 0.f;
   common::RowSoftmax<2> softmax;
-  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+  const common::ScoreCap cap(p);  // the softcap, when the call has one
+  const float scale_log2 = cap.scale_log2(p);
   auto row_of = [&](int h) { return m0 + warp * 16 + h * 8 + g; };
   const uint32_t sQ_wg = sQ + (warp / 4) * 64 * 128;
   auto issue_qk = [&](float(&S)[kBN / 2], int n) {
@@ -76,6 +77,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     consumer::issue_pv<kDT, kBN, kHD>(O, P, sV(n));
   };
   auto softmax_step = [&](float(&S)[kBN / 2], int n, float(&rescale)[2]) {
+    cap.apply(S);
     consumer::softmax_step<Traits, kBN>(p, bi, softmax, scale_log2, S, n, row_of, t, rescale);
   };
 

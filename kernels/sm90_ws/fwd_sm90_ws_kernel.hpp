@@ -280,13 +280,14 @@ struct Consumer {
                                                common::RowSoftmax<2>& softmax,
                                                float (&S)[kBN / 2], int n,
                                                float (&rescale)[2]) const {
+    const common::ScoreCap cap(p);  // the softcap, when the call has one
+    cap.apply(S);
     if constexpr (kLean) {
-      consumer::softmax_step<kBN>(lean, softmax, p.softmax_scale * detail::kLog2e, S, n,
-                                  place.t, rescale);
+      consumer::softmax_step<kBN>(lean, softmax, cap.scale_log2(p), S, n, place.t, rescale);
     } else {
       const auto rows = [&](int h) { return row_of(m0_of(bi), h); };
-      consumer::softmax_step<Traits, kBN>(p, bi, softmax, p.softmax_scale * detail::kLog2e, S, n,
-                                          rows, place.t, rescale);
+      consumer::softmax_step<Traits, kBN>(p, bi, softmax, cap.scale_log2(p), S, n, rows,
+                                          place.t, rescale);
     }
   }
 

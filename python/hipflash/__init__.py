@@ -230,6 +230,15 @@ def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _refuse_gpu_softcap_grad(q, softcap):
+    """The GPU forward caps scores, its backward does not yet: a call that will need gradients
+    is refused before it runs (not at backward time)."""
+    if softcap and q.device.type != "cpu":
+        raise NotImplementedError(
+            "softcap's backward runs on the CPU backend only: the GPU backward kernels do not cap "
+            "scores yet (the GPU forward does: call it under torch.no_grad() for inference)")
+
+
 # ---- Public API ------------------------------------------------------------------------------
 
 
@@ -269,7 +278,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         softcap: float >= 0. Logit soft-capping (Gemma 2, FlashAttention 2's softcap): each
             scaled score s = softmax_scale * q_i . k_j becomes softcap * tanh(s / softcap)
             before the softmax; the LSE is that of the capped scores. 0 (the default) is off.
-            CPU tensors only for now: on the GPU a softcap > 0 raises NotImplementedError.
+            The forward runs on the CPU and NVIDIA GPUs; gradients on the CPU only for now (a
+            GPU call that needs them raises NotImplementedError before it runs).
         alibi_slopes: optional (nheads,) or (batch_size, nheads) float32 tensor on q's device.
             ALiBi (BLOOM, MPT; FlashAttention 2's alibi_slopes): the bias
             ``-alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j|`` is added to each (capped)
@@ -310,6 +320,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     softcap = _softcap(softcap)
 
     if out is None and _wants_grad(q, k, v):
+        _refuse_gpu_softcap_grad(q, softcap)
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
                          bool(deterministic), softcap, alibi_slopes)
         return (out, lse) if return_lse else out
@@ -421,6 +432,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_lse, lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
+        _refuse_gpu_softcap_grad(q, softcap)
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
                          lse_layout, bool(deterministic), softcap, alibi_slopes, seqused_q,

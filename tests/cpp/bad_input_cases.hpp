@@ -294,14 +294,9 @@ inline std::vector<Case> cases() {
 inline std::vector<Case> gpu_refused_cases() {
   using E = Entry;
   const Err ni = Err::not_impl;
-  const char* softcap = "softcap runs on the CPU backend only";
+  const char* softcap = "softcap's backward runs on the CPU backend only";
   const char* alibi = "alibi_slopes run on the CPU backend only";
   return {
-      {"forward-softcap", E::forward, [](Call& c) { c.opts.softcap = 30.f; }, ni, softcap},
-      {"varlen-softcap", E::varlen, [](Call& c) { c.vopts.softcap = 30.f; }, ni, softcap},
-      {"kvcache-softcap", E::kvcache, [](Call& c) { c.kopts.softcap = 30.f; }, ni, softcap},
-      {"kvcache-paged-softcap", E::kvcache_paged, [](Call& c) { c.kopts.softcap = 30.f; }, ni,
-       softcap},
       {"backward-softcap", E::backward, [](Call& c) { c.bopts.softcap = 30.f; }, ni, softcap},
       {"varlen-backward-softcap", E::varlen_backward,
        [](Call& c) { c.vbopts.softcap = 30.f; }, ni, softcap},

@@ -1,8 +1,8 @@
 """Logit soft-capping (FlashAttention 2's softcap, Gemma 2's attn_logit_softcapping): each
 scaled score s becomes softcap * tanh(s / softcap) before the softmax, and the LSE is that of the
 capped scores. The CPU backend runs it in the forward (dense, varlen, KV cache) and the
-backward, checked here against the fp64 / fp32 references; the GPU kernels refuse it with
-NotImplementedError before anything is written, checked on a GPU."""
+backward, the NVIDIA GPU kernels in the forward, checked here against the fp64 / fp32
+references; the GPU backward refuses it with NotImplementedError before anything runs."""
 import math
 
 import pytest
@@ -146,21 +146,75 @@ def test_the_compatibility_modules_pass_it_through():
         fa2.flash_attn_func(q, k, v, softcap=torch.tensor(5.0))
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
-                    f"kernels (this build: {hipflash.build_info()!r})")
-def test_the_gpu_refuses_it_before_writing():
+needs_gpu = pytest.mark.skipif(
+    not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU kernels "
+    f"(this build: {hipflash.build_info()!r})")
+
+# The GPU forward's kernels: (B, Sq, Sk, Hq, Hkv, D, causal, window, num_splits) — the sm90_ws
+# and sm90 tiles (long rows, hd 64 / 128 / 256), the generic kernel (hd 96, split), the decode
+# kernels (one query row, GQA packed or not).
+GPU_CASES = [
+    (2, 300, 300, 4, 4, 64, False, (-1, -1), 1),
+    (1, 700, 900, 4, 2, 128, True, (-1, -1), 1),
+    (1, 257, 513, 2, 2, 256, False, (64, 32), 1),
+    (2, 100, 333, 4, 2, 96, True, (-1, -1), 3),
+    (4, 1, 1000, 8, 2, 128, False, (-1, -1), 0),
+    (2, 1, 700, 4, 4, 64, True, (-1, -1), 2),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("softcap", [2.0, 50.0])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: case_id(c[:8]) + f"_s{c[8]}")
+def test_gpu_forward_matches_the_reference(case, softcap):
+    b, sq, sk, hq, hkv, d, causal, window, splits = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=11)
+    out, lse = hipflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), softmax_scale=0.5,
+                                        causal=causal, window_size=window, num_splits=splits,
+                                        return_lse=True, softcap=softcap)
+    check_attention(out.cpu(), lse.cpu(), q, k, v, f"gpu softcap {softcap}", softmax_scale=0.5,
+                    causal=causal, window_size=window, softcap=softcap)
+
+
+@needs_gpu
+def test_gpu_varlen_and_kvcache_match_the_cpu():
+    q, k, v, cu_q, cu_k = make_varlen([5, 0, 300], [9, 4, 400], 4, 2, 128, BF16, seed=4)
+    kw = dict(softmax_scale=1.0, causal=True, return_lse=True, lse_layout="packed", softcap=3.0)
+    out, lse = hipflash.flash_attn_varlen_func(*(t.cuda() for t in (q, k, v, cu_q, cu_k)), 300,
+                                               400, **kw)
+    out_ref, lse_packed, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, 300, softmax_scale=1.0,
+                                                  causal=True, softcap=3.0)
+    out_lp, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, 300, lowp=True, softmax_scale=1.0,
+                                        causal=True, softcap=3.0)
+    check_out(out.cpu(), out_ref, out_lp, "gpu varlen")
+    check_lse(lse.cpu(), lse_packed, "gpu varlen")
+    # decode against a paged cache, with an append: the CPU backend's result within tolerance
+    torch.manual_seed(2)
+    qd = torch.randn(2, 1, 8, 128).to(BF16)
+    k_cache = torch.randn(4, 256, 2, 128).to(BF16)
+    v_cache = torch.randn(4, 256, 2, 128).to(BF16)
+    k_new, v_new = torch.randn(2, 1, 2, 128).to(BF16), torch.randn(2, 1, 2, 128).to(BF16)
+    table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    lens = torch.tensor([300, 17], dtype=torch.int32)
+    args = dict(cache_seqlens=lens, block_table=table, return_lse=True, softcap=20.0)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    want, want_lse = hipflash.flash_attn_with_kvcache(qd, kc, vc, k_new, v_new, **args)
+    got, got_lse = hipflash.flash_attn_with_kvcache(
+        qd.cuda(), k_cache.cuda(), v_cache.cuda(), k_new.cuda(), v_new.cuda(),
+        **{n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in args.items()})
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=2e-3, rtol=2e-3)
+
+
+@needs_gpu
+def test_the_gpu_backward_refuses_it_before_running():
     q, k, v = (t.cuda() for t in make_qkv(1, 8, 8, 2, 2, 64, BF16))
-    out = torch.full_like(q, float("nan"))
-    with pytest.raises(NotImplementedError, match="softcap runs on the CPU backend only"):
-        hipflash.flash_attn_func(q, k, v, out=out, softcap=30.0)
-    assert torch.isnan(out).all()
-    k_cache = torch.zeros(1, 16, 2, 64, dtype=BF16, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    lens = torch.zeros(1, dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="softcap"):
-        hipflash.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, k[:, :1], v[:, :1],
-                                         cache_seqlens=lens, softcap=30.0)
-    assert not k_cache.any() and not v_cache.any(), "the append ran before the refusal"
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    with pytest.raises(NotImplementedError, match="softcap"):
+    with pytest.raises(NotImplementedError, match="softcap's backward"):
         hipflash.flash_attn_func(qg, kg, vg, softcap=30.0)
+    with torch.no_grad():  # inference with inputs that require grad: the forward runs
+        assert torch.isfinite(hipflash.flash_attn_func(qg, kg, vg, softcap=30.0)).all()
+    out = hipflash.flash_attn_func(q, k, v, return_lse=True)[0]
+    lse = hipflash.flash_attn_func(q, k, v, return_lse=True)[1]
+    with pytest.raises(NotImplementedError, match="softcap's backward"):
+        torch.ops.hipflash.bwd(out, q, k, v, out, lse, None, False, -1, -1, False, 30.0)

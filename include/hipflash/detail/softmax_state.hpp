@@ -41,17 +41,26 @@ HIPFLASH_HD float fast_exp2(float x) {
 /// scaled score s = softmax_scale * q.k enters the softmax as cap * tanh(s / cap) when cap > 0
 /// (as is when cap == 0), and the LSE is that of the capped scores. Its slope, for the
 /// backward: d(capped) / ds = 1 - tanh^2(s / cap). NaN stays NaN; +-inf caps to +-cap.
+/// tanh: the hardware's approximation on NVIDIA sm_75+ (tanh.approx.f32, ~2^-11 relative,
+/// within the low-precision tolerance of SPEC §6), tanhf on other devices, std::tanh on the
+/// host (the CPU backend: the reference).
+HIPFLASH_HD float fast_tanh(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#elif defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return tanhf(x);
+#else
+  return std::tanh(x);
+#endif
+}
+
 struct Softcap {
   float cap = 0.f;  ///< 0: off
   HIPFLASH_HD bool on() const { return cap > 0.f; }
   /// tanh(s / cap) (on() only).
-  HIPFLASH_HD float tanh_of(float s) const {
-#if defined(__CUDA_ARCH__)
-    return tanhf(s / cap);
-#else
-    return std::tanh(s / cap);
-#endif
-  }
+  HIPFLASH_HD float tanh_of(float s) const { return fast_tanh(s / cap); }
   HIPFLASH_HD float apply(float s) const { return on() ? cap * tanh_of(s) : s; }
 };
 

@@ -10,8 +10,9 @@ Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
 NotImplementedError: qv, q/k/v_descale (fp8), attention_chunk,
 rotary embedding, cache_batch_idx, cache_leftpad, and varlen queries appending new keys
-(cu_seqlens_k_new). softcap and seqused_q / seqused_k run on CPU tensors; on the GPU they raise
-NotImplementedError until the kernels apply them.
+(cu_seqlens_k_new). seqused_q / seqused_k run on CPU tensors (the GPU refuses them); softcap
+on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
+the kernels cap scores).
 """
 import torch
 

@@ -14,8 +14,9 @@ left padding and generation with a KV cache included, and padding-free (packed) 
 each document on its own; sliding windows cover the last `sliding_window` keys; GQA runs
 natively; fp32 inputs run in bfloat16 (or the autocast dtype). Refused with
 NotImplementedError: attention dropout during training and attention sinks,
-until hipflash has them (issue 42). Gemma 2's logit softcapping runs on CPU tensors; on the GPU
-it raises NotImplementedError until the kernels cap scores.
+until hipflash has them (issue 42). Gemma 2's logit softcapping runs on CPU tensors and, for
+inference, on NVIDIA GPUs (training with it on the GPU raises NotImplementedError until the
+backward kernels cap scores).
 """
 import torch
 

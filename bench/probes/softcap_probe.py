@@ -1,0 +1,90 @@
+# hipflash — development probe (not a benchmark of record): what the softcap costs the forward,
+# and that plain calls pay nothing for it. For each cell (bf16, [B, S, H, D], B * S = 16k,
+# H * D = 2048): the capped output checked first against PyTorch's fp32 math with the cap on two
+# heads, then plain and softcap=50 (Gemma 2's) calls timed in turn with device events, fresh
+# inputs per call from a rotating set, warm-up, median over rounds; the ratio softcap / plain.
+# Usage (GPU machine, after scripts/gpu-check build):
+#   python3 bench/probes/softcap_probe.py build-gpu/python [--cells S:D[:c],...] [--rounds N]
+import argparse
+import statistics
+import sys
+
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("hipflash_path")
+ap.add_argument("--cells", default="1024:64,1024:64:c,4096:128,4096:128:c,16384:128:c,1:128")
+ap.add_argument("--rounds", type=int, default=7)
+ap.add_argument("--calls", type=int, default=20, help="calls per timed window")
+ap.add_argument("--softcap", type=float, default=50.0)
+args = ap.parse_args()
+sys.path.insert(0, args.hipflash_path)
+import hipflash as hf  # noqa: E402
+
+if not torch.cuda.is_available():
+    sys.exit("softcap_probe: needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def cells():
+    """S:D[:c]; S = 1 is decode against a 16k cache (B = 32, GQA 4)."""
+    for spec in args.cells.split(","):
+        parts = spec.split(":")
+        yield int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "c"
+
+
+def reference(q, k, v, causal, cap):
+    """fp32 attention with the cap on [B, S, H, D] (GQA by repeating k / v)."""
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    rep = qf.shape[1] // kf.shape[1]
+    kf, vf = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
+    s = qf @ kf.transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = cap * torch.tanh(s / cap)
+    if causal:
+        sq, sk = s.shape[-2:]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        s = s.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(s, -1) @ vf).transpose(1, 2)
+
+
+def timed(fn, sets):
+    """Median ms per call over rounds of `calls` calls (device events; input sets rotated)."""
+    for i in range(3):
+        fn(*sets[i % len(sets)])
+    ms = []
+    for _ in range(args.rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(args.calls):
+            fn(*sets[i % len(sets)])
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end) / args.calls)
+    return statistics.median(ms)
+
+
+torch.manual_seed(0)
+print(f"{'cell':24s} {'plain ms':>9s} {'softcap ms':>10s} {'ratio':>6s}  kernel")
+for s, d, causal in cells():
+    if s == 1:
+        b, hq, hkv, sk = 32, 32, 8, 16384
+    else:
+        b, hq, hkv, sk = 16384 // s, 2048 // d, 2048 // d, s
+    sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                  for n, h in ((s, hq), (sk, hkv), (sk, hkv))) for _ in range(3)]
+    label = f"S={s} D={d}{' causal' if causal else ''}"
+    q, k, v = sets[0]
+    nk = 1 if hq != hkv else 2  # two query heads (of one kv head under GQA)
+    q1, k1, v1 = q[:1, :, :2], k[:1, :, :nk], v[:1, :, :nk]
+    got = hf.flash_attn_func(q1, k1, v1, causal=causal, softcap=args.softcap).float()
+    want = reference(q1, k1, v1, causal, args.softcap)
+    err = (got - want).abs().max().item()
+    if not err <= 2e-2:
+        print(f"{label:24s} max|out - ref| {err:.3g}: not timed")
+        continue
+    plain = timed(lambda q, k, v: hf.flash_attn_func(q, k, v, causal=causal), sets)
+    capped = timed(lambda q, k, v: hf.flash_attn_func(q, k, v, causal=causal,
+                                                      softcap=args.softcap), sets)
+    print(f"{label:24s} {plain:9.3f} {capped:10.3f} {capped / plain:6.3f}  "
+          f"{hf.last_kernel_name()}", flush=True)
+    del sets, q, k, v
+    torch.cuda.empty_cache()
