@@ -16,10 +16,12 @@ namespace hipflash::common {
 using detail::kNegInf;
 using detail::SoftmaxState;
 
-/// The scores' softcap (SPEC §3, detail::Softcap) on a tile of raw q·k before the online-softmax
-/// update: each becomes softcap * tanh(x * scale / softcap) in natural units (a masked -inf
-/// stays -inf, so the mask may come before or after), and the update then takes log2(e) as
-/// its scale (capped_scale_log2). softcap <= 0: nothing. One uniform branch a key block.
+/// The scores' softcap (SPEC §3, detail::Softcap) on a tile of raw q·k before the mask and the
+/// online-softmax update: each becomes tanh(x * softmax_scale / softcap), and the update then
+/// takes softcap * log2(e) as its scale (scale_log2), so that the capped score softcap * tanh
+/// costs one multiply and one tanh an element. Every kernel masks after apply(), so a masked
+/// score is -inf in the update; a raw -inf or +inf (infinite inputs) caps to -+softcap, as on
+/// the CPU. softcap <= 0: nothing. One uniform branch a key block.
 struct ScoreCap {
   float scale;    ///< softmax_scale / softcap
   float softcap;  ///< 0: off
@@ -27,18 +29,15 @@ struct ScoreCap {
   __device__ __forceinline__ explicit ScoreCap(const FwdParams& p)
       : scale(p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f), softcap(p.softcap) {}
   __device__ __forceinline__ bool on() const { return softcap > 0.f; }
-  /// The scale_log2 RowSoftmax::update takes after apply(): log2(e), or the plain one.
+  /// The scale_log2 RowSoftmax::update takes after apply(): softcap * log2(e), or the plain one.
   __device__ __forceinline__ float scale_log2(const FwdParams& p) const {
-    return on() ? detail::kLog2e : p.softmax_scale * detail::kLog2e;
-  }
-  __device__ __forceinline__ float cap(float x) const {
-    return x == kNegInf ? x : softcap * detail::fast_tanh(x * scale);
+    return (on() ? softcap : p.softmax_scale) * detail::kLog2e;
   }
   template <int kN>
   __device__ __forceinline__ void apply(float (&s)[kN]) const {
     if (!on()) return;
 #pragma unroll
-    for (int i = 0; i < kN; ++i) s[i] = cap(s[i]);
+    for (int i = 0; i < kN; ++i) s[i] = detail::fast_tanh(s[i] * scale);
   }
   template <int kR, int kC>
   __device__ __forceinline__ void apply(float (&s)[kR][kC]) const {
@@ -46,7 +45,7 @@ struct ScoreCap {
 #pragma unroll
     for (int r = 0; r < kR; ++r)
 #pragma unroll
-      for (int c = 0; c < kC; ++c) s[r][c] = cap(s[r][c]);
+      for (int c = 0; c < kC; ++c) s[r][c] = detail::fast_tanh(s[r][c] * scale);
   }
 };
 
