@@ -187,8 +187,8 @@ void refuse_on_gpu(const FwdParams& p) {
                     "softcap's backward runs on the CPU backend only: the GPU backward kernels "
                     "do not cap scores yet (the GPU forward does)");
   HIPFLASH_CHECK_AS(not_implemented, p.alibi_slopes == nullptr,
-                    "alibi_slopes run on the CPU backend only: the GPU kernels do not add ALiBi "
-                    "biases yet");
+                    "ALiBi's backward runs on the CPU backend only: the GPU backward kernels do "
+                    "not add the bias yet (the GPU forward does)");
 }
 
 FwdOptions forward_options(const BwdOptions& opts) {

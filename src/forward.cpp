@@ -293,9 +293,10 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
                     p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
                     "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "
                     "cap scores yet");
-  HIPFLASH_CHECK_AS(not_implemented, p.alibi_slopes == nullptr,
-                    "alibi_slopes run on the CPU backend only: the GPU kernels do not add ALiBi "
-                    "biases yet");
+  HIPFLASH_CHECK_AS(not_implemented,
+                    p.alibi_slopes == nullptr || gpu::build_caps().gpu_vendor == Arch::nvidia,
+                    "alibi_slopes run on the CPU backend and NVIDIA GPUs only: the AMD kernels do "
+                    "not add ALiBi biases yet");
   plan.arch = gpu::device_arch(loc.index);
   plan.sel = select_kernel(make_problem(p), plan.arch, gpu::build_caps());
   HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);

@@ -49,6 +49,55 @@ struct ScoreCap {
   }
 };
 
+/// ALiBi (SPEC §3, FlashAttention 2's alibi_slopes) on a tile of scores after ScoreCap::apply,
+/// in the units the update's scale multiplies: the bias -slope * |i + diag - j| becomes
+/// -(slope / unit) * |d| with unit the softcap (capped) or softmax_scale, one add and one
+/// fused multiply-add an element. The slope is one per tile (a query head of one batch: calls
+/// with slopes never pack GQA heads into rows, FwdParams::packs_gqa_decode). The mask may come
+/// before or after (-inf stays -inf). No slopes: nothing, one uniform branch a key block.
+struct ScoreBias {
+  const FwdParams& p;
+  int64_t b, h;
+
+  __device__ __forceinline__ bool on() const { return p.alibi_slopes != nullptr; }
+  /// slope / unit, read in the branch that uses it (not held through the key loop).
+  __device__ __forceinline__ float k() const {
+    return p.alibi_slope(b, h) / (p.softcap > 0.f ? p.softcap : p.softmax_scale);
+  }
+  /// mma.sync order: s[r][c] is row_of(r)'s key col0 + 8 (c / 2) + c % 2 (sequence indices;
+  /// diag = len_k - len_q, BlockInfo's).
+  template <int kR, int kC, class RowOf>
+  __device__ __forceinline__ void apply(float (&s)[kR][kC], const RowOf& row_of, int64_t diag,
+                                        int64_t col0) const {
+    if (!on()) return;
+    const float k = this->k();
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      const float d0 = float(int64_t(row_of(r)) + diag - col0);  // exact below 2^24
+#pragma unroll
+      for (int c = 0; c < kC; ++c)
+        s[r][c] = fmaf(-fabsf(d0 - float(8 * (c / 2) + c % 2)), k, s[r][c]);
+    }
+  }
+  /// wgmma order (atoms/sm90/consumer.hpp): element 4i + 2h + e is row_of(h)'s key
+  /// col0 + 8i + e.
+  template <int kN, class RowOf>
+  __device__ __forceinline__ void apply(float (&s)[kN], const RowOf& row_of, int64_t diag,
+                                        int64_t col0) const {
+    if (!on()) return;
+    const float k = this->k();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float d0 = float(int64_t(row_of(h)) + diag - col0);
+#pragma unroll
+      for (int i = 0; i < kN / 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          s[4 * i + 2 * h + e] = fmaf(-fabsf(d0 - float(8 * i + e)), k, s[4 * i + 2 * h + e]);
+    }
+  }
+};
+
 /// The lanes that hold one row's columns, reduced with one butterfly per mask.
 template <int... kMasks>
 struct XorLanes {

@@ -81,6 +81,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   common::RowSoftmax<2> softmax;
   const common::ScoreCap cap(p);  // the softcap, when the call has one
   const float scale_log2 = cap.scale_log2(p);
+  const common::ScoreBias bias{p, bi.b, bi.h};  // ALiBi, when the call has it (never packed)
 
   // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
   const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);
@@ -97,6 +98,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
                              [&](float (&S)[2][4]) {
       cap.apply(S);
+      bias.apply(S, [&](int r) { return m0 + g + 8 * r; }, bi.diag,
+                 int64_t(n) * kBN + warp * Cfg::kWarpKeys + 2 * t);
       if (!bi.needs_mask(p, n, Traits::kMasked)) return;
 #pragma unroll
       for (int r = 0; r < 2; ++r)

@@ -46,6 +46,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   RowSoftmax<kRows> softmax;
   const common::ScoreCap cap(p);  // the softcap, when the call has one
   const float scale_log2 = cap.scale_log2(p);
+  const common::ScoreBias bias{p, bi.b, bi.h};  // ALiBi, when the call has it
 
   // Row (within the sequence) of fragment row r, and column of fragment column c.
   const int g = lane / 4, t = lane % 4;
@@ -66,6 +67,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     float S[kRows][2 * Cfg::kNTiles];
     gemm_qk<Cfg, Traits::kDType>(S, smem_addr(sQ), smem_addr(sK), warp, lane);
     cap.apply(S);
+    bias.apply(S, frag_row, bi.diag, int64_t(n) * kBN + 2 * t);
     if (bi.needs_mask(p, n, Traits::kMasked)) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r)

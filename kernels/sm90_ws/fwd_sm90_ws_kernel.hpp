@@ -280,12 +280,15 @@ struct Consumer {
                                                common::RowSoftmax<2>& softmax,
                                                float (&S)[kBN / 2], int n,
                                                float (&rescale)[2]) const {
-    const common::ScoreCap cap(p);  // the softcap, when the call has one
+    const common::ScoreCap cap(p);  // the softcap and ALiBi, when the call has them
     cap.apply(S);
+    const int64_t m0 = m0_of(bi);
+    common::ScoreBias{p, bi.b, bi.h}
+        .apply(S, [&](int h) { return row_of(m0, h); }, bi.diag, int64_t(n) * kBN + 2 * place.t);
     if constexpr (kLean) {
       consumer::softmax_step<kBN>(lean, softmax, cap.scale_log2(p), S, n, place.t, rescale);
     } else {
-      const auto rows = [&](int h) { return row_of(m0_of(bi), h); };
+      const auto rows = [&](int h) { return row_of(m0, h); };
       consumer::softmax_step<Traits, kBN>(p, bi, softmax, cap.scale_log2(p), S, n, rows,
                                           place.t, rescale);
     }

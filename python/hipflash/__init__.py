@@ -230,13 +230,17 @@ def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _refuse_gpu_softcap_grad(q, softcap):
-    """The GPU forward caps scores, its backward does not yet: a call that will need gradients
-    is refused before it runs (not at backward time)."""
-    if softcap and q.device.type != "cpu":
-        raise NotImplementedError(
-            "softcap's backward runs on the CPU backend only: the GPU backward kernels do not cap "
-            "scores yet (the GPU forward does: call it under torch.no_grad() for inference)")
+def _refuse_gpu_grad(q, softcap, alibi_slopes):
+    """The GPU forward caps scores and adds ALiBi, its backward does not yet: a call that will
+    need gradients is refused before it runs (not at backward time)."""
+    if q.device.type == "cpu":
+        return
+    for on, name in ((softcap, "softcap's backward"), (alibi_slopes is not None,
+                                                      "ALiBi's backward")):
+        if on:
+            raise NotImplementedError(
+                f"{name} runs on the CPU backend only: the GPU backward kernels do not apply it "
+                "yet (the GPU forward does: call it under torch.no_grad() for inference)")
 
 
 # ---- Public API ------------------------------------------------------------------------------
@@ -283,8 +287,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         alibi_slopes: optional (nheads,) or (batch_size, nheads) float32 tensor on q's device.
             ALiBi (BLOOM, MPT; FlashAttention 2's alibi_slopes): the bias
             ``-alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j|`` is added to each (capped)
-            score; the LSE includes it. No gradient flows to the slopes. CPU tensors only for
-            now: on the GPU it raises NotImplementedError.
+            score; the LSE includes it. No gradient flows to the slopes. The forward runs on the
+            CPU and NVIDIA GPUs; gradients on the CPU only for now (as the softcap's).
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -320,7 +324,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     softcap = _softcap(softcap)
 
     if out is None and _wants_grad(q, k, v):
-        _refuse_gpu_softcap_grad(q, softcap)
+        _refuse_gpu_grad(q, softcap, alibi_slopes)
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
                          bool(deterministic), softcap, alibi_slopes)
         return (out, lse) if return_lse else out
@@ -432,7 +436,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_lse, lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
-        _refuse_gpu_softcap_grad(q, softcap)
+        _refuse_gpu_grad(q, softcap, alibi_slopes)
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
                          lse_layout, bool(deterministic), softcap, alibi_slopes, seqused_q,

@@ -295,17 +295,15 @@ inline std::vector<Case> gpu_refused_cases() {
   using E = Entry;
   const Err ni = Err::not_impl;
   const char* softcap = "softcap's backward runs on the CPU backend only";
-  const char* alibi = "alibi_slopes run on the CPU backend only";
+  const char* alibi = "ALiBi's backward runs on the CPU backend only";
   return {
       {"backward-softcap", E::backward, [](Call& c) { c.bopts.softcap = 30.f; }, ni, softcap},
       {"varlen-backward-softcap", E::varlen_backward,
        [](Call& c) { c.vbopts.softcap = 30.f; }, ni, softcap},
-      {"forward-alibi", E::forward, [](Call& c) { c.opts.alibi_slopes = &c.Slopes; }, ni, alibi},
       {"kvcache-page-size", E::kvcache_paged,
        [](Call& c) { c.KP.sizes[1] = c.VP.sizes[1] = 8; }, ni, "runs on the CPU backend only"},
       {"varlen-paged-page-size", E::varlen_paged,
        [](Call& c) { c.KP.sizes[1] = c.VP.sizes[1] = 12; }, ni, "runs on the CPU backend only"},
-      {"kvcache-alibi", E::kvcache, [](Call& c) { c.kopts.alibi_slopes = &c.Slopes; }, ni, alibi},
       {"varlen-seqused", E::varlen, [](Call& c) { c.vopts.seqused_k = &c.Used; }, ni,
        "seqused_k runs on the CPU backend only"},
       {"backward-alibi", E::backward, [](Call& c) { c.bopts.alibi_slopes = &c.Slopes; }, ni,

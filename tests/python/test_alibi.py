@@ -1,8 +1,8 @@
 """ALiBi (FlashAttention 2's alibi_slopes; BLOOM, MPT): row i's score of key j gets the bias
 -slope[b, h] * |i + Sk - Sq - j| after the softcap, with each sequence's own lengths, and the
 LSE includes it. The CPU backend runs it in the forward (dense, varlen, KV cache) and the
-backward, checked against the fp64 / fp32 references; the GPU refuses it with
-NotImplementedError before anything is written, checked on a GPU."""
+backward, checked against the fp64 / fp32 references; the NVIDIA forward kernels add it too
+(checked on a GPU against the references), their backward refuses it before anything runs."""
 import pytest
 import torch
 
@@ -11,6 +11,7 @@ import hipflash.compat.flash_attn as fa2
 from reference import (assert_bitwise_equal, check_attention, check_lse, check_out, make_qkv,
                        make_varlen, varlen_attention_ref)
 from test_backward import assert_flash_rule, case_id, grads, torch_attention
+from test_softcap import GPU_CASES
 
 GPU = torch.cuda.is_available() and hipflash.gpu_available()
 BF16 = torch.bfloat16
@@ -149,19 +150,70 @@ def test_fa2_passes_them_through():
                          "fa2")
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
-                    f"kernels (this build: {hipflash.build_info()!r})")
-def test_the_gpu_refuses_them_before_writing():
+needs_gpu = pytest.mark.skipif(
+    not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU kernels "
+    f"(this build: {hipflash.build_info()!r})")
+
+
+@needs_gpu
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["per_head", "per_batch"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: case_id(c[:8]) + f"_s{c[8]}")
+def test_gpu_forward_matches_the_reference(case, per_batch, softcap):
+    # Every NVIDIA forward kernel (test_softcap's GPU cases: sm90_ws, sm90, generic, decode);
+    # the one-row GQA case runs unpacked (one slope a tile).
+    b, sq, sk, hq, hkv, d, causal, window, splits = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=13)
+    slopes = bloom_slopes(hq, b if per_batch else None)
+    out, lse = hipflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=causal,
+                                        window_size=window, num_splits=splits, return_lse=True,
+                                        softcap=softcap, alibi_slopes=slopes.cuda())
+    check_attention(out.cpu(), lse.cpu(), q, k, v, f"gpu alibi softcap {softcap}", causal=causal,
+                    window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+
+@needs_gpu
+def test_gpu_varlen_and_kvcache_match_the_cpu():
+    q, k, v, cu_q, cu_k = make_varlen([5, 0, 300], [9, 4, 400], 4, 2, 128, BF16, seed=4)
+    slopes = bloom_slopes(4, 3)
+    kw = dict(causal=True, alibi_slopes=slopes)
+    out, lse = hipflash.flash_attn_varlen_func(*(t.cuda() for t in (q, k, v, cu_q, cu_k)), 300,
+                                               400, causal=True, return_lse=True,
+                                               lse_layout="packed", alibi_slopes=slopes.cuda())
+    out_ref, lse_packed, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, 300, **kw)
+    out_lp, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, 300, lowp=True, **kw)
+    check_out(out.cpu(), out_ref, out_lp, "gpu varlen")
+    check_lse(lse.cpu(), lse_packed, "gpu varlen")
+    # GQA decode against a paged cache with an append, and a chunk of 3 rows against a
+    # contiguous one: the CPU backend's result within tolerance, the appends equal.
+    torch.manual_seed(2)
+    for sq, table in ((1, torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)), (3, None)):
+        qd = torch.randn(2, sq, 8, 128).to(BF16)
+        shape = (4, 256, 2, 128) if table is not None else (2, 512, 2, 128)
+        k_cache, v_cache = torch.randn(shape).to(BF16), torch.randn(shape).to(BF16)
+        k_new, v_new = torch.randn(2, sq, 2, 128).to(BF16), torch.randn(2, sq, 2, 128).to(BF16)
+        args = dict(cache_seqlens=torch.tensor([300, 17], dtype=torch.int32), block_table=table,
+                    return_lse=True, causal=True, alibi_slopes=bloom_slopes(8, 2))
+        kc, vc = k_cache.clone(), v_cache.clone()
+        want, want_lse = hipflash.flash_attn_with_kvcache(qd, kc, vc, k_new, v_new, **args)
+        kg, vg = k_cache.cuda(), v_cache.cuda()
+        got, got_lse = hipflash.flash_attn_with_kvcache(
+            qd.cuda(), kg, vg, k_new.cuda(), v_new.cuda(),
+            **{n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in args.items()})
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got_lse.cpu(), want_lse, atol=2e-3, rtol=2e-3)
+        assert torch.equal(kg.cpu(), kc) and torch.equal(vg.cpu(), vc), f"sq {sq}: appends"
+
+
+@needs_gpu
+def test_the_gpu_backward_refuses_it_before_running():
     q, k, v = (t.cuda() for t in make_qkv(1, 8, 8, 2, 2, 64, BF16))
     slopes = bloom_slopes(2).cuda()
-    out = torch.full_like(q, float("nan"))
-    with pytest.raises(NotImplementedError, match="alibi_slopes run on the CPU backend only"):
-        hipflash.flash_attn_func(q, k, v, out=out, alibi_slopes=slopes)
-    assert torch.isnan(out).all()
-    k_cache = torch.zeros(1, 16, 2, 64, dtype=BF16, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    lens = torch.zeros(1, dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        hipflash.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, k[:, :1], v[:, :1],
-                                         cache_seqlens=lens, alibi_slopes=slopes)
-    assert not k_cache.any() and not v_cache.any(), "the append ran before the refusal"
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match="ALiBi's backward"):
+        hipflash.flash_attn_func(qg, kg, vg, alibi_slopes=slopes)
+    with torch.no_grad():  # inference with inputs that require grad: the forward runs
+        assert torch.isfinite(hipflash.flash_attn_func(qg, kg, vg, alibi_slopes=slopes)).all()
+    out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match="ALiBi's backward"):
+        torch.ops.hipflash.bwd(out, q, k, v, out, lse, None, False, -1, -1, False, 0.0, slopes)

@@ -9,8 +9,9 @@ layouts ([batch, nheads, seqlen] dense, [nheads, total_q] varlen), and no probab
 (FlashAttention returns them only with dropout, which hipflash does not have). Refused with
 NotImplementedError: dropout_p > 0, and in flash_attn_with_kvcache rotary embedding,
 cache_batch_idx and cache_leftpad. softcap and alibi_slopes run on CPU tensors (hipflash's CPU
-backend, forward and backward); on NVIDIA GPUs the softcap's forward runs, and its backward and
-alibi_slopes raise NotImplementedError until the kernels apply them.
+backend, forward and backward); on NVIDIA GPUs their forward runs, and their backward raises
+NotImplementedError (before the forward, when gradients will be needed) until the kernels
+apply them.
 """
 import hipflash
 

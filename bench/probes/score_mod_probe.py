@@ -1,10 +1,12 @@
-# hipflash — development probe (not a benchmark of record): what the softcap costs the forward,
-# and that plain calls pay nothing for it. For each cell (bf16, [B, S, H, D], B * S = 16k,
-# H * D = 2048): the capped output checked first against PyTorch's fp32 math with the cap on two
-# heads, then plain and softcap=50 (Gemma 2's) calls timed in turn with device events, fresh
-# inputs per call from a rotating set, warm-up, median over rounds; the ratio softcap / plain.
+# hipflash — development probe (not a benchmark of record): what a score modifier — the softcap
+# (Gemma 2's 50) or ALiBi (BLOOM's slopes) — costs the forward. For each cell (bf16,
+# [B, S, H, D], B * S = 16k, H * D = 2048): the modified output checked first against PyTorch's
+# fp32 math on two heads (at the timed inputs' scale and with q x 8), then plain and modified
+# calls timed in turn with device events, fresh inputs per call from a rotating set, warm-up,
+# median over rounds; the ratio modified / plain.
 # Usage (GPU machine, after scripts/gpu-check build):
-#   python3 bench/probes/softcap_probe.py build-gpu/python [--cells S:D[:c],...] [--rounds N]
+#   python3 bench/probes/score_mod_probe.py build-gpu/python [--mod softcap|alibi]
+#       [--cells S:D[:c],...] [--rounds N]
 import argparse
 import statistics
 import sys
@@ -16,13 +18,14 @@ ap.add_argument("hipflash_path")
 ap.add_argument("--cells", default="1024:64,1024:64:c,4096:128,4096:128:c,16384:128:c,1:128")
 ap.add_argument("--rounds", type=int, default=7)
 ap.add_argument("--calls", type=int, default=20, help="calls per timed window")
+ap.add_argument("--mod", choices=("softcap", "alibi"), default="softcap")
 ap.add_argument("--softcap", type=float, default=50.0)
 args = ap.parse_args()
 sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
 
 if not torch.cuda.is_available():
-    sys.exit("softcap_probe: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    sys.exit("score_mod_probe: needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
 def cells():
@@ -32,15 +35,32 @@ def cells():
         yield int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "c"
 
 
-def reference(q, k, v, causal, cap):
-    """fp32 attention with the cap on [B, S, H, D] (GQA by repeating k / v)."""
+def slopes_of(heads, device):
+    """BLOOM's geometric ALiBi slopes 2^(-8 i / heads)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+
+
+def modifier(heads, device):
+    """The keyword arguments of a modified call."""
+    if args.mod == "softcap":
+        return {"softcap": args.softcap}
+    return {"alibi_slopes": slopes_of(heads, device)}
+
+
+def reference(q, k, v, causal, mod):
+    """fp32 attention with the modifier on [B, S, H, D] (GQA by repeating k / v)."""
     qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
     rep = qf.shape[1] // kf.shape[1]
     kf, vf = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
     s = qf @ kf.transpose(-1, -2) / q.shape[-1] ** 0.5
-    s = cap * torch.tanh(s / cap)
+    sq, sk = s.shape[-2:]
+    if "softcap" in mod:
+        s = mod["softcap"] * torch.tanh(s / mod["softcap"])
+    if "alibi_slopes" in mod:
+        i = torch.arange(sq, device=q.device)[:, None] + sk - sq
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s - mod["alibi_slopes"].float()[:, None, None] * (i - j).abs()
     if causal:
-        sq, sk = s.shape[-2:]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
         s = s.masked_fill(~keep, float("-inf"))
     return (torch.softmax(s, -1) @ vf).transpose(1, 2)
@@ -63,7 +83,7 @@ def timed(fn, sets):
 
 
 torch.manual_seed(0)
-print(f"{'cell':24s} {'plain ms':>9s} {'softcap ms':>10s} {'ratio':>6s} {'err':>8s} {'err q*8':>8s}  kernel")
+print(f"{'cell':24s} {'plain ms':>9s} {args.mod + ' ms':>10s} {'ratio':>6s} {'err':>8s} {'err q*8':>8s}  kernel")
 for s, d, causal in cells():
     if s == 1:
         b, hq, hkv, sk = 32, 32, 8, 16384
@@ -78,16 +98,17 @@ for s, d, causal in cells():
     # The check at the timed inputs' scale and with q x 8 (scores of std ~8: the cap's bend).
     errs = []
     for q_gain in (1, 8):
-        got = hf.flash_attn_func(q1 * q_gain, k1, v1, causal=causal, softcap=args.softcap)
-        want = reference(q1 * q_gain, k1, v1, causal, args.softcap)
+        mod1 = modifier(2, q.device)
+        got = hf.flash_attn_func(q1 * q_gain, k1, v1, causal=causal, **mod1)
+        want = reference(q1 * q_gain, k1, v1, causal, mod1)
         errs.append((got.float() - want).abs().max().item())
     err = max(errs)
     if not err <= 2e-2:
         print(f"{label:24s} max|out - ref| {err:.3g}: not timed")
         continue
     plain = timed(lambda q, k, v: hf.flash_attn_func(q, k, v, causal=causal), sets)
-    capped = timed(lambda q, k, v: hf.flash_attn_func(q, k, v, causal=causal,
-                                                      softcap=args.softcap), sets)
+    mod = modifier(hq, q.device)
+    capped = timed(lambda q, k, v: hf.flash_attn_func(q, k, v, causal=causal, **mod), sets)
     print(f"{label:24s} {plain:9.3f} {capped:10.3f} {capped / plain:6.3f} {errs[0]:8.2e} {errs[1]:8.2e}  "
           f"{hf.last_kernel_name()}", flush=True)
     del sets, q, k, v
