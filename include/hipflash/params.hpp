@@ -11,6 +11,10 @@
 
 namespace hipflash {
 
+/// Problems with at most this many query rows per (batch, head) take the decode kernels (their
+/// query block; checked against the kernels' tile where they are launched).
+inline constexpr int64_t kDecodeMaxRows = 16;
+
 /// The largest split-K count a call may ask for (FwdOptions::num_splits); the combine kernel
 /// keeps one LSE per split in registers, sized by it.
 inline constexpr int kMaxSplits = 256;
@@ -72,6 +76,10 @@ struct FwdParams {
   /// j gets detail::alibi_bias(slope, i + Sk - Sq, j) (per sequence for varlen and a KV cache).
   const float* __restrict__ alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
+  /// A packed GQA decode call (gpu_backend.cu's pack_gqa_decode): the query heads of a kv head
+  /// per row block, row r of kv head h being query head h * gqa_packed_heads + r of the call's
+  /// one query row; 0 otherwise. The kernels read it for ALiBi's per-head slopes.
+  int64_t gqa_packed_heads = 0;
   // Key j is valid for row i when  i + Sk - Sq - window_left <= j <= i + Sk - Sq + window_right;
   // -1 means unbounded. Causal is (window_left, 0).
   int64_t window_left = -1, window_right = -1;
@@ -107,11 +115,11 @@ struct FwdParams {
   bool is_kvcache() const { return seqlens_k != nullptr || block_table != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   /// GQA decode (one query row, no window, dense): the GPU launcher packs the query heads that
-  /// share a kv head into the rows of one query block (see gpu_backend.cu). Not with ALiBi:
-  /// its slope is per query head, and the kernels hold one slope a tile (common::ScoreBias).
+  /// share a kv head into the rows of one query block (see gpu_backend.cu). With ALiBi only
+  /// where those rows fit the decode kernels' block (the kernels that read a slope a row).
   bool packs_gqa_decode() const {
     return seqlen_q == 1 && !has_window() && !is_varlen() && heads_q > heads_kv &&
-           alibi_slopes == nullptr;
+           (alibi_slopes == nullptr || heads_q / heads_kv <= kDecodeMaxRows);
   }
   /// Query rows and heads per batch as the GPU kernels see them (the packing above applied).
   int64_t gpu_query_rows() const { return packs_gqa_decode() ? heads_q / heads_kv : seqlen_q; }

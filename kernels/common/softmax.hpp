@@ -52,28 +52,44 @@ struct ScoreCap {
 /// ALiBi (SPEC §3, FlashAttention 2's alibi_slopes) on a tile of scores after ScoreCap::apply,
 /// in the units the update's scale multiplies: the bias -slope * |i + diag - j| becomes
 /// -(slope / unit) * |d| with unit the softcap (capped) or softmax_scale, one add and one
-/// fused multiply-add an element. The slope is one per tile (a query head of one batch: calls
-/// with slopes never pack GQA heads into rows, FwdParams::packs_gqa_decode). The mask may come
-/// before or after (-inf stays -inf). No slopes: nothing, one uniform branch a key block.
+/// fused multiply-add an element. A tile is one query head of one batch (slope read per key
+/// block in the branch, not held through the key loop), or — kMayPack, the decode kernels,
+/// which alone take packed GQA decode calls with slopes (FwdParams::packs_gqa_decode) — in a
+/// packed tile (FwdParams::gqa_packed_heads) a row per query head of the one query row: a
+/// slope a row. The mask may come before or after (-inf stays -inf). No slopes: nothing, one
+/// uniform branch.
+template <bool kMayPack = false>
 struct ScoreBias {
   const FwdParams& p;
-  int64_t b, h;
+  int64_t b, h;  ///< the tile's batch and head (a packed tile's kv head)
 
   __device__ __forceinline__ bool on() const { return p.alibi_slopes != nullptr; }
-  /// slope / unit, read in the branch that uses it (not held through the key loop).
-  __device__ __forceinline__ float k() const {
-    return p.alibi_slope(b, h) / (p.softcap > 0.f ? p.softcap : p.softmax_scale);
+  __device__ __forceinline__ float unit() const {
+    return p.softcap > 0.f ? p.softcap : p.softmax_scale;
   }
-  /// mma.sync order: s[r][c] is row_of(r)'s key col0 + 8 (c / 2) + c % 2 (sequence indices;
-  /// diag = len_k - len_q, BlockInfo's).
+  /// Row `row`'s slope / unit (k: the tile's on entry) and the distance of its key col0 (d0).
+  __device__ __forceinline__ void row(int64_t row, int64_t diag, int64_t col0, float& k,
+                                      float& d0) const {
+    d0 = float(row + diag - col0);  // exact below 2^24
+    if constexpr (kMayPack) {
+      if (const int64_t packed = p.gqa_packed_heads; packed > 0) {
+        // query head h * packed + row, of the call's one query row (diag = len_k - packed)
+        k = row < packed ? p.alibi_slope(b, h * packed + row) / unit() : 0.f;
+        d0 = float(diag + packed - 1 - col0);
+      }
+    }
+  }
+  /// mma.sync order: s[r][c] is row_of(r)'s key col0 + 8 (c / 2) + c % 2 (diag = len_k -
+  /// len_q, BlockInfo's).
   template <int kR, int kC, class RowOf>
   __device__ __forceinline__ void apply(float (&s)[kR][kC], const RowOf& row_of, int64_t diag,
                                         int64_t col0) const {
     if (!on()) return;
-    const float k = this->k();
+    const float k_tile = p.alibi_slope(b, h) / unit();
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
-      const float d0 = float(int64_t(row_of(r)) + diag - col0);  // exact below 2^24
+      float k = k_tile, d0;
+      row(int64_t(row_of(r)), diag, col0, k, d0);
 #pragma unroll
       for (int c = 0; c < kC; ++c)
         s[r][c] = fmaf(-fabsf(d0 - float(8 * (c / 2) + c % 2)), k, s[r][c]);
@@ -85,15 +101,16 @@ struct ScoreBias {
   __device__ __forceinline__ void apply(float (&s)[kN], const RowOf& row_of, int64_t diag,
                                         int64_t col0) const {
     if (!on()) return;
-    const float k = this->k();
+    const float k_tile = p.alibi_slope(b, h) / unit();
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float d0 = float(int64_t(row_of(h)) + diag - col0);
+    for (int hr = 0; hr < 2; ++hr) {
+      float k = k_tile, d0;
+      row(int64_t(row_of(hr)), diag, col0, k, d0);
 #pragma unroll
       for (int i = 0; i < kN / 4; ++i)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          s[4 * i + 2 * h + e] = fmaf(-fabsf(d0 - float(8 * i + e)), k, s[4 * i + 2 * h + e]);
+          s[4 * i + 2 * hr + e] = fmaf(-fabsf(d0 - float(8 * i + e)), k, s[4 * i + 2 * hr + e]);
     }
   }
 };

@@ -141,6 +141,7 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
   common::RowSoftmax<2> softmax;
   const common::ScoreCap cap(p);  // the softcap, when the call has one
   const float scale_log2 = cap.scale_log2(p);
+  const common::ScoreBias<true> bias{p, b, mine_c};  // ALiBi, when the call has it (a slope a row)
 
   // ldmatrix lane roles as in the decode kernel, within the warp's own head tile.
   const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);
@@ -161,6 +162,7 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
     warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
                              [&](float (&S)[2][4]) {
       cap.apply(S);
+      bias.apply(S, [&](int r) { return g + 8 * r; }, bi.diag, int64_t(n) * kBN + 2 * t);
       if (!bi.needs_mask(p, n, false)) return;  // the sequence's last, partial key block
 #pragma unroll
       for (int r = 0; r < 2; ++r)

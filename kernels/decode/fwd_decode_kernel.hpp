@@ -81,7 +81,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   common::RowSoftmax<2> softmax;
   const common::ScoreCap cap(p);  // the softcap, when the call has one
   const float scale_log2 = cap.scale_log2(p);
-  const common::ScoreBias bias{p, bi.b, bi.h};  // ALiBi, when the call has it (never packed)
+  const common::ScoreBias<true> bias{p, bi.b, bi.h};  // ALiBi, when the call has it
 
   // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
   const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);

@@ -46,7 +46,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   RowSoftmax<kRows> softmax;
   const common::ScoreCap cap(p);  // the softcap, when the call has one
   const float scale_log2 = cap.scale_log2(p);
-  const common::ScoreBias bias{p, bi.b, bi.h};  // ALiBi, when the call has it
+  const common::ScoreBias<> bias{p, bi.b, bi.h};  // ALiBi, when the call has it
 
   // Row (within the sequence) of fragment row r, and column of fragment column c.
   const int g = lane / 4, t = lane % 4;

@@ -76,7 +76,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   auto issue_pv = [&](const uint32_t(&P)[kBN / 16][4], int n) {
     consumer::issue_pv<kDT, kBN, kHD>(O, P, sV(n));
   };
-  const common::ScoreBias bias{p, bi.b, bi.h};  // ALiBi, when the call has it
+  const common::ScoreBias<> bias{p, bi.b, bi.h};  // ALiBi, when the call has it
   auto softmax_step = [&](float(&S)[kBN / 2], int n, float(&rescale)[2]) {
     cap.apply(S);
     bias.apply(S, row_of, bi.diag, int64_t(n) * kBN + 2 * t);

@@ -283,7 +283,7 @@ struct Consumer {
     const common::ScoreCap cap(p);  // the softcap and ALiBi, when the call has them
     cap.apply(S);
     const int64_t m0 = m0_of(bi);
-    common::ScoreBias{p, bi.b, bi.h}
+    common::ScoreBias<>{p, bi.b, bi.h}
         .apply(S, [&](int h) { return row_of(m0, h); }, bi.diag, int64_t(n) * kBN + 2 * place.t);
     if constexpr (kLean) {
       consumer::softmax_step<kBN>(lean, softmax, cap.scale_log2(p), S, n, place.t, rescale);

@@ -57,6 +57,7 @@ struct ScratchBuffer {
 /// Row r of kv head hk is query head hk * G + r; strides are rewritten, nothing is copied.
 void pack_gqa_decode(FwdParams& p) {
   const int64_t groups = p.heads_q / p.heads_kv;
+  p.gqa_packed_heads = groups;
   p.seqlen_q = groups;
   p.heads_q = p.heads_kv;
   p.q_row_stride = p.q_head_stride;

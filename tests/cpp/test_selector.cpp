@@ -94,6 +94,23 @@ TEST(Selector, FewQueryRowsTakeTheDecodeKernelOnNvidia) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::decode), "decode");
 }
 
+// ALiBi's slopes are per query head: packed GQA decode rows carry a slope each, which only the
+// decode kernels read; so with slopes a call packs only where its heads fit a decode block.
+TEST(Selector, AlibiPacksGqaDecodeOnlyIntoADecodeBlock) {
+  const float slopes[64] = {};
+  FwdParams p;
+  p.seqlen_q = 1;
+  p.heads_kv = 2;
+  for (int64_t group : {int64_t(2), kDecodeMaxRows, kDecodeMaxRows + 1, int64_t(32)}) {
+    p.heads_q = p.heads_kv * group;
+    p.alibi_slopes = nullptr;
+    EXPECT_TRUE(p.packs_gqa_decode()) << group;
+    p.alibi_slopes = slopes;
+    EXPECT_EQ(p.packs_gqa_decode(), group <= kDecodeMaxRows) << group;
+    EXPECT_EQ(p.gpu_query_rows(), group <= kDecodeMaxRows ? group : 1) << group;
+  }
+}
+
 TEST(Selector, PackedGqaDecodeTakesTheHeadGroupKernelWhereEnabled) {
   BuildCaps on = kCuda;
   on.decode_heads = HeadGroupDecode::always;

@@ -161,7 +161,7 @@ needs_gpu = pytest.mark.skipif(
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: case_id(c[:8]) + f"_s{c[8]}")
 def test_gpu_forward_matches_the_reference(case, per_batch, softcap):
     # Every NVIDIA forward kernel (test_softcap's GPU cases: sm90_ws, sm90, generic, decode);
-    # the one-row GQA case runs unpacked (one slope a tile).
+    # the one-row GQA case packed (a slope a row).
     b, sq, sk, hq, hkv, d, causal, window, splits = case
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=13)
     slopes = bloom_slopes(hq, b if per_batch else None)
@@ -170,6 +170,20 @@ def test_gpu_forward_matches_the_reference(case, per_batch, softcap):
                                         softcap=softcap, alibi_slopes=slopes.cuda())
     check_attention(out.cpu(), lse.cpu(), q, k, v, f"gpu alibi softcap {softcap}", causal=causal,
                     window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+
+@needs_gpu
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (32, 8), (32, 1)])
+def test_gpu_gqa_decode_has_a_slope_per_query_head(hq, hkv):
+    # One query row: the query heads of a kv head packed into a decode block's rows, a slope a
+    # row (the head-group kernel's too, under HIPFLASH_DECODE_HEADS=1); 32 heads a kv head are
+    # more rows than a decode block holds and run unpacked.
+    q, k, v = make_qkv(2, 1, 700, hq, hkv, 128, BF16, seed=17)
+    slopes = bloom_slopes(hq, 2)
+    out, lse = hipflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), return_lse=True,
+                                        alibi_slopes=slopes.cuda())
+    check_attention(out.cpu(), lse.cpu(), q, k, v, f"gpu alibi decode {hq}/{hkv}",
+                    alibi_slopes=slopes)
 
 
 @needs_gpu

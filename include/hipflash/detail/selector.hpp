@@ -7,6 +7,7 @@
 
 #include "hipflash/detail/kernel_registry.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
+#include "hipflash/params.hpp"  // kDecodeMaxRows
 #include "hipflash/types.hpp"
 
 namespace hipflash {
@@ -72,10 +73,6 @@ struct Problem {
   /// as a view.
   bool kv_heads_in_rows = true;
 };
-
-/// Problems with at most this many query rows per (batch, head) take the decode kernel
-/// (its query block; checked against the kernel's tile where it is launched).
-inline constexpr int64_t kDecodeMaxRows = 16;
 
 /// Packed GQA decode with at least this many kv heads may take the head-group decode kernel
 /// (its block: eight kv heads, a warp each; with fewer, warps would compute on zeros).
