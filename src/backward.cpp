@@ -135,6 +135,9 @@ void check_grads(const TensorRef& dout, const TensorRef& q, const TensorRef& k, 
                  const TensorRef& out, const TensorRef& lse, const TensorRef& dq,
                  const TensorRef& dk, const TensorRef& dv,
                  std::initializer_list<std::pair<const TensorRef*, const char*>> extra) {
+  HIPFLASH_CHECK_AS(dtype_error, q.dtype != DType::e4m3,
+                    "the backward takes float16 or bfloat16 inputs, got float8_e4m3fn (fp8 "
+                    "attention is forward only, as in FlashAttention 3)");
   check_like(dout, "dout", out, "out");
   check_like(dq, "dq", q, "q");
   check_like(dk, "dk", k, "k");

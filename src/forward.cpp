@@ -76,11 +76,18 @@ struct Dims { int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim; };
 
 void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                   const TensorRef& out, const FwdOptions& opts, const Dims& d) {
-  HIPFLASH_CHECK_AS(dtype_error, q.dtype == DType::f16 || q.dtype == DType::bf16,
-                    "q must have dtype float16 or bfloat16, got ", dtype_name(q.dtype));
+  HIPFLASH_CHECK_AS(dtype_error,
+                    q.dtype == DType::f16 || q.dtype == DType::bf16 || q.dtype == DType::e4m3,
+                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got ",
+                    dtype_name(q.dtype));
   check_half_dtype(k, "k", q.dtype);
   check_half_dtype(v, "v", q.dtype);
-  check_half_dtype(out, "out", q.dtype);
+  if (q.dtype == DType::e4m3)
+    HIPFLASH_CHECK_AS(dtype_error, out.dtype == DType::bf16,
+                      "out must have dtype bfloat16 for float8_e4m3fn inputs, got ",
+                      dtype_name(out.dtype));
+  else
+    check_half_dtype(out, "out", q.dtype);
   check_location(k, "k", q.loc);
   check_location(v, "v", q.loc);
   check_location(out, "out", q.loc);
@@ -195,6 +202,30 @@ void fill_alibi(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const 
   p.alibi_batch_stride = per_batch ? a->strides[0] : 0;
 }
 
+/// An fp8 call's descale factors (FwdOptions::q_descale ...): fp32 [] / [1] or [batch,
+/// heads_kv], on q's device, not overlapping out; refused for other dtypes. Into p (which has
+/// its batch, heads and dtype).
+void fill_descales(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& out) {
+  for (auto [t, dst, name] : {std::tuple{opts.q_descale, &p.q_descale, "q_descale"},
+                              std::tuple{opts.k_descale, &p.k_descale, "k_descale"},
+                              std::tuple{opts.v_descale, &p.v_descale, "v_descale"}}) {
+    if (t == nullptr) continue;
+    HIPFLASH_CHECK(p.dtype == DType::e4m3, name, " applies to float8_e4m3fn inputs only (q is ",
+                   dtype_name(p.dtype), ")");
+    HIPFLASH_CHECK_AS(dtype_error, t->dtype == DType::f32, name, " must have dtype float32, got ",
+                      dtype_name(t->dtype));
+    const bool whole = t->rank == 0 || (t->rank == 1 && t->sizes[0] == 1);
+    const bool per_head = t->rank == 2 && t->sizes[0] == p.batch && t->sizes[1] == p.heads_kv;
+    HIPFLASH_CHECK(whole || per_head, name, " must have shape [] or [1] (the tensor's) or ",
+                   "[batch, heads_kv] = [", p.batch, ", ", p.heads_kv, "], got ", shape_str(*t));
+    HIPFLASH_CHECK(t->data != nullptr || t->numel() == 0, name, " has no data pointer");
+    check_location(*t, name, q.loc);
+    check_disjoint(out, "out", *t, name);
+    *dst = {static_cast<const float*>(t->data), per_head ? t->strides[0] : 0,
+            per_head ? t->strides[1] : 0};
+  }
+}
+
 /// The window of SPEC §3, saturated: a bound that reaches every key of every row is the same
 /// as -1, however large the integer, so the kernels' window arithmetic never overflows and such
 /// a call runs unmasked. Bottom-right aligned, row i sees keys [i + d - left, i + d + right]
@@ -289,6 +320,9 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
     check_workspace_size(plan.num_splits);
     return plan;
   }
+  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3,
+                    "float8_e4m3fn inputs run on the CPU backend only: the GPU kernels do not "
+                    "read fp8 yet");
   HIPFLASH_CHECK_AS(not_implemented,
                     p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
                     "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "
@@ -390,9 +424,11 @@ FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const Tensor
   p.batch = d.batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;
+  p.out_dtype = out.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
   fill_alibi(p, opts, q, out);
+  fill_descales(p, opts, q, out);
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   if (opts.return_lse) {
@@ -524,9 +560,11 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   p.batch = batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;
+  p.out_dtype = out.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
   fill_alibi(p, opts, q, out);
+  fill_descales(p, opts, q, out);
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   p.lse_layout = opts.lse_layout;

@@ -33,6 +33,14 @@ struct FwdOptions {
   /// row i's score of key j gets -slope * |i + Sk - Sq - j| (after the softcap). nullptr: off.
   /// The CPU backend only, for now: a GPU call raises not_implemented.
   const TensorRef* alibi_slopes = nullptr;
+  /// fp8 (FlashAttention 3's): with float8_e4m3fn q, k and v (and a bfloat16 out), fp32 descale
+  /// factors, each [] / [1] (the tensor's) or [batch, heads_kv] (a query head takes its kv
+  /// head's): the scores are (q.k) * q_descale * k_descale * softmax_scale — the LSE is theirs —
+  /// and out = softmax . v * v_descale. nullptr: 1. Refused for other dtypes. The CPU backend
+  /// only, for now (it dequantises: the reference): a GPU call raises not_implemented.
+  const TensorRef* q_descale = nullptr;
+  const TensorRef* k_descale = nullptr;
+  const TensorRef* v_descale = nullptr;
 };
 
 struct VarlenOptions : FwdOptions {

@@ -21,10 +21,15 @@
 // Widening (bf16 / f16 -> float) is exact: every value, +-0, +-inf and subnormals included,
 // maps to the float of the same value; a NaN stays a NaN of the same sign and payload.
 //
+// float8 e4m3 (PyTorch's float8_e4m3fn, the fp8 forward's q, k, v) travels as bytes:
+// e4m3_to_float is exact, float_to_e4m3 rounds to nearest even and gives NaN (the format has
+// no infinity) for NaN and |x| >= 464, as PyTorch's unsaturated cast.
+//
 // Host code only: device code uses the vendor intrinsics. The CPU backend, the reference and
 // the tests use these same functions (hipflash/detail/host_numeric.hpp builds on them).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -80,6 +85,39 @@ inline uint16_t float_to_f16(float f) {
 }
 
 /// Whole-buffer forms of the four conversions above, element by element.
+/// float8 e4m3 (OCP FP8 E4M3, PyTorch's float8_e4m3fn: bias 7, no infinities, S.1111.111 NaN,
+/// largest finite 448) byte -> float. Exact.
+inline float e4m3_to_float(uint8_t b) {
+  const bool neg = (b & 0x80u) != 0;
+  const int exp = (b >> 3) & 0xf, man = b & 0x7;
+  float f;
+  if (exp == 15 && man == 7)
+    f = detail::bits_to_float(0x7fc00000u);
+  else if (exp == 0)
+    f = std::ldexp(float(man), -9);  // subnormal: man * 2^-9
+  else
+    f = std::ldexp(1.f + float(man) / 8.f, exp - 7);
+  return neg ? -f : f;
+}
+
+/// float -> e4m3 byte, round to nearest even; NaN and |f| >= 464 (past 448's rounding
+/// interval; the format has no infinity) -> NaN, as PyTorch's unsaturated cast.
+inline uint8_t float_to_e4m3(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80u : 0u;
+  const float a = std::fabs(f);
+  if (!(a < 464.f)) return uint8_t(sign | 0x7fu);  // NaN, inf, overflow
+  if (a < 0.015625f) {                              // below 2^-6: subnormal or zero
+    const float units = a * 512.f;                  // in units of 2^-9, exact
+    return uint8_t(sign | uint8_t(std::nearbyint(units)));  // 8 carries into 2^-6: still right
+  }
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int q = int(std::nearbyint((m * 2.f - 1.f) * 8.f));
+  int exp = e - 1 + 7;
+  if (q == 8) q = 0, ++exp;
+  return uint8_t(sign | (exp << 3) | q);
+}
+
 inline std::vector<uint16_t> float_to_bf16(const std::vector<float>& x) {
   std::vector<uint16_t> r(x.size());
   for (size_t i = 0; i < x.size(); ++i) r[i] = float_to_bf16(x[i]);

@@ -23,6 +23,16 @@ inline constexpr int kMaxSplits = 256;
 /// for ordinary inputs and the softmax turns into inf - inf.
 inline constexpr float kMaxSoftmaxScale = 65536.f;
 
+/// An fp8 call's descale factor (FlashAttention 3's q_descale / k_descale / v_descale): one
+/// fp32 value for the tensor (both strides 0) or one per (batch, kv head); nullptr: 1.
+struct Descale {
+  const float* __restrict__ ptr = nullptr;
+  int64_t batch_stride = 0, head_stride = 0;
+  HIPFLASH_HD float at(int64_t b, int64_t h_kv) const {
+    return ptr ? ptr[b * batch_stride + h_kv * head_stride] : 1.f;
+  }
+};
+
 struct FwdParams {
   // Operands. Dense: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]. Varlen: the batch stride is 0 and
   // sequence b starts at row cu_seqlens_q[b] (cu_seqlens_k[b]).
@@ -69,7 +79,11 @@ struct FwdParams {
   int64_t heads_q = 0, heads_kv = 0;
   int64_t head_dim = 0;
 
-  DType dtype = DType::f16;
+  DType dtype = DType::f16;      ///< q, k, v (and out, but for fp8)
+  DType out_dtype = DType::f16;  ///< out: dtype, or bf16 for e4m3 inputs
+  /// e4m3 inputs: the scores are q.k * q_descale * k_descale (then softmax_scale), out is
+  /// P.v * v_descale, each at (batch, kv head).
+  Descale q_descale, k_descale, v_descale;
   float softmax_scale = 1.f;
   float softcap = 0.f;  ///< > 0: scores capped to softcap * tanh(score / softcap) (detail::Softcap)
   /// ALiBi slopes, fp32 [Hq] (alibi_batch_stride 0) or [B, Hq], or nullptr: row i's score of key

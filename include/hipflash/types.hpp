@@ -9,7 +9,9 @@
 
 namespace hipflash {
 
-enum class DType : int { f16 = 0, bf16 = 1, f32 = 2, i32 = 3 };
+/// e4m3: OCP FP8 E4M3 (PyTorch's float8_e4m3fn), q, k and v of an fp8 forward with descale
+/// factors (FwdOptions::q_descale ...).
+enum class DType : int { f16 = 0, bf16 = 1, f32 = 2, i32 = 3, e4m3 = 4 };
 
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {
@@ -17,6 +19,7 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::bf16: return "bfloat16";
     case DType::f32: return "float32";
     case DType::i32: return "int32";
+    case DType::e4m3: return "float8_e4m3fn";
   }
   return "unknown";
 }
@@ -26,7 +29,9 @@ constexpr std::string_view dtype_name(DType t) {
 template <DType>
 inline constexpr bool unsupported_dtype = false;
 
-constexpr int dtype_size(DType t) { return t == DType::f16 || t == DType::bf16 ? 2 : 4; }
+constexpr int dtype_size(DType t) {
+  return t == DType::e4m3 ? 1 : t == DType::f16 || t == DType::bf16 ? 2 : 4;
+}
 
 /// Where a buffer lives. `index` is the device ordinal for gpu, ignored for cpu.
 struct Location {

@@ -248,7 +248,7 @@ def _refuse_gpu_grad(q, softcap, alibi_slopes):
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
                     num_splits=0, return_lse=False, out=None, deterministic=False, softcap=0.0,
-                    alibi_slopes=None):
+                    alibi_slopes=None, q_descale=None, k_descale=None, v_descale=None):
     """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
 
     Arguments:
@@ -289,6 +289,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             ``-alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j|`` is added to each (capped)
             score; the LSE includes it. No gradient flows to the slopes. The forward runs on the
             CPU and NVIDIA GPUs; gradients on the CPU only for now (as the softcap's).
+        q_descale, k_descale, v_descale: fp8 (FlashAttention 3's): with torch.float8_e4m3fn
+            q, k and v, optional float32 descale factors, each () / (1,) (the tensor's) or
+            (batch_size, nheads_k) (a query head takes its kv head's): the scores are
+            q_i . k_j * q_descale * k_descale * softmax_scale (the LSE is theirs) and out is
+            softmax . v * v_descale, in bfloat16. None: 1. Forward only; the CPU backend only
+            for now (it dequantises: the reference); a GPU call raises NotImplementedError.
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -313,16 +319,31 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         _check_tensor(t, name)
     if out is not None:
         _check_tensor(out, "out")
-    if alibi_slopes is not None:
-        _check_tensor(alibi_slopes, "alibi_slopes")
+    extras = [(n, t) for n, t in (("alibi_slopes", alibi_slopes), ("q_descale", q_descale),
+                                  ("k_descale", k_descale), ("v_descale", v_descale))
+              if t is not None]
+    for name, t in extras:
+        _check_tensor(t, name)
     _check_same_device(q, [("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
-                       + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else []))
+                       + extras)
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     causal, return_lse = bool(causal), bool(return_lse)
     softcap = _softcap(softcap)
+    descales = (q_descale, k_descale, v_descale)
 
+    if q.dtype == getattr(torch, "float8_e4m3fn", None) or any(d is not None for d in descales):
+        # fp8 is forward only (FlashAttention 3's): no autograd path.
+        if out is None:
+            out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits,
+                             return_lse, softcap, alibi_slopes, *descales)
+            return (out, lse) if return_lse else out
+        lse = (torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                           device=q.device) if return_lse and q.dim() == 4 else None)
+        _call(_ops.fwd_out, q, k, v, out, lse, scale, causal, left, right, num_splits,
+              return_lse, softcap, alibi_slopes, *descales)
+        return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
         _refuse_gpu_grad(q, softcap, alibi_slopes)
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,

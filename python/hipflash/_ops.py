@@ -79,9 +79,14 @@ def _lse_like(q, shape):
     return q.new_empty(shape, dtype=torch.float32)
 
 
+def _out_dtype(q):
+    """The dtype of the out a call allocates: q's, bfloat16 for fp8 (float8_e4m3fn) inputs."""
+    return torch.bfloat16 if q.dtype == getattr(torch, "float8_e4m3fn", None) else q.dtype
+
+
 def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_splits, return_lse,
-              softcap=0.0, alibi_slopes=None):
-    out = q.new_empty(q.shape)
+              softcap=0.0, alibi_slopes=None, q_descale=None, k_descale=None, v_descale=None):
+    out = q.new_empty(q.shape, dtype=_out_dtype(q))
     lse = _lse_like(q, (q.shape[0], q.shape[2], q.shape[1]) if return_lse and q.dim() == 4 else (0,))
     return out, lse
 

@@ -29,6 +29,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #if defined(HIPFLASH_TORCH_CUDA)
 #include <c10/cuda/CUDAStream.h>
@@ -41,6 +42,13 @@
 #include <vector>
 
 #include "hipflash/hipflash.hpp"
+
+// float8_e4m3fn (fp8 inputs) exists from PyTorch 2.1.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define HIPFLASH_TORCH_HAS_FP8 1
+#else
+#define HIPFLASH_TORCH_HAS_FP8 0
+#endif
 
 namespace py = pybind11;
 
@@ -85,11 +93,15 @@ hipflash::TensorRef to_ref(const at::Tensor& t, const char* name, Role role) {
     case at::kBFloat16: r.dtype = DType::bf16; break;
     case at::kFloat: r.dtype = DType::f32; break;
     case at::kInt: r.dtype = DType::i32; break;
+#if HIPFLASH_TORCH_HAS_FP8
+    case at::kFloat8_e4m3fn: r.dtype = DType::e4m3; break;
+#endif
     default:
       if (role == Role::index)  // cu_seqlens: a ValueError, as for any non-int32 dtype (SPEC §4)
         HIPFLASH_CHECK(false, name, " must have dtype int32, got ", dtype_str(t.scalar_type()));
       HIPFLASH_CHECK_AS(dtype_error, false, name, " must have dtype ",
-                        role == Role::lse ? "float32" : "float16 or bfloat16", ", got ",
+                        role == Role::lse ? "float32" : "float16, bfloat16 or float8_e4m3fn",
+                        ", got ",
                         dtype_str(t.scalar_type()));
   }
   switch (t.device().type()) {
@@ -208,20 +220,35 @@ void run_launcher(F&& call) {
 void fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
              const c10::optional<at::Tensor>& lse, c10::optional<double> softmax_scale,
              bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
-             bool return_lse, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
+             bool return_lse, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
+             const OptionalTensor& q_descale, const OptionalTensor& k_descale,
+             const OptionalTensor& v_descale) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
                vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
     std::optional<hipflash::TensorRef> lser;
     if (lse) lser = to_ref(*lse, "lse", Role::lse);
-    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse),
+        qd(q_descale, "q_descale", Role::lse), kd(k_descale, "k_descale", Role::lse),
+        vd(v_descale, "v_descale", Role::lse);
     hipflash::FwdOptions o = fwd_options(softmax_scale, causal, window_left, window_right,
                                          num_splits, return_lse, softcap);
     o.alibi_slopes = alibi.get();
+    o.q_descale = qd.get();
+    o.k_descale = kd.get();
+    o.v_descale = vd.get();
     hipflash::forward(qr, kr, vr, outr, lser ? &*lser : nullptr, o, stream_of(q),
                       torch_workspace(q, keep));
   });
+}
+
+/// The dtype of the out a call allocates: q's, bfloat16 for fp8 inputs (FlashAttention 3's).
+at::ScalarType out_dtype(const at::Tensor& q) {
+#if HIPFLASH_TORCH_HAS_FP8
+  if (q.scalar_type() == at::kFloat8_e4m3fn) return at::kBFloat16;
+#endif
+  return q.scalar_type();
 }
 
 /// The LSE buffer of a call: [B, Hq, Sq] (dense, padded varlen) or [Hq, total_q] (packed), or
@@ -240,13 +267,16 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, c10::optional<double> softmax_scale,
                                        bool causal, int64_t window_left, int64_t window_right,
                                        int64_t num_splits, bool return_lse, double softcap,
-                                       const c10::optional<at::Tensor>& alibi_slopes) {
-  at::Tensor out = at::empty(q.sizes(), q.options());
+                                       const c10::optional<at::Tensor>& alibi_slopes,
+                                       const OptionalTensor& q_descale,
+                                       const OptionalTensor& k_descale,
+                                       const OptionalTensor& v_descale) {
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(out_dtype(q)));
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
   fwd_out(q, k, v, out, return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt,
           softmax_scale, causal, window_left, window_right, num_splits, return_lse, softcap,
-          alibi_slopes);
+          alibi_slopes, q_descale, k_descale, v_descale);
   return {out, lse};
 }
 
@@ -552,10 +582,12 @@ bool python_interrupted() {
 TORCH_LIBRARY(hipflash, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal, int window_left, "
         "int window_right, int num_splits, bool return_lse, float softcap=0.0, "
-        "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+        "Tensor? alibi_slopes=None, Tensor? q_descale=None, Tensor? k_descale=None, "
+        "Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
   m.def("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, float softcap=0.0, Tensor? alibi_slopes=None) -> ()");
+        "bool return_lse, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? q_descale=None, "
+        "Tensor? k_descale=None, Tensor? v_descale=None) -> ()");
   m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, int window_left, "
         "int window_right, int num_splits, bool return_lse, str lse_layout, "

@@ -50,10 +50,10 @@ void key_range(const FwdParams& p, const Seq& s, int64_t i, int64_t& lo, int64_t
   hi = p.window_right >= 0 ? std::min<int64_t>(s.len_k, diag + p.window_right + 1) : s.len_k;
 }
 
-using Elem = uint16_t;  // the raw bits of a bf16 / f16 element
-
 /// A paged cache's rows at any page size (the CPU backend's; the GPU kernels' common::PagedRows
-/// takes powers of two): row j in page table[j / page], row j % page of it.
+/// takes powers of two): row j in page table[j / page], row j % page of it. Elem: the raw
+/// element (uint16_t for bf16 / f16, uint8_t for e4m3).
+template <class Elem>
 struct AnyPagedRows {
   const Elem* base;  ///< row 0 of page 0 (the head offset applied)
   const int32_t* table;
@@ -64,14 +64,16 @@ struct AnyPagedRows {
 /// Calls fn(k_rows, v_rows) with the row sources (common/kv_source.hpp) of sequence b's keys and
 /// values for kv head hk: pages through the block table for a paged KV cache, rows at a fixed
 /// stride otherwise. A paged and a contiguous cache run the same arithmetic on the same values.
-template <class Fn>
+template <class Elem, class Fn>
 void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& fn) {
   const auto* k = static_cast<const Elem*>(p.k);
   const auto* v = static_cast<const Elem*>(p.v);
   if (p.block_table && (p.page_size & (p.page_size - 1)) != 0) {
     const int32_t* table = p.block_table + b * p.block_table_stride;
-    fn(AnyPagedRows{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride, p.page_size},
-       AnyPagedRows{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride, p.page_size});
+    fn(AnyPagedRows<Elem>{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
+                          p.page_size},
+       AnyPagedRows<Elem>{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride,
+                          p.page_size});
     return;
   }
   if (p.block_table) {
@@ -89,9 +91,10 @@ void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& 
 }
 
 /// One split of one row block: partial softmax state and unnormalised accumulator per row.
+/// score_scale: softmax_scale, times an fp8 call's q and k descales.
 template <class Rows>
 void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_rows, int64_t m0,
-            int64_t rows, int64_t key_lo, int64_t key_hi, float alibi_slope,
+            int64_t rows, int64_t key_lo, int64_t key_hi, float score_scale, float alibi_slope,
             const std::vector<float>& qf,
             std::vector<SoftmaxState>& state, std::vector<float>& acc,
             std::vector<float>& kf, std::vector<float>& vf, std::vector<float>& x) {
@@ -100,14 +103,14 @@ void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_
     const int64_t cols = std::min(kBlockN, key_hi - n0);
     // K is kept transposed ([D][kBlockN]) so that the score loop runs along contiguous keys.
     for (int64_t j = 0; j < cols; ++j) {
-      const Elem* kr = k_rows.row(n0 + j);
-      const Elem* vr = v_rows.row(n0 + j);
+      const auto* kr = k_rows.row(n0 + j);
+      const auto* vr = v_rows.row(n0 + j);
       for (int64_t d = 0; d < D; ++d) {
         kf[d * kBlockN + j] = detail::load_as_float(kr, d, p.dtype);
         vf[j * D + d] = detail::load_as_float(vr, d, p.dtype);
       }
     }
-    const float scale_log2 = p.softmax_scale * kLog2e;
+    const float scale_log2 = score_scale * kLog2e;
     const detail::Softcap softcap{p.softcap};
     const bool modified = softcap.on() || p.alibi_slopes != nullptr;
     for (int64_t r = 0; r < rows; ++r) {
@@ -125,7 +128,7 @@ void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_
         const int64_t key = n0 + j;
         // The scaled score, capped, then ALiBi's bias (SPEC §3), in log2 units.
         const float xs = !modified ? x[j] * scale_log2
-                                   : (softcap.apply(x[j] * p.softmax_scale) +
+                                   : (softcap.apply(x[j] * score_scale) +
                                       detail::alibi_bias(alibi_slope, m0 + r + s.len_k - s.len_q,
                                                          key)) * kLog2e;
         x[j] = key >= lo && key < hi ? xs : kNegInf;
@@ -153,6 +156,10 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
   const int64_t D = p.head_dim;
   const int64_t rows = std::max<int64_t>(0, std::min(kBlockM, s.len_q - m0));
   if (rows <= 0) return;
+  // An fp8 call's descales (1 otherwise): into the scores' scale, and out's.
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const float score_scale = p.softmax_scale * p.q_descale.at(b, hk) * p.k_descale.at(b, hk);
+  const float v_scale = p.v_descale.at(b, hk);
 
   const auto* qbase = static_cast<const char*>(p.q);
   std::vector<float> qf(static_cast<size_t>(rows * D));
@@ -188,10 +195,16 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
     const int64_t hi = std::min(key_hi, (sp + 1) * blocks_per_split * kBlockN);
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(state.begin(), state.end(), SoftmaxState{});
-    if (lo < hi)
-      with_kv_rows(p, s, b, h / (p.heads_q / p.heads_kv), [&](const auto& kr, const auto& vr) {
-        attend(p, s, kr, vr, m0, rows, lo, hi, p.alibi_slope(b, h), qf, state, acc, kf, vf, x);
-      });
+    if (lo < hi) {
+      auto run = [&](const auto& kr, const auto& vr) {
+        attend(p, s, kr, vr, m0, rows, lo, hi, score_scale, p.alibi_slope(b, h), qf, state, acc,
+               kf, vf, x);
+      };
+      if (p.dtype == DType::e4m3)
+        with_kv_rows<uint8_t>(p, s, b, hk, run);
+      else
+        with_kv_rows<uint16_t>(p, s, b, hk, run);
+    }
     if (splits == 1) {
       total = state;
       out_total = acc;
@@ -230,7 +243,7 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t d = 0; d < D; ++d)
       detail::store_from_float(obase, o_off + (m0 + r) * p.o_row_stride + d,
-                               out_total[r * D + d] * inv[r], p.dtype);
+                               out_total[r * D + d] * inv[r] * v_scale, p.out_dtype);
     if (p.return_lse) p.lse[p.lse_offset(b, h, s.q_start, m0 + r)] = total[r].lse();
   }
 }
@@ -263,7 +276,7 @@ void run_forward(const FwdParams& p) {
         for (int64_t h = 0; h < p.heads_q; ++h) {
           const int64_t o = (s.q_start + r) * p.o_row_stride + h * p.o_head_stride;
           for (int64_t d = 0; d < p.head_dim; ++d)
-            detail::store_from_float(p.out, o + d, 0.f, p.dtype);
+            detail::store_from_float(p.out, o + d, 0.f, p.out_dtype);
           if (p.return_lse && p.lse_layout == LseLayout::packed)
             p.lse[p.lse_offset(b, h, s.q_start, r)] = kNegInf;
         }

@@ -49,18 +49,19 @@ struct Call {
       vdv{DType::bf16, {7, 2, 64}};
   HostTensor slopes{DType::f32, {4}};  ///< ALiBi slopes [Hq] (a case passes them)
   HostTensor used{DType::i32, {2}};  ///< varlen seqused [B] (a case passes it): {2, 1}
+  HostTensor scale{DType::f32, {1}};  ///< an fp8 descale factor (a case passes it): 1
 
   /// Every buffer, for placing and for the written-nothing check.
   std::vector<HostTensor*> all() {
     return {&q, &k, &v, &out, &lse, &vq, &vk, &vv, &vout, &vlse, &cu_q, &cu_k, &kc, &vc, &kp,
             &vp, &knew, &vnew, &seqlens, &table, &dq_, &dout_, &dlse, &outs, &lses, &mout,
-            &mlse, &gout, &dq, &dk, &dv, &vdq, &vdk, &vdv, &slopes, &used};
+            &mlse, &gout, &dq, &dk, &dv, &vdq, &vdk, &vdv, &slopes, &used, &scale};
   }
 
   // The refs the call passes (placed copies of the buffers' refs; a case edits these).
   TensorRef Q, K, V, Out, Lse, VQ, VK, VV, VOut, VLse, CuQ, CuK, KC, VC, KP, VP, KNew, VNew,
       Seqlens, Table, DQ_, DOut_, DLse, Outs, Lses, MOut, MLse, GOut, DQ, DK, DV, VDQ, VDK, VDV,
-      Slopes, Used;
+      Slopes, Used, Scale;
   FwdOptions opts;
   VarlenOptions vopts;
   KvCacheOptions kopts;
@@ -82,6 +83,7 @@ struct Call {
     vlse.randomize(rng);
     seqlens.i32()[0] = 3, seqlens.i32()[1] = 20;
     used.i32()[0] = 2, used.i32()[1] = 1;
+    scale.f32()[0] = 1.f;
     const int32_t pages[4] = {4, 0, 2, 3};
     for (int i = 0; i < 4; ++i) table.i32()[i] = pages[i];
     opts.return_lse = vopts.return_lse = kopts.return_lse = true;
@@ -95,7 +97,7 @@ struct Call {
     TensorRef* refs[] = {&Q, &K, &V, &Out, &Lse, &VQ, &VK, &VV, &VOut, &VLse, &CuQ, &CuK, &KC,
                          &VC, &KP, &VP, &KNew, &VNew, &Seqlens, &Table, &DQ_, &DOut_, &DLse,
                          &Outs, &Lses, &MOut, &MLse, &GOut, &DQ, &DK, &DV, &VDQ, &VDK, &VDV,
-                         &Slopes, &Used};
+                         &Slopes, &Used, &Scale};
     const std::vector<HostTensor*> bufs = all();
     for (size_t i = 0; i < bufs.size(); ++i) *refs[i] = place(*bufs[i]);
   }
@@ -148,6 +150,10 @@ struct Case {
   const char* message;
 };
 
+/// The dense call's q, k and v as float8_e4m3fn views of their storage (out stays bfloat16:
+/// a valid fp8 call until a case breaks it).
+inline void make_fp8(Call& c) { c.Q.dtype = c.K.dtype = c.V.dtype = DType::e4m3; }
+
 inline std::vector<Case> cases() {
   using E = Entry;
   const Err inv = Err::invalid, dt = Err::dtype;
@@ -194,6 +200,24 @@ inline std::vector<Case> cases() {
       {"forward-softcap", E::forward, [](Call& c) { c.opts.softcap = -1.f; }, inv, "softcap"},
       {"forward-softcap-nan", E::forward, [](Call& c) { c.opts.softcap = kNaN; }, inv,
        "softcap"},
+      {"forward-fp8-out-dtype", E::forward,
+       [](Call& c) { make_fp8(c), c.Out.dtype = DType::f16; }, dt,
+       "out must have dtype bfloat16 for float8_e4m3fn inputs"},
+      {"forward-fp8-mixed", E::forward, [](Call& c) { make_fp8(c), c.V.dtype = DType::bf16; },
+       dt, "v must have dtype float8_e4m3fn"},
+      {"forward-descale-not-fp8", E::forward, [](Call& c) { c.opts.q_descale = &c.Scale; }, inv,
+       "q_descale applies to float8_e4m3fn inputs only"},
+      {"forward-descale-dtype", E::forward,
+       [](Call& c) { make_fp8(c), c.Scale.dtype = DType::bf16, c.opts.k_descale = &c.Scale; },
+       dt, "k_descale must have dtype float32"},
+      {"forward-descale-shape", E::forward,
+       [](Call& c) { make_fp8(c), c.Scale.sizes[0] = 3, c.opts.v_descale = &c.Scale; }, inv,
+       "v_descale must have shape"},
+      {"forward-descale-aliases-out", E::forward,
+       [](Call& c) { make_fp8(c), c.Scale.data = c.Out.data, c.opts.q_descale = &c.Scale; },
+       inv, "out must not"},
+      {"backward-fp8", E::backward, [](Call& c) { make_fp8(c); }, dt,
+       "the backward takes float16 or bfloat16 inputs"},
       {"forward-alibi-dtype", E::forward,
        [](Call& c) { c.Slopes.dtype = DType::bf16, c.opts.alibi_slopes = &c.Slopes; }, dt,
        "alibi_slopes must have dtype float32"},
@@ -308,6 +332,8 @@ inline std::vector<Case> gpu_refused_cases() {
        "seqused_k runs on the CPU backend only"},
       {"backward-alibi", E::backward, [](Call& c) { c.bopts.alibi_slopes = &c.Slopes; }, ni,
        alibi},
+      {"forward-fp8", E::forward, [](Call& c) { make_fp8(c), c.opts.q_descale = &c.Scale; }, ni,
+       "float8_e4m3fn inputs run on the CPU backend only"},
   };
 }
 

@@ -272,6 +272,68 @@ TEST(CpuVarlen, AlibiUsesEachSequencesOwnLengths) {
   EXPECT_REF_OK(t.check());
 }
 
+/// fp8 (float8_e4m3fn q, k, v; bfloat16 out): the scores are q.k * q_descale * k_descale,
+/// out is scaled by v_descale, each per tensor or per (batch, kv head). With power-of-two
+/// descales every scaling is exact, so the call equals bitwise the bfloat16 call on the
+/// dequantised values — which the fp64 reference checks.
+TEST(CpuForwardFp8, EqualsTheBf16CallOnDequantisedValues) {
+  const int64_t B = 2, Sq = 29, Sk = 113, Hq = 4, Hkv = 2, D = 64;
+  for (bool per_head : {false, true})
+    for (bool causal : {false, true})
+      for (int splits : {1, 3}) {
+        Dense f(DType::e4m3, B, Sq, Sk, Hq, Hkv, D, 5);
+        f.out = HostTensor(DType::bf16, {B, Sq, Hq, D});
+        f.out.fill(kNaN);
+        HostTensor qd = per_head ? HostTensor(DType::f32, {B, Hkv}) : HostTensor(DType::f32, {1});
+        HostTensor kd = qd, vd = qd;
+        for (int64_t i = 0; i < qd.ref.numel(); ++i) {
+          qd.f32()[i] = std::exp2(float(i % 3) - 1.f);
+          kd.f32()[i] = std::exp2(2.f - float(i % 4));
+          vd.f32()[i] = std::exp2(float(i % 2) + 1.f);
+        }
+        // The descale of element i of a [B, S, H, D] tensor with H heads.
+        auto at = [&](HostTensor& t, int64_t i, int64_t s, int64_t h) {
+          const int64_t b = i / (s * h * D), hk = (i / D) % h / (h / Hkv);
+          return per_head ? t.f32()[b * Hkv + hk] : t.f32()[0];
+        };
+        Dense r(DType::bf16, B, Sq, Sk, Hq, Hkv, D);
+        for (int64_t i = 0; i < f.q.ref.numel(); ++i)
+          r.q.set_raw(i, f.q.get_raw(i) * at(qd, i, Sq, Hq));
+        for (int64_t i = 0; i < f.k.ref.numel(); ++i) {
+          r.k.set_raw(i, f.k.get_raw(i) * at(kd, i, Sk, Hkv));
+          r.v.set_raw(i, f.v.get_raw(i) * at(vd, i, Sk, Hkv));
+        }
+        for (FwdOptions* o : {&f.opts, &r.opts}) o->causal = causal, o->num_splits = splits;
+        f.opts.q_descale = &qd.ref, f.opts.k_descale = &kd.ref, f.opts.v_descale = &vd.ref;
+        f.run();
+        r.run();
+        const std::string what = std::string(per_head ? "per head" : "per tensor") +
+                                 (causal ? " causal" : "") + " splits " + std::to_string(splits);
+        EXPECT_TRUE(f.out.bitwise_equal(r.out)) << what;
+        EXPECT_TRUE(f.lse.bitwise_equal(r.lse)) << what;
+        EXPECT_REF_OK(r.check()) << what;
+      }
+}
+
+TEST(CpuForwardFp8, DescalesAreOneByDefaultAndScaleTheScores) {
+  // No descales: factors of 1. A q_descale of 3 is the same call at 3x the softmax scale.
+  Dense a(DType::e4m3, 1, 17, 64, 2, 1, 64, 9), b(DType::e4m3, 1, 17, 64, 2, 1, 64, 9);
+  for (Dense* t : {&a, &b}) {
+    t->out = HostTensor(DType::bf16, {1, 17, 2, 64});
+    t->out.fill(kNaN);
+  }
+  HostTensor three(DType::f32, {});
+  three.f32()[0] = 3.f;
+  a.opts.softmax_scale = 0.125f;
+  a.opts.q_descale = &three.ref;
+  b.opts.softmax_scale = 0.375f;
+  a.run();
+  b.run();
+  EXPECT_TRUE(a.out.bitwise_equal(b.out));
+  EXPECT_TRUE(a.lse.bitwise_equal(b.lse));
+  EXPECT_FALSE(a.out.all_nan());
+}
+
 TEST(CpuForwardOptions, StridedViews) {
   // q, k, v as views of one packed QKV buffer [B, S, 3, H, D]; out as a view with a row gap.
   const int64_t B = 2, S = 113, H = 4, D = 64;

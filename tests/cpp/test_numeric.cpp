@@ -285,5 +285,37 @@ TEST(Numeric, DetailElementAccessUsesThePublicConversions) {
   }
 }
 
+// float8 e4m3 (float8_e4m3fn): every byte's value from its fields, every finite byte round-trips,
+// ties go to even, and the format's lack of infinity: NaN from 464 up.
+TEST(Numeric, E4m3BytesDecodeFromTheirFields) {
+  for (int byte = 0; byte < 256; ++byte) {
+    const int exp = (byte >> 3) & 15, man = byte & 7;
+    const float sign = byte & 0x80 ? -1.f : 1.f;
+    const float x = e4m3_to_float(uint8_t(byte));
+    if (exp == 15 && man == 7) {
+      EXPECT_TRUE(std::isnan(x)) << byte;
+      continue;
+    }
+    const double want = exp == 0 ? man / 512.0 : (1.0 + man / 8.0) * std::ldexp(1.0, exp - 7);
+    EXPECT_EQ(double(x), sign * want) << byte;
+    EXPECT_EQ(float_to_e4m3(x), uint8_t(byte)) << byte;  // round trip (-0 included)
+  }
+  EXPECT_EQ(e4m3_to_float(0x7e), 448.f);  // the largest finite value
+}
+
+TEST(Numeric, E4m3RoundsToNearestEvenAndOverflowsToNaN) {
+  EXPECT_EQ(e4m3_to_float(float_to_e4m3(1.0625f)), 1.f);     // tie between 1 and 1.125: even
+  EXPECT_EQ(e4m3_to_float(float_to_e4m3(1.1875f)), 1.25f);   // tie between 1.125 and 1.25
+  EXPECT_EQ(e4m3_to_float(float_to_e4m3(1.07f)), 1.125f);
+  EXPECT_EQ(e4m3_to_float(float_to_e4m3(460.f)), 448.f);
+  EXPECT_EQ(e4m3_to_float(float_to_e4m3(-0.0009765625f)), -0.f);  // half the smallest: even 0
+  EXPECT_EQ(e4m3_to_float(float_to_e4m3(0.0029296875f)), 0.00390625f);  // 1.5 units: 2 units
+  for (float big : {464.f, 1e6f, std::numeric_limits<float>::infinity()}) {
+    EXPECT_TRUE(std::isnan(e4m3_to_float(float_to_e4m3(big)))) << big;
+    EXPECT_TRUE(std::isnan(e4m3_to_float(float_to_e4m3(-big)))) << -big;
+  }
+  EXPECT_TRUE(std::isnan(e4m3_to_float(float_to_e4m3(std::nanf("")))));
+}
+
 }  // namespace
 }  // namespace hipflash

@@ -333,7 +333,7 @@ DENSE_ERRORS = [
     ("heads_not_divisible", lambda q, k, v: (q[:, :, :3], k, v), ValueError, r"must divide"),
     ("k_dtype_differs", lambda q, k, v: (q, k.half(), v), TypeError, r"k must have dtype bfloat16"),
     ("v_dtype_differs", lambda q, k, v: (q, k, v.half()), TypeError, r"v must have dtype bfloat16"),
-    ("q_float32", lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, r"float16 or bfloat16, got float32"),
+    ("q_float32", lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, r"float16, bfloat16 or float8_e4m3fn, got float32"),
     ("q_float64", lambda q, k, v: (q.double(), k.double(), v.double()), TypeError, r"got float64"),
     ("q_int32", lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, r"got int32"),
     ("q_last_dim_stride", lambda q, k, v: (torch.cat([q, q], -1)[..., ::2], k, v), ValueError, r"contiguous last dimension"),

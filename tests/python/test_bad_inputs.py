@@ -132,7 +132,7 @@ CASES = [
     C("fwd-heads-divide", lambda I: I.fwd(q=I.q[:, :, :3], out=I.out[:, :, :3]), ValueError,
       "must divide"),
     C("fwd-dtype-f32", lambda I: I.fwd(q=I.q.float(), k=I.k.float(), v=I.v.float(),
-                                       out=I.out.float()), TypeError, "float16 or bfloat16"),
+                                       out=I.out.float()), TypeError, "float16, bfloat16 or float8_e4m3fn"),
     C("fwd-dtypes-differ", lambda I: I.fwd(k=I.k.half()), TypeError, "k must have dtype"),
     C("fwd-k-other-device", lambda I: I.fwd(k=I.k.to(I.other_device())), ValueError,
       "same device", cross_device=True),

@@ -157,8 +157,7 @@ def test_fa3_combine_layouts_and_out_dtype(device):
     assert fa3.flash_attn_combine(out_p, lse_p, return_lse=False).dtype == torch.float32
 
 
-@pytest.mark.parametrize("arg", [
-    dict(qv=torch.ones(1)), dict(q_descale=torch.ones(1)), dict(attention_chunk=64)])
+@pytest.mark.parametrize("arg", [dict(qv=torch.ones(1)), dict(attention_chunk=64)])
 def test_fa3_refuses_what_hipflash_lacks_by_name(arg):
     q, k, v = qkv("cpu", s=4)
     with pytest.raises(NotImplementedError, match=next(iter(arg))):

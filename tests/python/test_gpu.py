@@ -364,7 +364,7 @@ def test_device_mismatch():
 
 @pytest.mark.parametrize("make,exc,match", [
     (lambda q, k, v: (q, k.half(), v.half()), TypeError, "k must have dtype bfloat16"),
-    (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "float16 or bfloat16"),
+    (lambda q, k, v: (q.float(), k.float(), v.float()), TypeError, "float16, bfloat16 or float8_e4m3fn"),
     (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), ValueError, "supported head dims"),
     (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "must divide"),
     (lambda q, k, v: (torch.cat([q, q], -1)[..., ::2], k, v), ValueError, "contiguous last dimension"),

@@ -8,7 +8,8 @@ Function names, argument names and defaults as in FlashAttention 3. ``return_att
 ``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
-NotImplementedError: qv, q/k/v_descale (fp8), attention_chunk,
+NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs on CPU
+tensors: hipflash.flash_attn_func's q_descale), attention_chunk,
 rotary embedding, cache_batch_idx, cache_leftpad, and varlen queries appending new keys
 (cu_seqlens_k_new). seqused_q / seqused_k run on CPU tensors (the GPU refuses them); softcap
 on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
@@ -24,11 +25,12 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_fu
            "flash_attn_with_kvcache", "flash_attn_combine"]
 
 
-def _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk):
+def _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, fp8=False):
     refuse("qv", qv, None)
-    for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
-                        ("v_descale", v_descale)):
-        refuse(name, value, None, "fp8 attention is issue 43")
+    if not fp8:
+        for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
+                            ("v_descale", v_descale)):
+            refuse(name, value, None, "fp8 runs in flash_attn_func only for now")
     refuse("attention_chunk", attention_chunk, 0)
 
 
@@ -41,11 +43,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                     return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
-    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, fp8=True)
     return hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                     window_size=window_size, num_splits=_splits(num_splits),
                                     return_lse=bool(return_attn_probs),
-                                    deterministic=deterministic, softcap=softcap_value(softcap))
+                                    deterministic=deterministic, softcap=softcap_value(softcap),
+                                    q_descale=q_descale, k_descale=k_descale,
+                                    v_descale=v_descale)
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None,
