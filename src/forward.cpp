@@ -320,9 +320,9 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
     check_workspace_size(plan.num_splits);
     return plan;
   }
-  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3,
-                    "float8_e4m3fn inputs run on the CPU backend only: the GPU kernels do not "
-                    "read fp8 yet");
+  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3 && p.kv_dtype != DType::e4m3,
+                    "float8_e4m3fn inputs and KV caches run on the CPU backend only: the GPU "
+                    "kernels do not read fp8 yet");
   HIPFLASH_CHECK_AS(not_implemented,
                     p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
                     "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "
@@ -425,6 +425,7 @@ FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const Tensor
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;
   p.out_dtype = out.dtype;
+  p.kv_dtype = k.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
   fill_alibi(p, opts, q, out);
@@ -561,6 +562,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;
   p.out_dtype = out.dtype;
+  p.kv_dtype = k.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
   fill_alibi(p, opts, q, out);

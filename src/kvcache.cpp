@@ -4,14 +4,17 @@
 #include "hipflash/kvcache.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "backend.hpp"
 #include "common/kv_source.hpp"
+#include "hipflash/detail/host_numeric.hpp"
 #include "tensor_checks.hpp"
 
 static_assert(hipflash::common::PagedRows<float>::kMinRows == hipflash::kMinPageSize,
@@ -24,17 +27,20 @@ using detail::check_disjoint;
 using detail::check_no_self_overlap;
 using detail::shape_str;
 
-/// A cache-like operand: rank 4, sizes >= 0, indexable in 64 bits, q's dtype and device,
-/// contiguous last dimension.
-void check_operand(const TensorRef& t, const char* name, const TensorRef& q, const char* layout) {
+/// A cache-like operand: rank 4, sizes >= 0, indexable in 64 bits, q's dtype (or, fp8_ok: a
+/// cache, float8_e4m3fn) and device, contiguous last dimension.
+void check_operand(const TensorRef& t, const char* name, const TensorRef& q, const char* layout,
+                   bool fp8_ok = false) {
   HIPFLASH_CHECK(t.rank == 4, name, " must have rank 4 (", layout, "), got shape ", shape_str(t));
   for (int i = 0; i < 4; ++i)
     HIPFLASH_CHECK(t.sizes[i] >= 0, name, " has a negative size: ", shape_str(t));
   const char* why = "";
   HIPFLASH_CHECK(detail::indexable(t, &why), name, " with shape ", shape_str(t),
                  " cannot be indexed in 64 bits: ", why);
-  HIPFLASH_CHECK_AS(dtype_error, t.dtype == q.dtype, name, " must have dtype ",
-                    dtype_name(q.dtype), " (the dtype of q), got ", dtype_name(t.dtype));
+  HIPFLASH_CHECK_AS(dtype_error, t.dtype == q.dtype || (fp8_ok && t.dtype == DType::e4m3), name,
+                    " must have dtype ", dtype_name(q.dtype), " (the dtype of q)",
+                    fp8_ok ? " or float8_e4m3fn (an fp8 cache)" : "", ", got ",
+                    dtype_name(t.dtype));
   HIPFLASH_CHECK(t.loc == q.loc, name, " must be on the device of q");
   HIPFLASH_CHECK(detail::last_dim_contiguous(t), name,
                  " must have a contiguous last dimension (stride 1), got stride ", t.strides[3]);
@@ -114,28 +120,58 @@ void point_at_cache(FwdParams& p, const TensorRef& k_cache, const TensorRef& v_c
   p.v_head_stride = v_cache.strides[2];
 }
 
-/// Copies the rows of `src` ([B, S_new, Hkv, D]) to rows cache_seqlens[b] + j of the cache at
-/// `cache` (strides of FwdParams: batch or page, row, head) through its row source, contiguous
-/// or paged: the append, on host memory.
+/// Copies the rows of `src` ([B, S_new, Hkv, D], q's dtype) to rows cache_seqlens[b] + j of
+/// the cache at `cache` (strides of FwdParams: batch or page, row, head) through its row source,
+/// contiguous or paged: the append, on host memory. An fp8 cache (p.kv_dtype e4m3) takes each
+/// value divided by `scale`, rounded to nearest even and saturated to +-448 (NaN stays NaN).
 void append_on_cpu(const FwdParams& p, const TensorRef& src, void* cache, int64_t batch_stride,
-                   int64_t row_stride, int64_t head_stride) {
-  const size_t bytes = size_t(p.head_dim) * size_t(dtype_size(p.dtype));
-  auto* rows = static_cast<uint16_t*>(cache);  // bf16 / f16 elements
+                   int64_t row_stride, int64_t head_stride, float scale) {
+  const int64_t es = dtype_size(p.kv_dtype);  // bytes an element of the cache
+  const bool quantise = p.kv_dtype != src.dtype;
+  auto* rows = static_cast<char*>(cache);
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t start = p.seqlens_k[b];
     for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
       const int32_t* table = p.block_table ? p.block_table + b * p.block_table_stride : nullptr;
-      uint16_t* contiguous = rows + b * batch_stride + hk * head_stride;
       for (int64_t j = 0; j < src.sizes[1]; ++j) {
-        const auto* from = static_cast<const uint16_t*>(src.data) + b * src.strides[0] +
-                           j * src.strides[1] + hk * src.strides[2];
+        const int64_t from = b * src.strides[0] + j * src.strides[1] + hk * src.strides[2];
         const int64_t r = start + j;  // any page size: a division per row
-        uint16_t* to = table ? rows + hk * head_stride + table[r / p.page_size] * batch_stride +
-                                   (r % p.page_size) * row_stride
-                             : contiguous + r * row_stride;
-        std::memcpy(to, from, bytes);
+        const int64_t to = table ? hk * head_stride + table[r / p.page_size] * batch_stride +
+                                       (r % p.page_size) * row_stride
+                                 : b * batch_stride + hk * head_stride + r * row_stride;
+        if (!quantise) {
+          std::memcpy(rows + to * es, static_cast<const char*>(src.data) + from * es,
+                      size_t(p.head_dim * es));
+          continue;
+        }
+        for (int64_t d = 0; d < p.head_dim; ++d) {
+          const float x = detail::load_as_float(src.data, from + d, src.dtype) / scale;
+          const float clamped = std::isnan(x) ? x : std::clamp(x, -448.f, 448.f);
+          detail::store_from_float(rows, to + d, clamped, p.kv_dtype);
+        }
       }
     }
+  }
+}
+
+/// An fp8 cache's scales (KvCacheOptions::k_scale / v_scale): fp32 [] / [1] on q's device, not
+/// written by the call; into p's k_descale / v_descale. Refused for other cache dtypes.
+void fill_cache_scales(FwdParams& p, const KvCacheOptions& opts, const TensorRef& q,
+                       std::initializer_list<std::pair<const TensorRef*, const char*>> written) {
+  for (auto [t, dst, name] : {std::tuple{opts.k_scale, &p.k_descale, "k_scale"},
+                              std::tuple{opts.v_scale, &p.v_descale, "v_scale"}}) {
+    if (t == nullptr) continue;
+    HIPFLASH_CHECK(p.kv_dtype == DType::e4m3, name, " applies to float8_e4m3fn caches only (the "
+                   "cache is ", dtype_name(p.kv_dtype), ")");
+    HIPFLASH_CHECK_AS(dtype_error, t->dtype == DType::f32, name, " must have dtype float32, got ",
+                      dtype_name(t->dtype));
+    HIPFLASH_CHECK(t->rank == 0 || (t->rank == 1 && t->sizes[0] == 1), name,
+                   " must have shape [] or [1] (one scale for the cache), got ", shape_str(*t));
+    HIPFLASH_CHECK(t->data != nullptr, name, " has no data pointer");
+    HIPFLASH_CHECK(t->loc == q.loc, name, " must be on the device of q");
+    for (auto [w, w_name] : written)
+      if (w) check_disjoint(*w, w_name, *t, name);
+    *dst = {static_cast<const float*>(t->data), 0, 0};
   }
 }
 
@@ -149,11 +185,18 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   // ---- Shapes, dtypes, devices (SPEC §4): nothing is read or written before these pass.
   HIPFLASH_CHECK(q.rank == 4, "q must have rank 4 ([batch, seqlen_q, heads_q, head_dim]), got ",
                  "shape ", shape_str(q));
+  HIPFLASH_CHECK_AS(not_implemented, q.dtype != DType::e4m3,
+                    "float8_e4m3fn queries with a KV cache are not implemented: an fp8 cache "
+                    "(float8_e4m3fn k_cache / v_cache) takes bfloat16 or float16 queries");
   const bool paged = block_table != nullptr;
   const char* cache_layout = paged ? "[num_blocks, page_size, heads_kv, head_dim] with a block_table"
                                    : "[batch, seqlen_cache, heads_kv, head_dim]";
-  check_operand(k_cache, "k_cache", q, cache_layout);
-  check_operand(v_cache, "v_cache", q, cache_layout);
+  check_operand(k_cache, "k_cache", q, cache_layout, true);
+  check_operand(v_cache, "v_cache", q, cache_layout, true);
+  HIPFLASH_CHECK_AS(dtype_error, v_cache.dtype == k_cache.dtype, "v_cache must have dtype ",
+                    dtype_name(k_cache.dtype), " (the dtype of k_cache), got ",
+                    dtype_name(v_cache.dtype));
+  const bool fp8 = k_cache.dtype == DType::e4m3;
   for (int i = 0; i < 4; ++i)
     HIPFLASH_CHECK(v_cache.sizes[i] == k_cache.sizes[i], "k_cache and v_cache must have the same "
                    "shape: k_cache ", shape_str(k_cache), ", v_cache ", shape_str(v_cache));
@@ -173,15 +216,19 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                    ") without a block_table, got shape ", shape_str(k_cache));
   }
   // The forward's checks of q, out, lse and the options, against a view of the cache with the
-  // right batch (a paged cache has none: its overlap with out is checked below).
+  // right batch and q's dtype; a paged cache (no batch) and an fp8 one (another dtype) as
+  // empty views: their overlap with out is checked below.
   TensorRef k_view = k_cache, v_view = v_cache;
-  if (paged)
-    for (TensorRef* t : {&k_view, &v_view}) {
-      t->sizes[0] = batch;
-      t->sizes[1] = 0;
-    }
+  for (TensorRef* t : {&k_view, &v_view}) {
+    t->dtype = q.dtype;
+    if (paged || fp8) t->sizes[0] = batch, t->sizes[1] = 0;
+  }
   FwdParams p = make_dense_params(q, k_view, v_view, out, lse, opts);
-  if (paged) {
+  p.kv_dtype = k_cache.dtype;
+  fill_cache_scales(p, opts, q, {{&out, "out"}, {opts.return_lse ? lse : nullptr, "lse"},
+                                 {k_new ? &k_cache : nullptr, "k_cache"},
+                                 {k_new ? &v_cache : nullptr, "v_cache"}});
+  if (paged || fp8) {
     for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
       check_disjoint(out, "out", *t, name);
       if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
@@ -271,8 +318,10 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   if (k_new && s_new > 0 && gpu) {
     gpu::run_kvcache_append(p, *k_new, *v_new, q.loc.index, stream);
   } else if (k_new && s_new > 0) {
-    append_on_cpu(p, *k_new, k_cache.data, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-    append_on_cpu(p, *v_new, v_cache.data, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    append_on_cpu(p, *k_new, k_cache.data, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                  p.k_descale.at(0, 0));
+    append_on_cpu(p, *v_new, v_cache.data, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                  p.v_descale.at(0, 0));
   }
   dispatch_forward(p, opts, q.loc, stream, std::move(workspace));
 }

@@ -3,7 +3,8 @@
 //   hipflash::kvcache_forward(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
 //                             out, lse, opts, stream)
 //
-// q        [B, Sq, Hq, D]                      bf16 / f16, last dimension contiguous
+// q        [B, Sq, Hq, D]                      bf16 / f16, last dimension contiguous (the
+//          caches q's dtype, or float8_e4m3fn with KvCacheOptions::k_scale / v_scale: CPU only)
 // k_cache  [B, S_cache, Hkv, D]                contiguous cache (block_table == nullptr), or
 //          [num_blocks, page_size, Hkv, D]     paged cache, page_size a power of two in [16, 256]
 // v_cache  the shape of k_cache
@@ -47,8 +48,16 @@ inline constexpr bool gpu_page_size(int64_t page) {
 }
 
 /// Options of kvcache_forward: those of the forward (causal and windows are aligned against
-/// each sequence's key count).
-struct KvCacheOptions : FwdOptions {};
+/// each sequence's key count), and an fp8 cache's scales.
+struct KvCacheOptions : FwdOptions {
+  /// An fp8 KV cache (vLLM's kv_cache_dtype="fp8"): float8_e4m3fn k_cache / v_cache with
+  /// bfloat16 / float16 q, holding K / k_scale and V / v_scale; fp32 [] / [1] scales, nullptr: 1.
+  /// The scores are q.(k * k_scale), out is softmax . (v * v_scale) in q's dtype; appended rows
+  /// are quantised in place as k / k_scale (v / v_scale), rounded to nearest even and saturated
+  /// to +-448 (a NaN stays NaN). Refused with other cache dtypes. The CPU backend only, for now.
+  const TensorRef* k_scale = nullptr;
+  const TensorRef* v_scale = nullptr;
+};
 
 /// Attention of q against a KV cache, after appending k_new / v_new (see the header comment).
 void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,

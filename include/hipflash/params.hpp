@@ -81,8 +81,10 @@ struct FwdParams {
 
   DType dtype = DType::f16;      ///< q, k, v (and out, but for fp8)
   DType out_dtype = DType::f16;  ///< out: dtype, or bf16 for e4m3 inputs
+  DType kv_dtype = DType::f16;   ///< k, v: dtype, or e4m3 for an fp8 KV cache (bf16 / f16 q)
   /// e4m3 inputs: the scores are q.k * q_descale * k_descale (then softmax_scale), out is
-  /// P.v * v_descale, each at (batch, kv head).
+  /// P.v * v_descale, each at (batch, kv head); an fp8 KV cache's k_scale / v_scale are its
+  /// k_descale / v_descale.
   Descale q_descale, k_descale, v_descale;
   float softmax_scale = 1.f;
   float softcap = 0.f;  ///< > 0: scores capped to softcap * tanh(score / softcap) (detail::Softcap)

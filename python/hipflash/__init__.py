@@ -486,7 +486,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0,
-                            alibi_slopes=None):
+                            alibi_slopes=None, k_scale=None, v_scale=None):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -507,6 +507,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         softmax_scale, causal, window_size, num_splits, return_lse, softcap, alibi_slopes: as for
             :func:`flash_attn_func`, with seqlen_k = cache_seqlens[b] + seqlen_new per sequence
             (causal is bottom-right aligned against it).
+        k_scale, v_scale: an fp8 cache (vLLM's kv_cache_dtype="fp8"): torch.float8_e4m3fn
+            k_cache / v_cache holding K / k_scale and V / v_scale, with bfloat16 / float16 q,
+            k and v; optional float32 () or (1,) scales (None: 1). The scores are
+            q . (k_cache * k_scale), out is softmax . (v_cache * v_scale) in q's dtype; k / v
+            are appended as k / k_scale (v / v_scale) rounded to float8_e4m3fn, saturated to
+            +-448. CPU tensors only for now (a GPU call raises NotImplementedError before the
+            append).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
@@ -537,16 +544,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if block_table is not None:
         _check_tensor(block_table, "block_table")
         named.append(("block_table", block_table))
-    if alibi_slopes is not None:
-        _check_tensor(alibi_slopes, "alibi_slopes")
-        named.append(("alibi_slopes", alibi_slopes))
+    for name, t in (("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is not None:
+            _check_tensor(t, name)
+            named.append((name, t))
     _check_same_device(q, named)
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
-                     _softcap(softcap), alibi_slopes)
+                     _softcap(softcap), alibi_slopes, k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 

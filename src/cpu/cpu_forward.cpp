@@ -106,8 +106,8 @@ void attend(const FwdParams& p, const Seq& s, const Rows& k_rows, const Rows& v_
       const auto* kr = k_rows.row(n0 + j);
       const auto* vr = v_rows.row(n0 + j);
       for (int64_t d = 0; d < D; ++d) {
-        kf[d * kBlockN + j] = detail::load_as_float(kr, d, p.dtype);
-        vf[j * D + d] = detail::load_as_float(vr, d, p.dtype);
+        kf[d * kBlockN + j] = detail::load_as_float(kr, d, p.kv_dtype);
+        vf[j * D + d] = detail::load_as_float(vr, d, p.kv_dtype);
       }
     }
     const float scale_log2 = score_scale * kLog2e;
@@ -200,7 +200,7 @@ void run_block(const FwdParams& p, int64_t b, int64_t h, int64_t m0) {
         attend(p, s, kr, vr, m0, rows, lo, hi, score_scale, p.alibi_slope(b, h), qf, state, acc,
                kf, vf, x);
       };
-      if (p.dtype == DType::e4m3)
+      if (p.kv_dtype == DType::e4m3)
         with_kv_rows<uint8_t>(p, s, b, hk, run);
       else
         with_kv_rows<uint16_t>(p, s, b, hk, run);

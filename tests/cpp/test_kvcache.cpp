@@ -107,6 +107,102 @@ TEST(KvCacheApi, EqualsTheDenseForwardOnTheSameKeys) {
   EXPECT_TRUE(lse_k.bitwise_equal(lse_d));
 }
 
+/// An fp8 cache (float8_e4m3fn K / k_scale, V / v_scale; bfloat16 q and new rows) equals the
+/// bfloat16 cache of its dequantised values, appends included (each new row quantised in place,
+/// saturating at 448): power-of-two scales make every scaling exact, so out and the LSE agree
+/// bitwise, and so do the caches after the append.
+TEST(KvCacheApi, Fp8CacheEqualsTheBf16CacheOfItsDequantisedValues) {
+  for (bool paged : {false, true}) {
+    KvCase c;
+    c.sq = 3, c.lens = {37, 5}, c.s_new = 2, c.causal = true, c.splits = 2;
+    KvProblem t(c, 5);
+    const float ks = 0.5f, vs = 0.25f;
+    t.k_new.set_raw(0, 1000.f);  // 2000 after the scale: saturates to 448
+    auto e4m3 = [](float x) {
+      return e4m3_to_float(float_to_e4m3(std::isnan(x) ? x : std::clamp(x, -448.f, 448.f)));
+    };
+    // The fp8 cache (and new rows) of a bfloat16 tensor, whose values become the dequantised ones.
+    auto quantise = [&](HostTensor& bf, float scale) {
+      HostTensor f8(DType::e4m3, {bf.ref.sizes[0], bf.ref.sizes[1], bf.ref.sizes[2],
+                                  bf.ref.sizes[3]});
+      for (int64_t i = 0; i < bf.ref.numel(); ++i) {
+        const float q8 = e4m3(bf.get_raw(i) / scale);
+        f8.set_raw(i, q8);
+        bf.set_raw(i, q8 * scale);
+      }
+      return f8;
+    };
+    HostTensor& kc = paged ? t.k_pages : t.k_cache;
+    HostTensor& vc = paged ? t.v_pages : t.v_cache;
+    HostTensor k8 = quantise(kc, ks), v8 = quantise(vc, vs);
+    HostTensor kn_deq = t.k_new, vn_deq = t.v_new;  // the bf16 run appends dequantised rows
+    quantise(kn_deq, ks);
+    quantise(vn_deq, vs);
+    HostTensor ksr(DType::f32, {1}), vsr(DType::f32, {});
+    ksr.f32()[0] = ks, vsr.f32()[0] = vs;
+    KvCacheOptions o8 = c.options();
+    o8.k_scale = &ksr.ref, o8.v_scale = &vsr.ref;
+    HostTensor out8 = t.out, lse8 = t.lse, out = t.out, lse = t.lse;
+    const TensorRef* table = paged ? &t.table.ref : nullptr;
+    kvcache_forward(t.q.ref, k8.ref, v8.ref, &t.k_new.ref, &t.v_new.ref, &t.seqlens.ref, table,
+                    out8.ref, &lse8.ref, o8);
+    kvcache_forward(t.q.ref, kc.ref, vc.ref, &kn_deq.ref, &vn_deq.ref, &t.seqlens.ref, table,
+                    out.ref, &lse.ref, c.options());
+    EXPECT_TRUE(out8.bitwise_equal(out)) << "paged " << paged;
+    EXPECT_TRUE(lse8.bitwise_equal(lse)) << "paged " << paged;
+    EXPECT_FALSE(out8.all_nan());
+    for (int64_t i = 0; i < kc.ref.numel(); ++i) {
+      const float k = k8.get_raw(i) * ks, want = kc.get_raw(i);
+      ASSERT_TRUE(k == want || (std::isnan(k) && std::isnan(want))) << "k element " << i;
+      const float v = v8.get_raw(i) * vs, want_v = vc.get_raw(i);
+      ASSERT_TRUE(v == want_v || (std::isnan(v) && std::isnan(want_v))) << "v element " << i;
+    }
+    if (!paged) EXPECT_EQ(k8.get_raw(37 * c.hkv * c.d), 448.f);  // sequence 0's first new row
+  }
+}
+
+/// Thrown E (or a subclass) whose message holds `what`, and out untouched.
+template <class E>
+void expect_refused(const std::string& what, const std::function<void()>& call,
+                    const HostTensor& out) {
+  try {
+    call();
+    ADD_FAILURE() << "no exception; expected '" << what << "'";
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(out.all_nan()) << what;
+}
+
+TEST(KvCacheApi, Fp8CacheScalesAndQueriesAreValidated) {
+  KvCase c;
+  c.lens = {4};
+  KvProblem t(c, 1);
+  HostTensor k8(DType::e4m3, {1, c.capacity(), c.hkv, c.d}), v8 = k8;
+  HostTensor scale(DType::f32, {1}), wide(DType::f32, {2});
+  scale.f32()[0] = 1.f;
+  KvCacheOptions o = c.options();
+  auto call = [&](const TensorRef& q, const TensorRef& kc, const TensorRef& vc) {
+    return [&, q, kc, vc] {
+      kvcache_forward(q, kc, vc, nullptr, nullptr, &t.seqlens.ref, nullptr, t.out.ref,
+                      &t.lse.ref, o);
+    };
+  };
+  o.k_scale = &scale.ref;
+  expect_refused<invalid_argument>("k_scale applies to float8_e4m3fn caches only",
+                                   call(t.q.ref, t.k_cache.ref, t.v_cache.ref), t.out);
+  o.k_scale = &wide.ref;
+  expect_refused<invalid_argument>("k_scale must have shape", call(t.q.ref, k8.ref, v8.ref),
+                                   t.out);
+  o.k_scale = nullptr;
+  expect_refused<dtype_error>("v_cache must have dtype", call(t.q.ref, k8.ref, t.v_cache.ref),
+                              t.out);
+  TensorRef q8 = t.q.ref;
+  q8.dtype = DType::e4m3;
+  expect_refused<not_implemented>("float8_e4m3fn queries with a KV cache",
+                                  call(q8, k8.ref, v8.ref), t.out);
+}
+
 TEST(KvCacheApi, BadCallsAreRefusedBeforeAnythingIsWritten) {
   KvCase c;
   c.lens = {20, 40};

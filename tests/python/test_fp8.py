@@ -120,3 +120,51 @@ def test_the_gpu_refuses_it_before_writing():
     with pytest.raises(NotImplementedError, match="float8_e4m3fn inputs run on the CPU backend"):
         hipflash.flash_attn_func(q, k, v, out=out, q_descale=torch.ones(1, device="cuda"))
     assert torch.isnan(out).all()
+
+
+def test_cache_scales_need_an_fp8_cache():
+    # Runs on any PyTorch: the scales reach the launcher, which refuses them for a bf16 cache.
+    q = torch.randn(1, 1, 2, 64).to(BF16)
+    cache = torch.zeros(1, 16, 2, 64, dtype=BF16)
+    for name in ("k_scale", "v_scale"):
+        with pytest.raises(ValueError, match=f"{name} applies to float8_e4m3fn caches only"):
+            hipflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4,
+                                             **{name: torch.ones(1)})
+
+
+@needs_fp8
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_fp8_cache_equals_the_bf16_cache_of_its_dequantised_values(paged):
+    # vLLM's kv_cache_dtype="fp8": the cache holds K / k_scale; appended rows are quantised in
+    # place (saturating at 448). Power-of-two scales: bitwise the bf16 cache of the same values.
+    torch.manual_seed(4)
+    b, hq, hkv, d, cap, ks, vs = 2, 8, 2, 64, 64, 0.5, 0.25
+    q = torch.randn(b, 2, hq, d).to(BF16)
+    k_new, v_new = torch.randn(b, 2, hkv, d).to(BF16), torch.randn(b, 2, hkv, d).to(BF16)
+    k_new[0, 0, 0, 0] = 1000.0  # 2000 after the scale: saturates to 448
+    k8 = (torch.randn(b, cap, hkv, d) / ks).to(E4M3)
+    v8 = (torch.randn(b, cap, hkv, d) / vs).to(E4M3)
+    lens = torch.tensor([37, 5], dtype=torch.int32)
+    table = None
+    if paged:  # pages of 16 rows, in reverse order
+        table = torch.arange(b * cap // 16, dtype=torch.int32).flip(0).reshape(b, cap // 16)
+        order = table.flatten().argsort()  # (indexing as bytes: few ops take float8)
+        k8 = k8.view(torch.uint8).reshape(-1, 16, hkv, d)[order].view(E4M3)
+        v8 = v8.view(torch.uint8).reshape(-1, 16, hkv, d)[order].view(E4M3)
+    kb, vb = (k8.float() * ks).to(BF16), (v8.float() * vs).to(BF16)
+
+    def deq(x, s):
+        return (x.float() / s).clamp(-448, 448).to(E4M3).float().mul(s).to(BF16)
+
+    kw = dict(cache_seqlens=lens, block_table=table, causal=True, return_lse=True)
+    out8, lse8 = hipflash.flash_attn_with_kvcache(q, k8, v8, k_new, v_new, **kw,
+                                                  k_scale=torch.tensor(ks),
+                                                  v_scale=torch.tensor([vs]))
+    out, lse = hipflash.flash_attn_with_kvcache(q, kb, vb, deq(k_new, ks), deq(v_new, vs), **kw)
+    assert out8.dtype == BF16
+    assert_bitwise_equal(out8, out, "out")
+    assert_bitwise_equal(lse8, lse, "lse")
+    assert_bitwise_equal((k8.float() * ks).to(BF16), kb, "k_cache after the append")
+    assert_bitwise_equal((v8.float() * vs).to(BF16), vb, "v_cache after the append")
+    first_new = k8[table[0, 2], 37 - 32] if paged else k8[0, 37]
+    assert first_new[0, 0].float() == 448.0
