@@ -182,8 +182,9 @@ void check_seqused(const VarlenOptions& opts, const TensorRef& q, const TensorRe
 }
 
 /// ALiBi's slopes (FwdOptions::alibi_slopes): fp32 [Hq] or [B, Hq] with a contiguous last
-/// dimension, on q's device, not overlapping out; into p (which has its batch and heads).
-void fill_alibi(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& out) {
+/// dimension, on q's device, not overlapping out or lse; into p (which has its batch and heads).
+void fill_alibi(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& out,
+                const TensorRef* lse) {
   const TensorRef* a = opts.alibi_slopes;
   if (a == nullptr) return;
   HIPFLASH_CHECK_AS(dtype_error, a->dtype == DType::f32, "alibi_slopes must have dtype float32, got ",
@@ -198,14 +199,16 @@ void fill_alibi(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const 
                  "alibi_slopes has no data pointer");
   check_location(*a, "alibi_slopes", q.loc);
   check_disjoint(out, "out", *a, "alibi_slopes");
+  if (opts.return_lse && lse) check_disjoint(*lse, "lse", *a, "alibi_slopes");
   p.alibi_slopes = static_cast<const float*>(a->data);
   p.alibi_batch_stride = per_batch ? a->strides[0] : 0;
 }
 
 /// An fp8 call's descale factors (FwdOptions::q_descale ...): fp32 [] / [1] or [batch,
-/// heads_kv], on q's device, not overlapping out; refused for other dtypes. Into p (which has
-/// its batch, heads and dtype).
-void fill_descales(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& out) {
+/// heads_kv], on q's device, not overlapping out or lse; refused for other dtypes. Into p (which
+/// has its batch, heads and dtype).
+void fill_descales(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& out,
+                   const TensorRef* lse) {
   for (auto [t, dst, name] : {std::tuple{opts.q_descale, &p.q_descale, "q_descale"},
                               std::tuple{opts.k_descale, &p.k_descale, "k_descale"},
                               std::tuple{opts.v_descale, &p.v_descale, "v_descale"}}) {
@@ -221,6 +224,7 @@ void fill_descales(FwdParams& p, const FwdOptions& opts, const TensorRef& q, con
     HIPFLASH_CHECK(t->data != nullptr || t->numel() == 0, name, " has no data pointer");
     check_location(*t, name, q.loc);
     check_disjoint(out, "out", *t, name);
+    if (opts.return_lse && lse) check_disjoint(*lse, "lse", *t, name);
     *dst = {static_cast<const float*>(t->data), per_head ? t->strides[0] : 0,
             per_head ? t->strides[1] : 0};
   }
@@ -428,8 +432,8 @@ FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const Tensor
   p.kv_dtype = k.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
-  fill_alibi(p, opts, q, out);
-  fill_descales(p, opts, q, out);
+  fill_alibi(p, opts, q, out, lse);
+  fill_descales(p, opts, q, out, lse);
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   if (opts.return_lse) {
@@ -468,6 +472,9 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   check_rank(k, "k", 3, "[total_k, heads_kv, head_dim]");
   check_rank(v, "v", 3, "[total_k, heads_kv, head_dim]");
   check_rank(out, "out", 3, "[total_q, heads_q, head_dim]");
+  HIPFLASH_CHECK_AS(not_implemented, q.dtype != DType::e4m3,
+                    "float8_e4m3fn inputs run in the dense forward only for now (varlen fp8 is "
+                    "not implemented)");
   HIPFLASH_CHECK(cu_q.dtype == DType::i32, "cu_seqlens_q must have dtype int32, got ",
                  dtype_name(cu_q.dtype));
   HIPFLASH_CHECK(cu_k.dtype == DType::i32, "cu_seqlens_k must have dtype int32, got ",
@@ -565,8 +572,8 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   p.kv_dtype = k.dtype;
   p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
   p.softcap = opts.softcap;
-  fill_alibi(p, opts, q, out);
-  fill_descales(p, opts, q, out);
+  fill_alibi(p, opts, q, out, lse);
+  fill_descales(p, opts, q, out, lse);
   fill_window(p, opts);
   p.return_lse = opts.return_lse;
   p.lse_layout = opts.lse_layout;

@@ -197,6 +197,9 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                     dtype_name(k_cache.dtype), " (the dtype of k_cache), got ",
                     dtype_name(v_cache.dtype));
   const bool fp8 = k_cache.dtype == DType::e4m3;
+  HIPFLASH_CHECK_AS(not_implemented, !fp8 || q.loc.kind != Location::gpu,
+                    "float8_e4m3fn inputs and KV caches run on the CPU backend only: the GPU "
+                    "kernels do not read fp8 yet");
   for (int i = 0; i < 4; ++i)
     HIPFLASH_CHECK(v_cache.sizes[i] == k_cache.sizes[i], "k_cache and v_cache must have the same "
                    "shape: k_cache ", shape_str(k_cache), ", v_cache ", shape_str(v_cache));

@@ -23,7 +23,7 @@
 //
 // float8 e4m3 (PyTorch's float8_e4m3fn, the fp8 forward's q, k, v) travels as bytes:
 // e4m3_to_float is exact, float_to_e4m3 rounds to nearest even and gives NaN (the format has
-// no infinity) for NaN and |x| >= 464, as PyTorch's unsaturated cast.
+// no infinity) for NaN and |x| > 464 (464 itself ties to 448), as PyTorch's unsaturated cast.
 //
 // Host code only: device code uses the vendor intrinsics. The CPU backend, the reference and
 // the tests use these same functions (hipflash/detail/host_numeric.hpp builds on them).
@@ -84,7 +84,6 @@ inline uint16_t float_to_f16(float f) {
   return uint16_t(sign | (mant >> 13));
 }
 
-/// Whole-buffer forms of the four conversions above, element by element.
 /// float8 e4m3 (OCP FP8 E4M3, PyTorch's float8_e4m3fn: bias 7, no infinities, S.1111.111 NaN,
 /// largest finite 448) byte -> float. Exact.
 inline float e4m3_to_float(uint8_t b) {
@@ -100,12 +99,13 @@ inline float e4m3_to_float(uint8_t b) {
   return neg ? -f : f;
 }
 
-/// float -> e4m3 byte, round to nearest even; NaN and |f| >= 464 (past 448's rounding
-/// interval; the format has no infinity) -> NaN, as PyTorch's unsaturated cast.
+/// float -> e4m3 byte, round to nearest even; NaN and |f| > 464 (past 448's rounding interval,
+/// whose upper tie goes to 448; the format has no infinity) -> NaN, as PyTorch's unsaturated
+/// cast.
 inline uint8_t float_to_e4m3(float f) {
   const uint8_t sign = std::signbit(f) ? 0x80u : 0u;
   const float a = std::fabs(f);
-  if (!(a < 464.f)) return uint8_t(sign | 0x7fu);  // NaN, inf, overflow
+  if (!(a <= 464.f)) return uint8_t(sign | 0x7fu);  // NaN, inf, overflow
   if (a < 0.015625f) {                              // below 2^-6: subnormal or zero
     const float units = a * 512.f;                  // in units of 2^-9, exact
     return uint8_t(sign | uint8_t(std::nearbyint(units)));  // 8 carries into 2^-6: still right
@@ -118,6 +118,7 @@ inline uint8_t float_to_e4m3(float f) {
   return uint8_t(sign | (exp << 3) | q);
 }
 
+/// Whole-buffer forms of the bf16 / f16 conversions above, element by element.
 inline std::vector<uint16_t> float_to_bf16(const std::vector<float>& x) {
   std::vector<uint16_t> r(x.size());
   for (size_t i = 0; i < x.size(); ++i) r[i] = float_to_bf16(x[i]);

@@ -218,6 +218,11 @@ inline std::vector<Case> cases() {
        inv, "out must not"},
       {"backward-fp8", E::backward, [](Call& c) { make_fp8(c); }, dt,
        "the backward takes float16 or bfloat16 inputs"},
+      {"varlen-fp8", E::varlen, [](Call& c) { c.VQ.dtype = c.VK.dtype = c.VV.dtype = DType::e4m3; },
+       Err::not_impl, "varlen fp8 is not implemented"},
+      {"forward-descale-aliases-lse", E::forward,
+       [](Call& c) { make_fp8(c), c.Scale.data = c.Lse.data, c.opts.q_descale = &c.Scale; },
+       inv, "lse must not"},
       {"forward-alibi-dtype", E::forward,
        [](Call& c) { c.Slopes.dtype = DType::bf16, c.opts.alibi_slopes = &c.Slopes; }, dt,
        "alibi_slopes must have dtype float32"},
@@ -333,7 +338,9 @@ inline std::vector<Case> gpu_refused_cases() {
       {"backward-alibi", E::backward, [](Call& c) { c.bopts.alibi_slopes = &c.Slopes; }, ni,
        alibi},
       {"forward-fp8", E::forward, [](Call& c) { make_fp8(c), c.opts.q_descale = &c.Scale; }, ni,
-       "float8_e4m3fn inputs run on the CPU backend only"},
+       "float8_e4m3fn inputs and KV caches run on the CPU backend only"},
+      {"kvcache-fp8", E::kvcache, [](Call& c) { c.KC.dtype = c.VC.dtype = DType::e4m3; }, ni,
+       "float8_e4m3fn inputs and KV caches run on the CPU backend only"},
   };
 }
 

@@ -286,7 +286,7 @@ TEST(Numeric, DetailElementAccessUsesThePublicConversions) {
 }
 
 // float8 e4m3 (float8_e4m3fn): every byte's value from its fields, every finite byte round-trips,
-// ties go to even, and the format's lack of infinity: NaN from 464 up.
+// ties go to even (464 to 448), and the format's lack of infinity: NaN past 464.
 TEST(Numeric, E4m3BytesDecodeFromTheirFields) {
   for (int byte = 0; byte < 256; ++byte) {
     const int exp = (byte >> 3) & 15, man = byte & 7;
@@ -308,9 +308,10 @@ TEST(Numeric, E4m3RoundsToNearestEvenAndOverflowsToNaN) {
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(1.1875f)), 1.25f);   // tie between 1.125 and 1.25
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(1.07f)), 1.125f);
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(460.f)), 448.f);
+  EXPECT_EQ(float_to_e4m3(464.f), 0x7e);  // the tie between 448 and the NaN code: even, 448
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(-0.0009765625f)), -0.f);  // half the smallest: even 0
   EXPECT_EQ(e4m3_to_float(float_to_e4m3(0.0029296875f)), 0.00390625f);  // 1.5 units: 2 units
-  for (float big : {464.f, 1e6f, std::numeric_limits<float>::infinity()}) {
+  for (float big : {464.5f, 479.f, 480.f, 1e6f, std::numeric_limits<float>::infinity()}) {
     EXPECT_TRUE(std::isnan(e4m3_to_float(float_to_e4m3(big)))) << big;
     EXPECT_TRUE(std::isnan(e4m3_to_float(float_to_e4m3(-big)))) << -big;
   }

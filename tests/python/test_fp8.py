@@ -117,7 +117,7 @@ def test_bad_calls_are_refused_and_nothing_is_written(breaks, error, match):
 def test_the_gpu_refuses_it_before_writing():
     q, k, v = (t.cuda() for t in fp8_case(1, 8, 8, 2, 2, 64))
     out = torch.full((1, 8, 2, 64), float("nan"), dtype=BF16, device="cuda")
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn inputs run on the CPU backend"):
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn inputs and KV caches run on the CPU backend"):
         hipflash.flash_attn_func(q, k, v, out=out, q_descale=torch.ones(1, device="cuda"))
     assert torch.isnan(out).all()
 
