@@ -138,7 +138,8 @@ void append_on_cpu(const FwdParams& p, const TensorRef& src, void* cache, int64_
         const int64_t r = start + j;  // any page size: a division per row
         const int64_t to = table ? hk * head_stride + table[r / p.page_size] * batch_stride +
                                        (r % p.page_size) * row_stride
-                                 : b * batch_stride + hk * head_stride + r * row_stride;
+                                 : (p.cache_batch_idx ? p.cache_batch_idx[b] : b) * batch_stride +
+                                       hk * head_stride + r * row_stride;
         if (!quantise) {
           std::memcpy(rows + to * es, static_cast<const char*>(src.data) + from * es,
                       size_t(p.head_dim * es));
@@ -214,9 +215,25 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     max_blocks = block_table->sizes[1];
     HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 62) / page, "block_table has too many columns");
     capacity = max_blocks * page;
-  } else {
+  } else if (opts.cache_batch_idx == nullptr) {
     HIPFLASH_CHECK(k_cache.sizes[0] == batch, "k_cache must have the batch size of q (", batch,
                    ") without a block_table, got shape ", shape_str(k_cache));
+  }
+  const TensorRef* batch_idx = opts.cache_batch_idx;
+  if (batch_idx) {
+    HIPFLASH_CHECK(!paged, "cache_batch_idx indexes a contiguous cache: a paged cache's "
+                   "block_table already says where each sequence's rows are");
+    check_index(*batch_idx, "cache_batch_idx", 1, "[batch]", q);
+    HIPFLASH_CHECK(batch_idx->sizes[0] == batch, "cache_batch_idx must have one entry per "
+                   "sequence (batch = ", batch, "), got shape ", shape_str(*batch_idx));
+    HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
+                      "cache_batch_idx runs on the CPU backend only: the GPU kernels do not read "
+                      "it yet");
+    const auto* idx = static_cast<const int32_t*>(batch_idx->data);
+    for (int64_t b = 0; b < batch; ++b)
+      HIPFLASH_CHECK(idx[b] >= 0 && idx[b] < k_cache.sizes[0], "cache_batch_idx[", b, "] = ",
+                     idx[b], " is not an entry of the cache (k_cache.shape[0] = ",
+                     k_cache.sizes[0], ")");
   }
   // The forward's checks of q, out, lse and the options, against a view of the cache with the
   // right batch and q's dtype; a paged cache (no batch) and an fp8 one (another dtype) as
@@ -224,14 +241,14 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   TensorRef k_view = k_cache, v_view = v_cache;
   for (TensorRef* t : {&k_view, &v_view}) {
     t->dtype = q.dtype;
-    if (paged || fp8) t->sizes[0] = batch, t->sizes[1] = 0;
+    if (paged || fp8 || batch_idx) t->sizes[0] = batch, t->sizes[1] = 0;
   }
   FwdParams p = make_dense_params(q, k_view, v_view, out, lse, opts);
   p.kv_dtype = k_cache.dtype;
   fill_cache_scales(p, opts, q, {{&out, "out"}, {opts.return_lse ? lse : nullptr, "lse"},
                                  {k_new ? &k_cache : nullptr, "k_cache"},
                                  {k_new ? &v_cache : nullptr, "v_cache"}});
-  if (paged || fp8) {
+  if (paged || fp8 || batch_idx) {
     for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
       check_disjoint(out, "out", *t, name);
       if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
@@ -264,6 +281,7 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
         check_disjoint(*t, name, *r, r_name);
       if (cache_seqlens) check_disjoint(*t, name, *cache_seqlens, "cache_seqlens");
       if (block_table) check_disjoint(*t, name, *block_table, "block_table");
+      if (batch_idx) check_disjoint(*t, name, *batch_idx, "cache_batch_idx");
     }
     for (auto [r, r_name] : {std::pair{k_new, "k"}, {v_new, "v"}}) {
       check_disjoint(out, "out", *r, r_name);
@@ -275,9 +293,10 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     HIPFLASH_CHECK(cache_seqlens->sizes[0] == batch, "cache_seqlens must have one entry per "
                    "sequence (batch = ", batch, "), got shape ", shape_str(*cache_seqlens));
   }
-  for (const TensorRef* t : {cache_seqlens, block_table}) {
+  for (const TensorRef* t : {cache_seqlens, block_table, batch_idx}) {
     if (!t) continue;
-    const char* name = t == cache_seqlens ? "cache_seqlens" : "block_table";
+    const char* name = t == cache_seqlens ? "cache_seqlens"
+                       : t == block_table ? "block_table" : "cache_batch_idx";
     check_disjoint(out, "out", *t, name);
     if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
   }
@@ -314,6 +333,7 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   if (paged) {
     point_at_pages(p, *block_table, page);
   }
+  if (batch_idx) p.cache_batch_idx = static_cast<const int32_t*>(batch_idx->data);
   // The window saturates against the capacity (the paged view above had no keys): no sequence
   // has more keys, so a left bound of capacity - 1 reaches every key (fill_window's rule).
   p.window_left = opts.window_left >= capacity - 1 ? -1 : opts.window_left;

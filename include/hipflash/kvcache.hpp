@@ -57,6 +57,12 @@ struct KvCacheOptions : FwdOptions {
   /// to +-448 (a NaN stays NaN). Refused with other cache dtypes. The CPU backend only, for now.
   const TensorRef* k_scale = nullptr;
   const TensorRef* v_scale = nullptr;
+  /// FlashAttention's cache_batch_idx: int32 [batch] on q's device, or nullptr. With a
+  /// contiguous cache of any batch size (no block_table), sequence b reads and appends to cache
+  /// entry cache_batch_idx[b] (each in [0, k_cache.shape[0]); with repeated entries and new
+  /// rows, the last sequence's rows are the ones a repeated entry keeps). The CPU backend only,
+  /// for now: a GPU call raises not_implemented.
+  const TensorRef* cache_batch_idx = nullptr;
 };
 
 /// Attention of q against a KV cache, after appending k_new / v_new (see the header comment).

@@ -72,6 +72,9 @@ struct FwdParams {
   int64_t block_table_stride = 0;
   int page_shift = 0;     ///< log2(page_size) when it is a power of two (the GPU kernels')
   int64_t page_size = 0;  ///< rows a page (any size >= 1 on the CPU backend)
+  /// A contiguous KV cache's batch indirection (FlashAttention's cache_batch_idx), int32 [B] or
+  /// nullptr: sequence b reads and appends to cache entry cache_batch_idx[b] (CPU backend).
+  const int32_t* __restrict__ cache_batch_idx = nullptr;
 
   int64_t batch = 0;
   int64_t seqlen_q = 0;  ///< dense Sq, or max_seqlen_q for varlen

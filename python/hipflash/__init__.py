@@ -486,7 +486,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0,
-                            alibi_slopes=None, k_scale=None, v_scale=None):
+                            alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -514,6 +514,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             are appended as k / k_scale (v / v_scale) rounded to float8_e4m3fn, saturated to
             +-448. CPU tensors only for now (a GPU call raises NotImplementedError before the
             append).
+        cache_batch_idx: optional (batch_size,) int32 on q's device (FlashAttention's): with a
+            contiguous cache of any batch size, sequence b reads and appends to cache entry
+            cache_batch_idx[b]. CPU tensors only for now (the GPU raises NotImplementedError
+            before the append).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
@@ -544,7 +548,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if block_table is not None:
         _check_tensor(block_table, "block_table")
         named.append(("block_table", block_table))
-    for name, t in (("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, t in (("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale),
+                    ("cache_batch_idx", cache_batch_idx)):
         if t is not None:
             _check_tensor(t, name)
             named.append((name, t))
@@ -554,7 +559,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
-                     _softcap(softcap), alibi_slopes, k_scale, v_scale)
+                     _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx)
     return (out, lse) if return_lse else out
 
 

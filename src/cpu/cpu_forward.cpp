@@ -84,9 +84,10 @@ void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& 
                                      p.v_row_stride, p.page_shift});
     return;
   }
-  fn(common::ContiguousRows<Elem>{k + b * p.k_batch_stride + s.k_start * p.k_row_stride +
+  const int64_t bc = p.cache_batch_idx ? p.cache_batch_idx[b] : b;  // a cache's batch indirection
+  fn(common::ContiguousRows<Elem>{k + bc * p.k_batch_stride + s.k_start * p.k_row_stride +
                                       hk * p.k_head_stride, p.k_row_stride},
-     common::ContiguousRows<Elem>{v + b * p.v_batch_stride + s.k_start * p.v_row_stride +
+     common::ContiguousRows<Elem>{v + bc * p.v_batch_stride + s.k_start * p.v_row_stride +
                                       hk * p.v_head_stride, p.v_row_stride});
 }
 
