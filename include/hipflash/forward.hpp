@@ -27,11 +27,13 @@ struct FwdOptions {
   int num_splits = 0;                  ///< 0: heuristic; 1: no split-K
   bool return_lse = false;             ///< write lse; requires an lse buffer
   /// > 0: logit soft-capping, cap * tanh(score / cap) before the softmax (FlashAttention 2's
-  /// softcap, Gemma 2); 0: off. The CPU backend only, for now: a GPU call raises not_implemented.
+  /// softcap, Gemma 2); 0: off. The CPU backend and the NVIDIA forward kernels; the GPU backward
+  /// and AMD GPUs raise not_implemented.
   float softcap = 0.f;
   /// ALiBi (FlashAttention 2's alibi_slopes): fp32 [heads_q] or [batch, heads_q] on q's device;
   /// row i's score of key j gets -slope * |i + Sk - Sq - j| (after the softcap). nullptr: off.
-  /// The CPU backend only, for now: a GPU call raises not_implemented.
+  /// The CPU backend and the NVIDIA forward kernels; the GPU backward and AMD GPUs raise
+  /// not_implemented.
   const TensorRef* alibi_slopes = nullptr;
   /// fp8 (FlashAttention 3's): with float8_e4m3fn q, k and v (and a bfloat16 out), fp32 descale
   /// factors, each [] / [1] (the tensor's) or [batch, heads_kv] (a query head takes its kv

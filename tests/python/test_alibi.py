@@ -11,6 +11,7 @@ import hipflash.compat.flash_attn as fa2
 from reference import (assert_bitwise_equal, check_attention, check_lse, check_out, make_qkv,
                        make_varlen, varlen_attention_ref)
 from test_backward import assert_flash_rule, case_id, grads, torch_attention
+from test_kvcache import assert_kvcache_equals_dense_per_sequence
 from test_softcap import GPU_CASES
 
 GPU = torch.cuda.is_available() and hipflash.gpu_available()
@@ -78,24 +79,9 @@ def test_varlen_uses_each_sequences_lengths(layout):
 def test_kvcache_equals_the_dense_call_on_its_keys(paged):
     # Decode against caches of different lengths: the bias is measured from each sequence's
     # own last key.
-    torch.manual_seed(2)
-    b, hq, hkv, d, cap = 2, 4, 2, 64, 16
-    q = torch.randn(b, 1, hq, d).to(BF16)
-    k_cache = torch.randn(b, cap, hkv, d).to(BF16)
-    v_cache = torch.randn(b, cap, hkv, d).to(BF16)
-    lens = torch.tensor([7, 16], dtype=torch.int32)
-    slopes = bloom_slopes(hq, b)
-    kw = dict(return_lse=True)
-    table = torch.arange(b, dtype=torch.int32)[:, None] if paged else None
-    out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
-                                                block_table=table, alibi_slopes=slopes, **kw)
-    for i in range(b):
-        n = int(lens[i])
-        want, want_lse = hipflash.flash_attn_func(q[i:i + 1], k_cache[i:i + 1, :n],
-                                                  v_cache[i:i + 1, :n],
-                                                  alibi_slopes=slopes[i:i + 1], **kw)
-        assert_bitwise_equal(out[i:i + 1], want, f"sequence {i}")
-        assert_bitwise_equal(lse[i:i + 1], want_lse, f"sequence {i} lse")
+    slopes = bloom_slopes(4, 2)
+    assert_kvcache_equals_dense_per_sequence(paged, {}, dict(alibi_slopes=slopes),
+                                             lambda i: dict(alibi_slopes=slopes[i:i + 1]))
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])

@@ -12,6 +12,30 @@ from reference import make_chunked_prefill
 from reference import make_kv_cache as make_cache
 
 
+def assert_kvcache_equals_dense_per_sequence(paged, kw, cache_kw=None, sequence_kw=None):
+    """Decode (one query row, bf16) against caches of 7 and 16 keys, contiguous or paged (a page
+    of 16 rows a sequence): bitwise each sequence's dense call on its own keys. kw: options of
+    both calls; cache_kw: of the cache call only; sequence_kw(i): of sequence i's dense call
+    only (e.g. its row of per-batch ALiBi slopes)."""
+    torch.manual_seed(2)
+    b, hq, hkv, d, cap = 2, 4, 2, 64, 16
+    q = torch.randn(b, 1, hq, d).to(torch.bfloat16)
+    k_cache = torch.randn(b, cap, hkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(b, cap, hkv, d).to(torch.bfloat16)
+    lens = torch.tensor([7, 16], dtype=torch.int32)
+    table = torch.arange(b, dtype=torch.int32)[:, None] if paged else None
+    out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                block_table=table, return_lse=True, **kw,
+                                                **(cache_kw or {}))
+    for i in range(b):
+        n = int(lens[i])
+        want, want_lse = hipflash.flash_attn_func(q[i:i + 1], k_cache[i:i + 1, :n],
+                                                  v_cache[i:i + 1, :n], return_lse=True, **kw,
+                                                  **(sequence_kw(i) if sequence_kw else {}))
+        assert_bitwise_equal(out[i:i + 1], want, f"sequence {i}")
+        assert_bitwise_equal(lse[i:i + 1], want_lse, f"sequence {i} lse")
+
+
 @pytest.mark.parametrize("append", [0, 3], ids=["attend", "append3"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=lambda h: f"h{h[0]}_{h[1]}")

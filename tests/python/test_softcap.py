@@ -14,6 +14,7 @@ import hipflash.compat.flash_attn_interface as fa3
 from reference import (assert_bitwise_equal, check_attention, check_lse, check_out, make_qkv,
                        make_varlen, varlen_attention_ref)
 from test_backward import assert_flash_rule, case_id, grads, torch_attention
+from test_kvcache import assert_kvcache_equals_dense_per_sequence
 
 GPU = torch.cuda.is_available() and hipflash.gpu_available()
 BF16 = torch.bfloat16
@@ -70,25 +71,7 @@ def test_varlen_matches_the_reference():
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_kvcache_equals_the_dense_call_on_its_keys(paged):
-    torch.manual_seed(2)
-    b, hq, hkv, d, cap = 2, 4, 2, 64, 16
-    q = torch.randn(b, 1, hq, d).to(BF16)
-    k_cache = torch.randn(b, cap, hkv, d).to(BF16)
-    v_cache = torch.randn(b, cap, hkv, d).to(BF16)
-    lens = torch.tensor([7, 16], dtype=torch.int32)
-    kw = dict(softmax_scale=1.0, return_lse=True, softcap=2.0)
-    if paged:  # one page of 16 rows per sequence
-        table = torch.arange(b, dtype=torch.int32)[:, None]
-        out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
-                                                    block_table=table, **kw)
-    else:
-        out, lse = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **kw)
-    for i in range(b):
-        n = int(lens[i])
-        want, want_lse = hipflash.flash_attn_func(q[i:i + 1], k_cache[i:i + 1, :n],
-                                                  v_cache[i:i + 1, :n], **kw)
-        assert_bitwise_equal(out[i:i + 1], want, f"sequence {i}")
-        assert_bitwise_equal(lse[i:i + 1], want_lse, f"sequence {i} lse")
+    assert_kvcache_equals_dense_per_sequence(paged, dict(softmax_scale=1.0, softcap=2.0))
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
