@@ -99,6 +99,10 @@ void run_merge(const MergeParams& p, int device, Stream stream);
 void run_kvcache_append(const FwdParams& p, const TensorRef& k_new, const TensorRef& v_new,
                         int device, Stream stream);
 
+/// seqused_q (`p` validated, varlen, on GPU `device`): out 0 and packed LSE -inf on each
+/// sequence's rows past seqused_q[b], which the forward kernels do not write; on `stream`.
+void run_seqused_rows(const FwdParams& p, int device, Stream stream);
+
 /// The tile of a GPU kernel: query rows and keys per block, resident blocks per multiprocessor
 /// (what the split heuristic fills), heads per block (the head-group decode kernel: every kv
 /// head of a batch), for a masked (causal / window) call or not. All zero (heads one) when this

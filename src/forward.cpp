@@ -153,11 +153,12 @@ void check_lse(const TensorRef* lse, const TensorRef& q, const TensorRef& out, c
 
 /// FlashAttention 3's seqused_q / seqused_k (VarlenOptions): int32 [batch], contiguous, on q's
 /// device, not overlapping out or lse; each value in [0, its sequence's cu_seqlens length]
-/// (`cu_q` / `cu_k`: the host copies). CPU tensors only for now (GPU: not_implemented, checked
-/// before any value is read).
+/// (`cu_q` / `cu_k`: the host copies; a GPU tensor's values are copied back as cu_seqlens are,
+/// and like them not checked while the stream captures a graph). CPU tensors and NVIDIA GPUs
+/// (AMD: not_implemented, before any value is read).
 void check_seqused(const VarlenOptions& opts, const TensorRef& q, const TensorRef& out,
                    const TensorRef* lse, int64_t batch, const std::vector<int32_t>& cu_q,
-                   const std::vector<int32_t>& cu_k) {
+                   const std::vector<int32_t>& cu_k, Stream stream, bool capturing) {
   for (auto [t, name, cu] : {std::tuple{opts.seqused_q, "seqused_q", &cu_q},
                              std::tuple{opts.seqused_k, "seqused_k", &cu_k}}) {
     if (t == nullptr) continue;
@@ -170,9 +171,16 @@ void check_seqused(const VarlenOptions& opts, const TensorRef& q, const TensorRe
     check_location(*t, name, q.loc);
     check_disjoint(out, "out", *t, name);
     if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
-    HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
-                      name, " runs on the CPU backend only: the GPU kernels do not read it yet");
-    const auto* used = static_cast<const int32_t*>(t->data);
+    HIPFLASH_CHECK_AS(not_implemented,
+                      q.loc.kind == Location::cpu || gpu::build_caps().gpu_vendor == Arch::nvidia,
+                      name, " runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do "
+                      "not read it yet");
+    if (capturing) continue;
+    std::vector<int32_t> used(static_cast<size_t>(batch));
+    if (batch > 0 && q.loc.kind == Location::cpu)
+      std::memcpy(used.data(), t->data, size_t(batch) * sizeof(int32_t));
+    else if (batch > 0)
+      gpu::copy_to_host(used.data(), t->data, size_t(batch) * sizeof(int32_t), stream);
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = int64_t((*cu)[b + 1]) - (*cu)[b];
       HIPFLASH_CHECK(used[b] >= 0 && used[b] <= len, name, "[", b, "] = ", used[b],
@@ -552,7 +560,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
     HIPFLASH_CHECK((*cu)[batch] <= total, name, "[-1] = ", (*cu)[batch],
                    " exceeds the number of rows of its tensor (", total, ")");
   }
-  check_seqused(opts, q, out, lse, batch, hq, hk);
+  check_seqused(opts, q, out, lse, batch, hq, hk, stream, capturing);
   if (host_cu_k != nullptr) *host_cu_k = capturing ? std::vector<int32_t>{} : std::move(hk);
 
   FwdParams p;

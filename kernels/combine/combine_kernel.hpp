@@ -68,7 +68,7 @@ struct CombineRow {
         base(p.partial_row(0, b, h, row)), split_stride(p.batch * p.heads_q * p.seqlen_q) {
     if (p.cu_seqlens_q) {
       q_start = p.cu_seqlens_q[b];
-      len_q = p.cu_seqlens_q[b + 1] - q_start;
+      len_q = p.seqused_q != nullptr ? p.seqused_q[b] : p.cu_seqlens_q[b + 1] - q_start;
     }
   }
   /// A padded varlen row: its LSE is -inf (written by the caller's lane 0), there is no output.

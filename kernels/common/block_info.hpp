@@ -24,8 +24,10 @@ struct SeqBounds {
     if (p.cu_seqlens_q != nullptr) {
       q_start = p.cu_seqlens_q[b];
       k_start = p.cu_seqlens_k[b];
-      len_q = p.cu_seqlens_q[b + 1] - q_start;
-      len_k = p.cu_seqlens_k[b + 1] - k_start;
+      // FlashAttention 3's seqused: the rows and keys the sequence uses (validated <= its
+      // cu_seqlens lengths; the unused rows are varlen::unused_rows_kernel's).
+      len_q = p.seqused_q != nullptr ? p.seqused_q[b] : p.cu_seqlens_q[b + 1] - q_start;
+      len_k = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k_start;
     } else {
       q_start = k_start = 0;
       len_q = p.seqlen_q;

@@ -230,13 +230,14 @@ def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _refuse_gpu_grad(q, softcap, alibi_slopes):
-    """The GPU forward caps scores and adds ALiBi, its backward does not yet: a call that will
-    need gradients is refused before it runs (not at backward time)."""
+def _refuse_gpu_grad(q, softcap, alibi_slopes, seqused=False):
+    """The GPU forward caps scores, adds ALiBi and reads seqused, its backward does not yet: a
+    call that will need gradients is refused before it runs (not at backward time)."""
     if q.device.type == "cpu":
         return
     for on, name in ((softcap, "softcap's backward"), (alibi_slopes is not None,
-                                                      "ALiBi's backward")):
+                                                      "ALiBi's backward"),
+                     (seqused, "seqused_q / seqused_k in the backward")):
         if on:
             raise NotImplementedError(
                 f"{name} runs on the CPU backend only: the GPU backward kernels do not apply it "
@@ -457,7 +458,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_lse, lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
-        _refuse_gpu_grad(q, softcap, alibi_slopes)
+        _refuse_gpu_grad(q, softcap, alibi_slopes,
+                         seqused_q is not None or seqused_k is not None)
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
                          lse_layout, bool(deterministic), softcap, alibi_slopes, seqused_q,

@@ -314,6 +314,7 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
     });
   });
   if (p.num_splits > 1) launch_combine(p, hd, stream);
+  run_seqused_rows(p, device, stream);  // after the launches that may still refuse the call
   return Launched{t_long_row_tile};
 }
 

@@ -1,8 +1,9 @@
 """FlashAttention 3's seqused_q / seqused_k on hipflash's varlen functions: sequence b uses only
 its first seqused_q[b] query rows and seqused_k[b] keys, masks aligned on the used lengths; its
-other rows get out = 0, LSE -inf and zero gradients. On the CPU backend: the used rows bitwise
-equal the call on the used rows packed on their own, which is checked against the reference;
-the GPU refuses the arguments (NotImplementedError) before anything is written."""
+other rows get out = 0, LSE -inf and zero gradients. The used rows bitwise equal the call on the
+used rows packed on their own, which is checked against the reference — on the CPU backend and
+in the NVIDIA forward kernels; the GPU backward refuses them (NotImplementedError) before
+anything runs."""
 import pytest
 import torch
 
@@ -107,11 +108,53 @@ def test_fa3_passes_them_through():
     assert_bitwise_equal(got, want, "fa3")
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
-                    f"kernels (this build: {hipflash.build_info()!r})")
-def test_the_gpu_refuses_them_before_writing():
+needs_gpu = pytest.mark.skipif(
+    not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU kernels "
+    f"(this build: {hipflash.build_info()!r})")
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_used_rows_equal_the_used_sequences_alone(causal, layout, num_splits):
+    # The forward kernels read the used lengths; the unused rows are written by their own kernel.
     q, k, v, cu_q, cu_k, uq, uk = (t.cuda() for t in case())
+    kw = dict(causal=causal, return_lse=True, lse_layout=layout, num_splits=num_splits)
     out = torch.full_like(q, float("nan"))
-    with pytest.raises(NotImplementedError, match="runs on the CPU backend only"):
-        hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 50, out=out, seqused_k=uk)
-    assert torch.isnan(out).all()
+    lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 50, seqused_q=uq,
+                                          seqused_k=uk, out=out, **kw)[1]
+    rq, rk = used_rows(cu_q.cpu(), uq.cpu()).cuda(), used_rows(cu_k.cpu(), uk.cpu()).cuda()
+    cq, ck = cu_of(uq.tolist()).cuda(), cu_of(uk.tolist()).cuda()
+    want, want_lse = hipflash.flash_attn_varlen_func(q[rq], k[rk], v[rk], cq, ck, 33, 20, **kw)
+    assert_bitwise_equal(out[rq], want, "used rows")
+    unused = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    unused[rq] = False
+    assert (out[unused] == 0).all(), "unused rows: out 0"
+    if layout == "packed":
+        assert_bitwise_equal(lse[:, rq], want_lse, "used rows' lse")
+        assert torch.isneginf(lse[:, unused]).all(), "unused rows: lse -inf"
+    else:
+        for b, u in enumerate(uq.tolist()):
+            assert_bitwise_equal(lse[b, :, :u], want_lse[b, :, :u], f"sequence {b} lse")
+            assert torch.isneginf(lse[b, :, u:]).all()
+    qc, kc, vc = (t.cpu() for t in (q[rq], k[rk], v[rk]))
+    ref, ref_packed, ref_padded = varlen_attention_ref(qc, kc, vc, cq.cpu(), ck.cpu(), 33,
+                                                       causal=causal)
+    ref_lp, _, _ = varlen_attention_ref(qc, kc, vc, cq.cpu(), ck.cpu(), 33, lowp=True,
+                                        causal=causal)
+    check_out(want.cpu(), ref, ref_lp, "gpu used rows")
+    check_lse(want_lse.cpu(), ref_packed if layout == "packed" else ref_padded, "gpu used rows")
+
+
+@needs_gpu
+def test_the_gpu_backward_refuses_them_before_running():
+    q, k, v, cu_q, cu_k, uq, uk = (t.cuda() for t in case())
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match="seqused_q / seqused_k in the backward"):
+        hipflash.flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, 40, 50, seqused_k=uk)
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 50, seqused_q=uq,
+                                               return_lse=True)
+    with pytest.raises(NotImplementedError, match="seqused_q / seqused_k in the backward"):
+        torch.ops.hipflash.varlen_bwd(out, q, k, v, out, lse, cu_q, cu_k, 40, 50, None, False,
+                                      -1, -1, False, "padded", 0.0, None, uq)

@@ -11,8 +11,8 @@ scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heurist
 NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs on CPU
 tensors: hipflash.flash_attn_func's q_descale), attention_chunk,
 rotary embedding, cache_leftpad (cache_batch_idx runs on CPU tensors), and varlen queries
-appending new keys
-(cu_seqlens_k_new). seqused_q / seqused_k run on CPU tensors (the GPU refuses them); softcap
+appending new keys (cu_seqlens_k_new). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
+GPU forward (the GPU backward refuses them); softcap
 on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
 the kernels cap scores).
 """
