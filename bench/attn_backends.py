@@ -57,6 +57,10 @@ class Inputs:
             self.q.append(_randn(qs, dt, device, gen))
             self.k.append(_randn(ks, dt, device, gen))
             self.v.append(_randn(ks, dt, device, gen))
+            if c.extra.get("e4m3_kv"):  # K/V an fp8 cache holds exactly (HipflashFp8Kv)
+                for x in (self.k[-1], self.v[-1]):
+                    x.copy_((x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn).to(dt)
+                            .mul_(1.0 / E4M3_KV_INV_SCALE))
         self.cu_q = self.cu_k = None
         if c.kind == "varlen":
             self.cu_q = torch.tensor(c.cu_q, dtype=torch.int32, device=device)
@@ -93,6 +97,7 @@ class Backend:
     kinds = ("dense",)   # cell kinds served
     layout = "bshd"      # "bshd" or "bhsd"
     devices = ("cuda",)
+    kv_fraction = 1.0    # bytes of K/V it reads over the cell's (0.5: an fp8 cache)
 
     def available(self, device):
         """(ok, reason) for the whole run; checked once."""
@@ -298,6 +303,43 @@ class HipflashPaged(Hipflash):
             return hf.flash_attn_with_kvcache(inp.q[i], k_pages[i], v_pages[i], block_table=table,
                                               softmax_scale=cell.scale, causal=cell.causal,
                                               return_lse=True)
+
+        def extract(res):
+            return res[0], normalize_lse(res[1], cell.B, cell.Hq, cell.Sq)
+        return run, extract
+
+
+# The decode-fp8 suite's K/V: unit normals rounded to e4m3 times 1/16 (a power of two, so the
+# 16-bit copy every 16-bit backend reads and the fp8 cache hold the same values).
+E4M3_KV_INV_SCALE = 16.0
+
+
+class HipflashFp8Kv(Hipflash):
+    """hipflash.flash_attn_with_kvcache on an fp8 (float8_e4m3fn) copy of the cell's K/V with
+    k_scale = v_scale = 1/16 (vLLM's kv_cache_dtype="fp8"), with the LSE: the cell's K/V are
+    e4m3 values times 1/16 (Inputs, cell.extra["e4m3_kv"]), so the copy is exact and the check
+    is the same reference. cache_seqlens=None, as hipflash-paged*. Reads half the bytes."""
+    kinds = ("dense",)
+    kv_fraction = 0.5
+
+    def __init__(self, hipflash_path=None):
+        super().__init__(True, hipflash_path)
+        self.name = "hipflash-fp8kv"
+
+    def prepare(self, cell, inp):
+        from attn_ref import normalize_lse
+
+        hf = import_hipflash(self.path)
+        if not cell.extra.get("e4m3_kv"):
+            raise Unavailable("the cell's K/V are not e4m3 values (suite decode-fp8)")
+        k8 = [(x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn) for x in inp.k]
+        v8 = [(x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn) for x in inp.v]
+        scale = torch.tensor(1.0 / E4M3_KV_INV_SCALE, device=inp.q[0].device)
+
+        def run(i, out=None):  # `out` (the check's poisoned buffer) has nowhere to go
+            return hf.flash_attn_with_kvcache(inp.q[i], k8[i], v8[i], softmax_scale=cell.scale,
+                                              causal=cell.causal, return_lse=True,
+                                              k_scale=scale, v_scale=scale)
 
         def extract(res):
             return res[0], normalize_lse(res[1], cell.B, cell.Hq, cell.Sq)
@@ -568,6 +610,7 @@ def make_backends(hipflash_path=None):
     """Every backend by name."""
     bs = [Hipflash(False, hipflash_path), Hipflash(True, hipflash_path),
           HipflashPaged(16, hipflash_path), HipflashPaged(256, hipflash_path),
+          HipflashFp8Kv(hipflash_path),
           HipflashBhsd(hipflash_path), CudnnSdpaGqaBshd(), TorchFlash(),
           TorchCudnn(True), TorchCudnn(False), TorchEfficient(True), TorchEfficient(False),
           Flex(), FA2Native(), CudnnSdpaGqa(), EfficientVarlen(), TorchSdpa(), TorchMath()]

@@ -67,7 +67,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="quick",
                     choices=["quick", "full", "fa-grid", "head-dims", "dev", "decode", "varlen",
-                             "lse-overhead", HOST, "serving", "tiny", "merge", "train"])
+                             "lse-overhead", HOST, "serving", "decode-fp8", "tiny", "merge",
+                             "train"])
     ap.add_argument("--out", default=None, help="results directory (default bench/results/SUITE)")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="default: cuda if available, else cpu (CPU runs only test the runner)")

@@ -28,6 +28,8 @@ LSE_OVERHEAD = ["hipflash", "hipflash+lse", "torch-cudnn-nolse", "torch-cudnn",
 HOST_OVERHEAD = HF + ["fa2-native", "torch-cudnn-nolse", "torch-cudnn"]
 # The serving suite: contiguous (the plain forward) vs paged caches, all with the LSE.
 SERVING = ["hipflash+lse", "hipflash-paged16", "hipflash-paged256", "fa2-native"]
+# The fp8 KV cache against the 16-bit one (issue 43): the same K/V values, both with the LSE.
+DECODE_FP8 = ["hipflash+lse", "hipflash-fp8kv"]
 HOST = rep.HOST  # the suite whose cells also get the host timing (Timer.host)
 
 
@@ -210,6 +212,12 @@ def build_suite(name, dtype, flex, decode_dim=128):
         return full_decode
     if name == "serving":  # run on its own (not part of full): paged KV-cache decode
         return serving([4096, 16384, 65536], [1, 8, 32], dtype, SERVING, D=decode_dim)
+    if name == "decode-fp8":  # run on its own: the fp8 KV cache, cells of e4m3 values
+        cells = decode([4096, 16384, 32768, 65536, 131072], [1, 8, 32], dtype, DECODE_FP8,
+                       "decode-fp8", D=decode_dim)
+        for c in cells:
+            c.extra["e4m3_kv"] = True
+        return cells
     if name == "varlen":
         return full_varlen
     full_host = host_overhead(dtype, HOST_OVERHEAD, [1, 8])

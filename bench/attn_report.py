@@ -25,6 +25,8 @@ SUITE_TITLES = {
     "head-dims": "Head dims 96 and 256 (B*S = 16k, H = 2048 // D)",
     "decode": "Decode (Sq = 1, GQA 32/8, D = 128)",
     "serving": "Decode from a KV cache: contiguous vs paged (Sq = 1, GQA 32/8, D = 128, LSE)",
+    "decode-fp8": "Decode from an fp8 (e4m3) KV cache against a 16-bit one (Sq = 1, GQA 32/8, "
+                  "D = 128, LSE)",
     "varlen": "Varlen (mixed sequence lengths)",
     "lse-overhead": "LSE overhead (same kernel family, LSE on vs off)",
     HOST: "Host overhead per call",
@@ -59,9 +61,18 @@ SUITE_NOTES = {
                "fills its cache, so no lengths tensor is copied back to the host per call). Each "
                "is checked against the reference; paged / contiguous GB/s is the cost of the "
                "block table. fa2-native: contiguous, for reference.",
+    "decode-fp8": "hipflash+lse reads the cell's K/V in 16 bits; hipflash-fp8kv reads the same "
+                  "values from a float8_e4m3fn cache (`flash_attn_with_kvcache` with k_scale = "
+                  "v_scale = 1/16, the cell's K/V being e4m3 values times 1/16), both with the "
+                  "LSE, each checked against the same reference. GB/s counts the bytes each "
+                  "reads (the fp8 cache: half), so tokens/s fp8 / 16-bit is twice the GB/s "
+                  "ratio, and the GB/s ratio is the fp8 kernel's share of the 16-bit one's "
+                  "bandwidth.",
 }
-SUITE_ORDER = ["fa-grid", "head-dims", "decode", "serving", "varlen", "lse-overhead", HOST, "tiny"]
-SUITE_METRIC = {"decode": "gbps", "serving": "gbps", HOST: "b2b_us"}  # everything else: tflops
+SUITE_ORDER = ["fa-grid", "head-dims", "decode", "serving", "decode-fp8", "varlen",
+               "lse-overhead", HOST, "tiny"]
+SUITE_METRIC = {"decode": "gbps", "serving": "gbps", "decode-fp8": "gbps",
+                HOST: "b2b_us"}  # everything else: tflops
 METRIC_UNIT = {"tflops": "TFLOP/s", "gbps": "GB/s", "b2b_us": "µs per call, back to back"}
 LOWER_IS_BETTER = {"b2b_us"}
 # (no-LSE backend, LSE backend) pairs of the lse-overhead suite
@@ -72,7 +83,7 @@ HF, HF_LSE = "hipflash", "hipflash+lse"
 # own entry point (the target), or torch-math in the CPU test of the runner.
 HOST_REF = ("fa2-native", "torch-math")
 XLABELS = {"fa-grid": "Sequence length", "head-dims": "Sequence length", "decode": "KV length (Sk)",
-           "serving": "KV length (Sk)", "tiny": ""}
+           "serving": "KV length (Sk)", "decode-fp8": "KV length (Sk)", "tiny": ""}
 
 # Fixed colours, so a backend looks the same in every figure.
 COLORS = {
@@ -274,7 +285,7 @@ def host_table(rows):
 
 # Suites whose cells are also timed by wall clock per call (Timer.host), besides the host-overhead
 # suite: decode and KV-cache decode, where the call's host cost is a visible share of the time.
-WALL_CLOCK_SUITES = ("decode", "serving")
+WALL_CLOCK_SUITES = ("decode", "serving", "decode-fp8")
 
 
 def wall_clock_table(rows, suite):

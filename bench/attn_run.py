@@ -132,7 +132,7 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
             elif timer.rounds > 1:
                 interleaved[name] = run  # timed below, the backends taking turns
             else:
-                _record_time(cell, row, timer.time(run, nsets))
+                _record_time(cell, row, timer.time(run, nsets), b.kv_fraction)
                 if wall_clock:
                     host_runs[name] = run
         except ab.Unavailable as e:
@@ -150,7 +150,8 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
         for n in interleaved:
             rows[n]["note"] = f"not timed: {fatal}"
     elif interleaved:
-        fatal = _time_interleaved(cell, interleaved, rows, timer, nsets, device)
+        fatal = _time_interleaved(cell, interleaved, rows, timer, nsets, device,
+                                  {n: backends[n].kv_fraction for n in interleaved})
         if wall_clock and fatal is None:
             host_runs.update((n, interleaved[n]) for n in interleaved if rows[n]["status"] == "ok")
     del interleaved
@@ -168,17 +169,18 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
     return [rows[n] for n in cell.backends], fatal
 
 
-def _record_time(cell, row, st):
-    """A timed backend's row: the statistics, TFLOP/s and, for decode-shaped cells, GB/s."""
+def _record_time(cell, row, st, kv_fraction=1.0):
+    """A timed backend's row: the statistics, TFLOP/s and, for decode-shaped cells, GB/s of the
+    K/V it reads (kv_fraction of the cell's: 0.5 for an fp8 cache of a 16-bit cell)."""
     row.update(st)
     row["status"] = "ok"
     t = st["time_ms"] * 1e-3
     row["tflops"] = cell.flops / t / 1e12
-    if cell.suite == "decode" or (cell.Sq == 1 and cell.kind == "dense"):
-        row["gbps"] = cell.kvbytes / t / 1e9
+    if cell.suite in ("decode", "decode-fp8") or (cell.Sq == 1 and cell.kind == "dense"):
+        row["gbps"] = cell.kvbytes * kv_fraction / t / 1e9
 
 
-def _time_interleaved(cell, runs, rows, timer, nsets, device):
+def _time_interleaved(cell, runs, rows, timer, nsets, device, kv_fractions):
     """Times the checked backends of one cell in timer.rounds rounds, taking turns: a change
     of the GPU's clock (its power limit) during the cell then reaches every backend's median
     alike. A backend that fails is n/a and leaves the rounds. Returns a fatal error or None."""
@@ -203,7 +205,7 @@ def _time_interleaved(cell, runs, rows, timer, nsets, device):
                     return fatal
                 torch.cuda.empty_cache()
     for name, t in ts.items():
-        _record_time(cell, rows[name], _stats(sorted(t)))
+        _record_time(cell, rows[name], _stats(sorted(t)), kv_fractions.get(name, 1.0))
     return None
 
 

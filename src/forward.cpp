@@ -282,6 +282,7 @@ Problem make_problem(const FwdParams& p) {
   prob.query_rows = p.gpu_query_rows();
   prob.tma_compatible = tma_describable(p);
   prob.kv_cache = p.is_kvcache();
+  prob.kv_dtype = p.kv_dtype;
   prob.gqa_decode = p.packs_gqa_decode();
   prob.heads_kv = p.heads_kv;
   prob.batch = p.batch;
@@ -332,9 +333,10 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
     check_workspace_size(plan.num_splits);
     return plan;
   }
-  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3 && p.kv_dtype != DType::e4m3,
-                    "float8_e4m3fn inputs and KV caches run on the CPU backend only: the GPU "
-                    "kernels do not read fp8 yet");
+  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3,
+                    "float8_e4m3fn inputs run on the CPU backend only: the GPU kernels do not "
+                    "read fp8 q, k and v yet (an fp8 KV cache with bfloat16 or float16 queries "
+                    "runs on NVIDIA GPUs in decode calls)");
   HIPFLASH_CHECK_AS(not_implemented,
                     p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
                     "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "

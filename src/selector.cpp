@@ -46,7 +46,9 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     sel.reason = std::string("dtype ") + std::string(dtype_name(p.dtype)) + " is not supported";
     return sel;
   }
-  sel.key = KernelKey{p.dtype, hd, p.return_lse, p.masked, p.num_splits > 1};
+  const bool fp8_kv = p.kv_dtype == DType::e4m3;
+  sel.key = KernelKey{p.dtype, hd, p.return_lse, p.masked, p.num_splits > 1,
+                      fp8_kv ? DType::e4m3 : p.dtype};
   if (arch.vendor == Arch::host) {
     sel.kind = KernelKind::cpu_reference;
     return sel;
@@ -82,6 +84,24 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // sm_90 at head dims 64 and 128 (its ring: 192 KiB of shared memory at 128, more than sm_8x
     // gives): where it was measured ahead by default (kDecodeHeadsMin*), every such call
     // with HIPFLASH_DECODE_HEADS=1.
+    if (fp8_kv) {
+      // An fp8 KV cache: the decode kernel alone reads one (dequantised in registers by cvt,
+      // sm_89 and newer).
+      if (arch.version < kFp8KvMinSm) {
+        sel.reason = "an fp8 (float8_e4m3fn) KV cache needs sm_89 or newer on NVIDIA GPUs (the "
+                     "kernels convert it with cvt.e4m3x2), got " + arch.name();
+        return sel;
+      }
+      if (p.query_rows > kDecodeMaxRows || !reads_fp8_kv_cache(KernelKind::decode)) {
+        sel.reason = "an fp8 (float8_e4m3fn) KV cache is read by the decode kernel only, which "
+                     "takes up to " + std::to_string(kDecodeMaxRows) + " query rows per kv head "
+                     "(seqlen_q, or heads_q / heads_kv with one query row); this call has " +
+                     std::to_string(p.query_rows);
+        return sel;
+      }
+      sel.kind = KernelKind::decode;
+      return sel;
+    }
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = head_group_decode(p, hd, arch, caps) ? KernelKind::decode_heads
                                                       : KernelKind::decode;

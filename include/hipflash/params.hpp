@@ -134,11 +134,13 @@ struct FwdParams {
   bool is_kvcache() const { return seqlens_k != nullptr || block_table != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   /// GQA decode (one query row, no window, dense): the GPU launcher packs the query heads that
-  /// share a kv head into the rows of one query block (see gpu_backend.cu). With ALiBi only
-  /// where those rows fit the decode kernels' block (the kernels that read a slope a row).
+  /// share a kv head into the rows of one query block (see gpu_backend.cu). With ALiBi (the
+  /// kernels that read a slope a row) or an fp8 KV cache (the kernel that reads one) only where
+  /// those rows fit the decode kernels' block.
   bool packs_gqa_decode() const {
     return seqlen_q == 1 && !has_window() && !is_varlen() && heads_q > heads_kv &&
-           (alibi_slopes == nullptr || heads_q / heads_kv <= kDecodeMaxRows);
+           ((alibi_slopes == nullptr && kv_dtype != DType::e4m3) ||
+            heads_q / heads_kv <= kDecodeMaxRows);
   }
   /// Query rows and heads per batch as the GPU kernels see them (the packing above applied).
   int64_t gpu_query_rows() const { return packs_gqa_decode() ? heads_q / heads_kv : seqlen_q; }

@@ -90,28 +90,32 @@ struct TileRows : RowsAsGiven {};
 template <class Tile, int kRows, class T>
 struct TileRows<Tile, kRows, common::PagedRows<T>> {
   /// A thread's chunks lie kRowStep rows apart; every page holds at least kGroup rows
-  /// (PagedRows::kMinRows), so rows [16 g, 16 g + 16) of a tile share one entry and a thread
-  /// reads kGroups entries per tile, not one per chunk.
+  /// (PagedRows::kMinRows), so rows [16 g, 16 g + 16) of a tile share one entry: a thread reads
+  /// kGroups entries per tile, not one per chunk — or, where its chunks lie more than a group
+  /// apart (kRowStep > kGroup: short rows, an fp8 tile of head dim 64), one entry per chunk.
   static constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
   static constexpr int kGroup = common::PagedRows<T>::kMinRows;
-  static constexpr int kGroups = kRows / kGroup;
-  static_assert(kRows % kGroup == 0 && kGroup % kRowStep == 0,
-                "a thread's first row lies in group 0: chunk i's group is i * kRowStep / kGroup");
-  int32_t page[kGroups];
+  static constexpr bool kPerChunk = kRowStep > kGroup;
+  static constexpr int kEntries = kPerChunk ? kRows / kRowStep : kRows / kGroup;
+  static_assert(kPerChunk ? kRowStep % kGroup == 0 && kRows % kRowStep == 0
+                          : kRows % kGroup == 0 && kGroup % kRowStep == 0,
+                "a thread's first row lies in group 0 (or each chunk in a group of its own)");
+  int32_t page[kEntries];
 
   /// The entries of rows [row0, row0 + kRows); groups at or past len get page 0 (their copies
   /// read nothing), so no table entry past the sequence's pages is read.
   __device__ __forceinline__ void fetch(const common::PagedRows<T>& src, int64_t row0,
                                         int64_t len) {
+    const int first = kPerChunk ? int(threadIdx.x) / Tile::kChunks : 0;
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      const int64_t j = row0 + g * kGroup;
-      page[g] = j < len ? int32_t(src.page_of(j)) : 0;
+    for (int e = 0; e < kEntries; ++e) {
+      const int64_t j = row0 + first + e * (kPerChunk ? kRowStep : kGroup);
+      page[e] = j < len ? int32_t(src.page_of(j)) : 0;
     }
   }
   /// Row j = row0 + r of chunk i (r = thread's first row + i * kRowStep).
   __device__ __forceinline__ const T* row(const common::PagedRows<T>& src, int i, int64_t j) const {
-    return src.row_in(page[i * kRowStep / kGroup], j);
+    return src.row_in(page[kPerChunk ? i : i * kRowStep / kGroup], j);
   }
 };
 
@@ -123,14 +127,15 @@ template <class Tile, int kRows, class T, class Rows, class Resolved>
 __device__ __forceinline__ void load_tile(T* smem, const Rows& src, const Resolved& rows,
                                           int64_t row0, int64_t len, int head_dim) {
   constexpr int kTotal = kRows * Tile::kChunks;
+  constexpr int kE = 16 / int(sizeof(T));  // elements a chunk
   static_assert(kTotal % Tile::kThreads == 0, "whole chunks per thread");
 #pragma unroll
   for (int i = 0; i < kTotal / Tile::kThreads; ++i) {
     const int idx = int(threadIdx.x) + i * Tile::kThreads;
     const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
-    const bool valid = row0 + r < len && c * 8 < head_dim;
-    const T* from = valid ? rows.row(src, i, row0 + r) + c * 8 : src.base;
-    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), from, valid);
+    const bool valid = row0 + r < len && c * kE < head_dim;
+    const T* from = valid ? rows.row(src, i, row0 + r) + c * kE : src.base;
+    cp_async_16(smem + common::swizzle<Tile::kChunks, kE>(r, c), from, valid);
   }
 }
 
@@ -144,30 +149,34 @@ __device__ __forceinline__ void load_tile_by_runs(T* smem, const Rows& src, cons
                                                   int64_t row0, int64_t len, int head_dim) {
   constexpr int kStep = Tile::kThreads / Tile::kChunks;  // rows between a thread's chunks
   constexpr int kPerThread = kRows / kStep;
+  constexpr int kE = 16 / int(sizeof(T));  // elements a chunk
   static_assert(Tile::kThreads % Tile::kChunks == 0 && kRows % kStep == 0, "whole chunk rows");
-  static_assert(Rows::kRunRows % kStep == 0, "a thread's first row lies in the first run");
-  constexpr int kRunChunks =
-      Rows::kRunRows / kStep < kPerThread ? Rows::kRunRows / kStep : kPerThread;
+  static_assert(Rows::kRunRows % kStep == 0 || kStep % Rows::kRunRows == 0,
+                "a thread's first row lies in the first run (or each chunk in a run of its own)");
+  // Chunks a resolved row serves: a run's worth, at least one (chunks a run or more apart).
+  constexpr int kRunChunks = Rows::kRunRows / kStep < 1          ? 1
+                             : Rows::kRunRows / kStep < kPerThread ? Rows::kRunRows / kStep
+                                                                   : kPerThread;
   const int r0 = int(threadIdx.x) / Tile::kChunks, c = int(threadIdx.x) % Tile::kChunks;
   const int rows_left = len - row0 < kRows ? int(len - row0) : kRows;
-  const bool column = c * 8 < head_dim;
+  const bool column = c * kE < head_dim;
   const int64_t step = kStep * src.ld;  // from one of a thread's chunks to the next in a run
   const T* at = nullptr;
-  if (rows_left == kRows && head_dim == Tile::kChunks * 8) {  // a whole tile: no predicates
+  if (rows_left == kRows && head_dim == Tile::kChunks * kE) {  // a whole tile: no predicates
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int r = r0 + i * kStep;
-      at = i % kRunChunks == 0 ? rows.row(src, i, row0 + r) + c * 8 : at + step;
-      cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), at, true);
+      at = i % kRunChunks == 0 ? rows.row(src, i, row0 + r) + c * kE : at + step;
+      cp_async_16(smem + common::swizzle<Tile::kChunks, kE>(r, c), at, true);
     }
     return;
   }
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int r = r0 + i * kStep;
-    at = i % kRunChunks == 0 ? rows.row(src, i, row0 + r) + c * 8 : at + step;
+    at = i % kRunChunks == 0 ? rows.row(src, i, row0 + r) + c * kE : at + step;
     const bool valid = column && r < rows_left;  // else the copy reads nothing
-    cp_async_16(smem + common::swizzle<Tile::kChunks>(r, c), valid ? at : src.base, valid);
+    cp_async_16(smem + common::swizzle<Tile::kChunks, kE>(r, c), valid ? at : src.base, valid);
   }
 }
 

@@ -5,15 +5,26 @@
 
 namespace hipflash::common {
 
-/// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kChunks * 8] tile,
-/// swizzled per 128-byte line: chunk' = chunk ^ (row % 8). Conflict-free for ldmatrix (8 rows,
-/// one chunk) and for 16-byte row-contiguous stores. Since the XOR only touches the low three
-/// bits, chunk (2s + x) of a row r maps to byte offset ((32 s) ^ (16 (x ^ r % 8))): the
-/// mainloop keeps the per-lane term and XORs in the per-step constant.
+/// The XOR a row's 16-byte chunks take in a tile of kChunks chunks a row (swizzle below):
+/// row % 8 for rows of whole 128-byte lines; (row / 2) % 4 for 64-byte rows (an fp8 tile of
+/// head dim 64), two rows a line, so that 8 consecutive rows at one chunk still fall on 8
+/// different 16-byte bank groups.
 template <int kChunks>
+HIPFLASH_HD int swizzle_xor(int row) {
+  static_assert(kChunks % 8 == 0 || kChunks == 4, "rows of whole 128-byte lines, or 64 bytes");
+  return kChunks == 4 ? (row >> 1) & 3 : row & 7;
+}
+
+/// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kChunks * kChunkElems]
+/// tile (kChunkElems: 8 16-bit or 16 8-bit elements a chunk), swizzled per 128-byte line:
+/// chunk' = chunk ^ swizzle_xor(row) (row % 8 for 128-byte rows and longer). Conflict-free for
+/// ldmatrix (8 rows, one chunk) and for 16-byte row-contiguous stores. Since the XOR only
+/// touches the low three bits, chunk (2s + x) of a row r maps to byte offset
+/// ((32 s) ^ (16 (x ^ swizzle_xor(r)))): the mainloop keeps the per-lane term and XORs in the
+/// per-step constant.
+template <int kChunks, int kChunkElems = 8>
 HIPFLASH_HD int swizzle(int row, int chunk) {
-  static_assert(kChunks % 8 == 0, "rows are whole 128-byte lines");
-  return row * kChunks * 8 + (chunk ^ (row & 7)) * 8;
+  return (row * kChunks + (chunk ^ swizzle_xor<kChunks>(row))) * kChunkElems;
 }
 
 /// Element offset of chunk `chunk` of row `row` in a staged output tile: kPanelRows 0 is the

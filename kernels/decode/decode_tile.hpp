@@ -10,32 +10,45 @@
 
 namespace hipflash::decode {
 
-template <int kHeadDim_>
+template <int kHeadDim_, int kKvBytes_ = 2>
 struct DecodeTile {
   static constexpr int kHeadDim = kHeadDim_;
+  /// Bytes of a K / V element: 2, or 1 for an fp8 (e4m3) KV cache, whose tiles stay e4m3 in
+  /// shared memory and are converted to f16 in registers (warp_keys_step_fp8).
+  static constexpr int kKvBytes = kKvBytes_;
   static constexpr int kBlockM = 16;   ///< query rows per block (one MMA tile)
   static constexpr int kNWarps = 4;
   static constexpr int kWarpKeys = 16;  ///< keys of a block each warp owns
   static constexpr int kBlockN = kNWarps * kWarpKeys;
-  /// K+V bytes per stage: 16 KiB (hd64), 32 KiB (hd128), 64 KiB (hd256). Two stages — one key
-  /// block in flight while the warps work on the other — from hd128 on: on the H200 the decode
-  /// calls read faster with fewer bytes in flight (hd128, two blocks an SM: 64 KiB in flight an
-  /// SM streamed 0.5-1.3% faster than three stages' 128 KiB). hd64 keeps three: its 16 KiB
-  /// stages read 10-13% slower with two. See
-  /// docs/design-decisions.md#decode-kernel.
-  static constexpr int kStages = kHeadDim == 64 ? 3 : 2;
+  /// K+V bytes per stage: 16 KiB (hd64), 32 KiB (hd128), 64 KiB (hd256), half that for fp8.
+  /// Two stages — one key block in flight while the warps work on the other — from hd128 on:
+  /// on the H200 the decode calls read faster with fewer bytes in flight (hd128, two blocks an
+  /// SM: 64 KiB in flight an SM streamed 0.5-1.3% faster than three stages' 128 KiB). hd64
+  /// keeps three: its 16 KiB stages read 10-13% slower with two. See
+  /// docs/design-decisions.md#decode-kernel. An fp8 ring keeps the same bytes in flight in
+  /// twice the stages of half the size.
+  static constexpr int kStages16 = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kStages = kKvBytes == 2 ? kStages16 : 2 * (kStages16 - 1) + 1;
   static constexpr int kThreads = kNWarps * 32;
-  static constexpr int kChunks = kHeadDim / 8;  ///< 16-byte chunks per row
+  static constexpr int kChunks = kHeadDim / 8;  ///< 16-byte chunks per row of Q
+  static constexpr int kKvChunks = kHeadDim * kKvBytes / 16;  ///< 16-byte chunks per K / V row
   static constexpr int kDSteps = kHeadDim / 16;  ///< k-steps of Q K^T
   static constexpr int kDTiles = kHeadDim / 8;   ///< 8-column output tiles
   static constexpr int kSmemQ = kBlockM * kHeadDim;  // elements
-  static constexpr int kSmemKV = kBlockN * kHeadDim;
-  static constexpr int kSmemStage = 2 * kSmemKV;
-  static constexpr int kSmemBytes = (kSmemQ + kStages * kSmemStage) * 2;
+  static constexpr int kSmemKV = kBlockN * kHeadDim;  // elements of K (or V) a stage
+  static constexpr int kSmemStageBytes = 2 * kSmemKV * kKvBytes;
+  static constexpr int kSmemBytes = kSmemQ * 2 + kStages * kSmemStageBytes;
   /// The cross-warp merge reuses the ring: O (fp32, padded rows), then m and l.
   static constexpr int kMergePitch = kHeadDim + 4;
   static constexpr int kMergeBytes = (kNWarps * kBlockM * kMergePitch + 2 * kNWarps * kBlockM) * 4;
-  static_assert(kMergeBytes <= kStages * kSmemStage * 2, "merge buffer fits in the ring");
+  static_assert(kMergeBytes <= kStages * kSmemStageBytes, "merge buffer fits in the ring");
+
+  /// The K / V loads' shape (load_tile_by_runs, TileRows): the block's threads, the K / V row's
+  /// chunks.
+  struct KvLoad {
+    static constexpr int kThreads = DecodeTile::kThreads;
+    static constexpr int kChunks = kKvChunks;
+  };
 };
 
 }  // namespace hipflash::decode

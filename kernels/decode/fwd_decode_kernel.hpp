@@ -26,20 +26,29 @@
 
 namespace hipflash::decode {
 
+/// The decode kernel's tile for Traits: K / V of q's dtype, or e4m3 (an fp8 KV cache).
+template <class Traits>
+using TileOf = DecodeTile<Traits::kHeadDim, Traits::kKvDType == DType::e4m3 ? 1 : 2>;
+
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
 template <class Traits, bool kPaged>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using namespace atom::sm80;
-  using Cfg = DecodeTile<Traits::kHeadDim>;
+  using Cfg = TileOf<Traits>;
   using T = typename common::Element<Traits::kDType>::type;
+  constexpr bool kFp8Kv = Cfg::kKvBytes == 1;
+  using KvT = std::conditional_t<kFp8Kv, uint8_t, T>;  // e4m3 travels as bytes
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
-  constexpr int kBN = Cfg::kBlockN, kStages = Cfg::kStages, kRowBytes = Cfg::kChunks * 16;
+  using KvLoad = typename Cfg::KvLoad;
+  constexpr int kBN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr int kKvRowBytes = Cfg::kKvChunks * 16;
   constexpr DType kDT = Traits::kDType;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sRing = sQ + Cfg::kSmemQ;  // stage s: K tile, then V tile
+  KvT* sRing = reinterpret_cast<KvT*>(sQ + Cfg::kSmemQ);  // stage s: K tile, then V tile
+  constexpr int kStageElems = 2 * Cfg::kSmemKV;
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int g = lane / 4, t = lane % 4;
@@ -51,21 +60,21 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int hd = int(p.head_dim);
   // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
   const auto q_src = bi.template q_source<T>(p);
-  const auto k_src = bi.template k_source_of<T, kPaged>(p);  // contiguous or paged (KV cache)
-  const auto v_src = bi.template v_source_of<T, kPaged>(p);
+  const auto k_src = bi.template k_source_of<KvT, kPaged>(p);  // contiguous or paged (KV cache)
+  const auto v_src = bi.template v_source_of<KvT, kPaged>(p);
 
   const int n_begin = bi.n_block_min, num_n = bi.n_block_max - bi.n_block_min;
   // Key block n_begin + i goes to stage i % kStages; one commit group per block, empty ones
   // included, so that "all but the newest kStages - 2 groups" always means block i landed.
   // The rows of the next block to load are resolved one load ahead (a paged cache's block-table
   // entries: see TileRows).
-  TileRows<Cfg, kBN, std::remove_const_t<decltype(k_src)>> next_rows;
+  TileRows<KvLoad, kBN, std::remove_const_t<decltype(k_src)>> next_rows;
   auto load_kv = [&](int i) {
     if (i < num_n) {
-      T* sK = sRing + (i % kStages) * Cfg::kSmemStage;
+      KvT* sK = sRing + (i % kStages) * kStageElems;
       const int64_t row0 = int64_t(n_begin + i) * kBN;
-      load_tile_by_runs<Cfg, kBN>(sK, k_src, next_rows, row0, bi.len_k, hd);
-      load_tile_by_runs<Cfg, kBN>(sK + Cfg::kSmemKV, v_src, next_rows, row0, bi.len_k, hd);
+      load_tile_by_runs<KvLoad, kBN>(sK, k_src, next_rows, row0, bi.len_k, hd);
+      load_tile_by_runs<KvLoad, kBN>(sK + Cfg::kSmemKV, v_src, next_rows, row0, bi.len_k, hd);
       if (i + 1 < num_n) next_rows.fetch(k_src, row0 + kBN, bi.len_k);
     }
     cp_async_commit();
@@ -82,34 +91,56 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const common::ScoreCap cap(p);  // the softcap, when the call has one
   const float scale_log2 = cap.scale_log2(p);
   const common::ScoreBias<true> bias{p, bi.b, bi.h};  // ALiBi, when the call has it
-
-  // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
-  const WarpQueryLanes<kRowBytes> q_lanes(smem_addr(sQ), lane);
-  const WarpKeyLanes<kRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
-
-  for (int i = 0; i < num_n; ++i) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // block i landed; every warp is done with block i - 1's stage
-    if (i == 0) q_lanes.load(qf);
-    load_kv(i + kStages - 1);  // into the stage block i - 1 used
-
-    const uint32_t sK = smem_addr(sRing + (i % kStages) * Cfg::kSmemStage);
-    const int n = n_begin + i;
-    warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
-                             [&](float (&S)[2][4]) {
-      cap.apply(S);
-      bias.apply(S, [&](int r) { return m0 + g + 8 * r; }, bi.diag,
-                 int64_t(n) * kBN + warp * Cfg::kWarpKeys + 2 * t);
-      if (!bi.needs_mask(p, n, Traits::kMasked)) return;
+  // The scores' mask, cap and bias (the caller's S: this warp's 16 keys of block n).
+  const auto score_mods = [&](float (&S)[2][4], int n) {
+    cap.apply(S);
+    bias.apply(S, [&](int r) { return m0 + g + 8 * r; }, bi.diag,
+               int64_t(n) * kBN + warp * Cfg::kWarpKeys + 2 * t);
+    if (!bi.needs_mask(p, n, Traits::kMasked)) return;
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int64_t j = int64_t(n) * kBN + warp * Cfg::kWarpKeys + (c / 2) * 8 + 2 * t + c % 2;
-          if (!Info::key_valid(p, m0 + g + 8 * r, j, bi.len_k, bi.diag, Traits::kMasked))
-            S[r][c] = detail::kNegInf;
-        }
-    });
+      for (int c = 0; c < 4; ++c) {
+        const int64_t j = int64_t(n) * kBN + warp * Cfg::kWarpKeys + (c / 2) * 8 + 2 * t + c % 2;
+        if (!Info::key_valid(p, m0 + g + 8 * r, j, bi.len_k, bi.diag, Traits::kMasked))
+          S[r][c] = detail::kNegInf;
+      }
+  };
+
+  if constexpr (kFp8Kv) {
+#if defined(HIPFLASH_HAS_E4M3_CVT)
+    // e4m3 K / V: f16 operands, Q's rows scaled into f16's range (warp_keys.hpp).
+    float row_scale[2];
+    const float k_scale = p.k_descale.at(bi.b, bi.h_kv);
+    const Fp8KeyLanes<kKvRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
+    for (int i = 0; i < num_n; ++i) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // block i landed; every warp is done with block i - 1's stage
+      if (i == 0) {
+        load_q_f16<Cfg::kDSteps, kDT>(qf, row_scale, sQ, lane);
+        row_scale[0] *= k_scale, row_scale[1] *= k_scale;
+      }
+      load_kv(i + kStages - 1);  // into the stage block i - 1 used
+      const uint32_t sK = smem_addr(sRing + (i % kStages) * kStageElems);
+      const int n = n_begin + i;
+      warp_keys_step_fp8<Cfg>(qf, sK, sK + Cfg::kSmemKV, lanes, row_scale, O, softmax,
+                              scale_log2, [&](float (&S)[2][4]) { score_mods(S, n); });
+    }
+#endif  // HIPFLASH_HAS_E4M3_CVT
+  } else {
+    // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
+    const WarpQueryLanes<Cfg::kChunks * 16> q_lanes(smem_addr(sQ), lane);
+    const WarpKeyLanes<kKvRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
+    for (int i = 0; i < num_n; ++i) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // block i landed; every warp is done with block i - 1's stage
+      if (i == 0) q_lanes.load(qf);
+      load_kv(i + kStages - 1);  // into the stage block i - 1 used
+      const uint32_t sK = smem_addr(sRing + (i % kStages) * kStageElems);
+      const int n = n_begin + i;
+      warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
+                               [&](float (&S)[2][4]) { score_mods(S, n); });
+    }
   }
   softmax.finalize();
 
@@ -123,10 +154,19 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp * Cfg::kBlockM + g + 8 * r;
+    if constexpr (kFp8Kv) {
+#if defined(HIPFLASH_HAS_E4M3_CVT)
 #pragma unroll
-    for (int c = 0; c < 2 * Cfg::kDTiles; c += 2)
-      *reinterpret_cast<float2*>(sO + row * kPitch + (c / 2) * 8 + 2 * t) =
-          make_float2(O[r][c], O[r][c + 1]);
+      for (int c = 0; c < Cfg::kDTiles / 2; ++c)  // 16-column chunks, d in fp8_o_columns' order
+        *reinterpret_cast<float4*>(sO + row * kPitch + 16 * c + 4 * t) =
+            fp8_o_columns<Cfg::kDTiles>(O, r, c);
+#endif  // HIPFLASH_HAS_E4M3_CVT
+    } else {
+#pragma unroll
+      for (int c = 0; c < 2 * Cfg::kDTiles; c += 2)
+        *reinterpret_cast<float2*>(sO + row * kPitch + (c / 2) * 8 + 2 * t) =
+            make_float2(O[r][c], O[r][c + 1]);
+    }
     if (t == 0) {
       sM[row] = softmax.m[r];
       sL[row] = softmax.l[r];
@@ -135,6 +175,9 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   __syncthreads();
 
   // ---- Epilogue (common/epilogue.hpp): one thread per (row, 8-column chunk) ----
+  // An fp8 cache's O is (2^15 P) times the e4m3 values: its V scale and 2^-15 apply here.
+  float o_scale = 1.f;
+  if constexpr (kFp8Kv) o_scale = p.v_descale.at(bi.b, bi.h_kv) * (1.f / 32768.f);
   const common::FwdEpilogue<Traits, Info> ep(p, bi);
   for (int idx = int(threadIdx.x); idx < Cfg::kBlockM * Cfg::kChunks; idx += Cfg::kThreads) {
     const int row = idx / Cfg::kChunks, ch = idx % Cfg::kChunks;
@@ -145,7 +188,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 #pragma unroll
     for (int wp = 0; wp < Cfg::kNWarps; ++wp)
       total.merge({sM[wp * Cfg::kBlockM + row], sL[wp * Cfg::kBlockM + row]});
-    const float inv = detail::SoftmaxState::inv_sum(total.l);
+    const float inv = detail::SoftmaxState::inv_sum(total.l) * o_scale;
 #pragma unroll
     for (int wp = 0; wp < Cfg::kNWarps; ++wp)
       w[wp] = detail::SoftmaxState::rescale(sM[wp * Cfg::kBlockM + row], total.m) * inv;
@@ -175,13 +218,17 @@ using Scheduler = common::StaticScheduler;
 /// The decode forward kernel: one thread block per (16-row query block, split, head, batch);
 /// kPaged: K and V from the pages of a KV cache's block table.
 template <class Traits, bool kPaged = false>
-__global__ void __launch_bounds__(DecodeTile<Traits::kHeadDim>::kThreads)
+__global__ void __launch_bounds__(TileOf<Traits>::kThreads)
     fwd_decode_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
-  // A split kernel's combine pass waits for this grid (griddepcontrol); its blocks may be
-  // placed as soon as every block here has started.
-  if constexpr (Traits::kSplit) port::allow_dependent_launch();
-  Scheduler::run([&](int64_t tile) { fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
+  if constexpr (Traits::kKvDType == DType::e4m3 && !kHasE4m3Cvt) {
+    port::trap();  // an fp8 KV cache needs sm_89's cvt; the selector knows (kFp8KvMinSm)
+  } else {
+    // A split kernel's combine pass waits for this grid (griddepcontrol); its blocks may be
+    // placed as soon as every block here has started.
+    if constexpr (Traits::kSplit) port::allow_dependent_launch();
+    Scheduler::run([&](int64_t tile) { fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
+  }
 #else
   port::trap();  // the decode kernel exists for mma.sync targets only; the selector knows
 #endif  // HIPFLASH_HAS_MMA_SYNC

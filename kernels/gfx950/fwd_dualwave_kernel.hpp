@@ -64,9 +64,9 @@ struct TileStager {
 template <class Traits>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using Cfg = DualwaveTile<Traits::kHeadDim>;
-  using T = common::element_t<Traits::kInDType>;
-  constexpr DType kDT = Traits::kInDType;
-  static_assert(Traits::kInDType == Traits::kOutDType, "one element type in and out (for now)");
+  using T = common::element_t<Traits::kDType>;
+  constexpr DType kDT = Traits::kDType;
+  static_assert(Traits::kKvDType == Traits::kDType, "q, k and v of one element type (for now)");
   using F8 = frag8_t<kDT>;
   using E = frag_elem_t<kDT>;  // the fragments' element type
   constexpr int kD = Cfg::kHeadDim, kDSteps = kD / 16, kDChunks = kD / 32;

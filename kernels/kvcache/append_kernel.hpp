@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/kv_source.hpp"
 #include "hipflash/params.hpp"
@@ -25,8 +26,30 @@ struct AppendParams {
   int64_t s_new = 0;
 };
 
+/// x / scale as an e4m3 byte, as the CPU backend quantises (src/kvcache.cpp, append_on_cpu):
+/// an IEEE division, round to nearest even, saturated to +-448, NaN as S.1111.111.
+__device__ __forceinline__ uint8_t quantise_e4m3(float x, float scale) {
+  const float y = __fdiv_rn(x, scale);
+  if (isnan(y)) return uint8_t((__float_as_uint(y) >> 24 & 0x80u) | 0x7fu);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(y));
+  return uint8_t(pair & 0xffu);
+#else
+  port::trap();  // an fp8 cache needs sm_89 (the selector refuses it before the append)
+  return 0;
+#endif
+}
+
+/// A 16-bit element of k_new / v_new (kDType, bf16 or f16) as a float.
+__device__ __forceinline__ float element_to_float(uint16_t bits, DType dtype) {
+  if (dtype == DType::bf16) return __uint_as_float(uint32_t(bits) << 16);
+  return __half2float(__ushort_as_half(bits));
+}
+
 /// Copies every element of k_new and v_new to its cache row (validated: the rows fit the
-/// capacity and, for a paged cache, the block-table entries are the caller's).
+/// capacity and, for a paged cache, the block-table entries are the caller's); an fp8 cache
+/// (p.kv_dtype e4m3) takes it divided by its scale (k_descale / v_descale), quantised.
 __global__ void __launch_bounds__(kThreads) append_kernel(const HIPFLASH_GRID_CONSTANT AppendParams a) {
   const FwdParams& p = a.cache;
   const int64_t D = p.head_dim, row_elems = p.heads_kv * D, per_seq = a.s_new * row_elems;
@@ -43,21 +66,30 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const HIPFLASH_GRID_CO
     const auto* src = static_cast<const uint16_t*>(which ? a.v_new : a.k_new) +
                       b * a.new_batch_stride[which] + j * a.new_row_stride[which] +
                       hk * a.new_head_stride[which] + d;
-    auto* cache = const_cast<uint16_t*>(static_cast<const uint16_t*>(which ? p.v : p.k));
     const int64_t batch_stride = which ? p.v_batch_stride : p.k_batch_stride;
     const int64_t row_stride = which ? p.v_row_stride : p.k_row_stride;
     const int64_t head_stride = which ? p.v_head_stride : p.k_head_stride;
     const int64_t row = p.seqlens_k[b] + j;
-    uint16_t* dst;
-    if (p.block_table != nullptr) {
-      const common::PagedRows<uint16_t> rows{cache + hk * head_stride,
-                                             p.block_table + b * p.block_table_stride,
-                                             batch_stride, row_stride, p.page_shift};
-      dst = rows.row(row) + d;
+    const auto store = [&](auto* cache, auto value) {  // element (b, row, hk, d) of the cache
+      using E = std::remove_pointer_t<decltype(cache)>;
+      E* dst;
+      if (p.block_table != nullptr) {
+        const common::PagedRows<E> rows{cache + hk * head_stride,
+                                        p.block_table + b * p.block_table_stride, batch_stride,
+                                        row_stride, p.page_shift};
+        dst = rows.row(row) + d;
+      } else {
+        dst = cache + b * batch_stride + row * row_stride + hk * head_stride + d;
+      }
+      *dst = value;
+    };
+    void* cache = const_cast<void*>(which ? p.v : p.k);
+    if (p.kv_dtype == DType::e4m3) {
+      const float scale = (which ? p.v_descale : p.k_descale).at(0, 0);
+      store(static_cast<uint8_t*>(cache), quantise_e4m3(element_to_float(*src, p.dtype), scale));
     } else {
-      dst = cache + b * batch_stride + row * row_stride + hk * head_stride + d;
+      store(static_cast<uint16_t*>(cache), *src);
     }
-    *dst = *src;
   }
 }
 

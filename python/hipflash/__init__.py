@@ -514,8 +514,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             k and v; optional float32 () or (1,) scales (None: 1). The scores are
             q . (k_cache * k_scale), out is softmax . (v_cache * v_scale) in q's dtype; k / v
             are appended as k / k_scale (v / v_scale) rounded to float8_e4m3fn, saturated to
-            +-448. CPU tensors only for now (a GPU call raises NotImplementedError before the
-            append).
+            +-448. On NVIDIA GPUs (sm_89 and newer) the decode kernel reads an fp8 cache in
+            calls with up to 16 query rows per kv head (seqlen_q, or the GQA group with one
+            query row); other GPU calls raise NotImplementedError before the append.
         cache_batch_idx: optional (batch_size,) int32 on q's device (FlashAttention's): with a
             contiguous cache of any batch size, sequence b reads and appends to cache entry
             cache_batch_idx[b]. CPU tensors only for now (the GPU raises NotImplementedError

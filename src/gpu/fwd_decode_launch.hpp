@@ -11,7 +11,7 @@ namespace hipflash::gpu {
 /// The decode kernel's launch traits (kPaged: the instantiation reading a paged KV cache).
 template <class Traits, bool kPaged>
 struct DecodeLaunch : NoPrepare {
-  using Tile = decode::DecodeTile<Traits::kHeadDim>;
+  using Tile = decode::TileOf<Traits>;  // K / V of q's dtype or e4m3
   using Scheduler = decode::Scheduler;
   static constexpr auto kKernel = decode::fwd_decode_kernel<Traits, kPaged>;
   static constexpr const char* kName = kPaged ? "decode (paged KV cache)" : "decode";

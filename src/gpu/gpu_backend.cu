@@ -228,20 +228,21 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
 }
 
 /// The kernels move 16-byte vectors: every operand's base pointer and strides must keep that
-/// alignment (checked before any launch).
+/// alignment (checked before any launch); `elem_bytes`: bytes an element of the operand.
 void check_vector_alignment(const void* ptr, int64_t batch_stride, int64_t row_stride,
-                            int64_t head_stride, const char* name) {
+                            int64_t head_stride, const char* name, int64_t elem_bytes) {
   HIPFLASH_CHECK(aligned16(ptr), name, " must be 16-byte aligned for the GPU kernels");
   for (int64_t s : {batch_stride, row_stride, head_stride})
-    HIPFLASH_CHECK(s % 8 == 0, name,
-                   " strides must be multiples of 8 elements (16 bytes) for the GPU kernels, got ", s);
+    HIPFLASH_CHECK(s * elem_bytes % 16 == 0, name, " strides must be multiples of ",
+                   16 / elem_bytes, " elements (16 bytes) for the GPU kernels, got ", s);
 }
 
 void check_operand_alignment(const FwdParams& p) {
-  check_vector_alignment(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, "q");
-  check_vector_alignment(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, "k");
-  check_vector_alignment(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, "v");
-  check_vector_alignment(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride, "out");
+  const int64_t kv_bytes = dtype_size(p.kv_dtype);
+  check_vector_alignment(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, "q", 2);
+  check_vector_alignment(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, "k", kv_bytes);
+  check_vector_alignment(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, "v", kv_bytes);
+  check_vector_alignment(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride, "out", 2);
 }
 
 namespace {
@@ -250,19 +251,21 @@ thread_local bool t_long_row_tile = false;  // set by the sm90_ws launcher for r
 void note_long_row_tile() { t_long_row_tile = true; }
 
 /// Launches kernel `kind` at Traits: one case per kernel of the registry, its launcher where
-/// this build has it and it has a tile for the head dim (an instantiation exists exactly then).
-/// False where it has not.
+/// this build has it, it has a tile for the head dim and, for an fp8 KV cache, it reads one (an
+/// instantiation exists exactly then). False where it has not.
 template <class Traits>
 bool launch_registered(KernelKind kind, const FwdParams& p, port::stream_t stream) {
   constexpr int kHD = Traits::kHeadDim;
+  constexpr bool kFp8Kv = Traits::kKvDType != Traits::kDType;
   switch (kind) {
 #define HIPFLASH_HEAD_DIM(padded, also)
-#define HIPFLASH_KERNEL(kind, launcher, build, max_hd, paged, summary) \
-  case KernelKind::kind:                                                \
-    if constexpr (built_here(KernelBuild::build) && kHD <= max_hd) {    \
-      launch_##launcher##_fwd<Traits>(p, stream);                       \
-      return true;                                                      \
-    }                                                                   \
+#define HIPFLASH_KERNEL(kind, launcher, build, max_hd, kv_cache, summary)                  \
+  case KernelKind::kind:                                                                    \
+    if constexpr (built_here(KernelBuild::build) && kHD <= max_hd &&                        \
+                  (!kFp8Kv || KvCacheReads::kv_cache == KvCacheReads::cache_fp8)) {         \
+      launch_##launcher##_fwd<Traits>(p, stream);                                           \
+      return true;                                                                          \
+    }                                                                                       \
     return false;
 #include "hipflash/detail/kernels.def"
 #undef HIPFLASH_KERNEL
@@ -302,12 +305,16 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
       HIPFLASH_BOOL_SWITCH(p.num_splits > 1, kSplit, [&] {
         HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {
           HIPFLASH_BOOL_SWITCH(p.return_lse && !kSplit, kReturnLse, [&] {
-            if constexpr (head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, kHD)) {
-              using Traits = FwdTraits<kDT, kHD, kReturnLse, kMasked, kSplit>;
-              if (!launch_registered<Traits>(sel.kind, p, stream)) throw not_built();
-            } else {
-              throw not_implemented("head dim kernel hd" + std::to_string(kHD) + " was not built");
-            }
+            HIPFLASH_BOOL_SWITCH(p.kv_dtype == DType::e4m3, kFp8Kv, [&] {
+              if constexpr (head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, kHD)) {
+                constexpr DType kKv = kFp8Kv ? DType::e4m3 : kDT;
+                using Traits = FwdTraits<kDT, kHD, kReturnLse, kMasked, kSplit, kKv>;
+                if (!launch_registered<Traits>(sel.kind, p, stream)) throw not_built();
+              } else {
+                throw not_implemented("head dim kernel hd" + std::to_string(kHD) +
+                                      " was not built");
+              }
+            });
           });
         });
       });
@@ -323,10 +330,10 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   auto stream = static_cast<port::stream_t>(stream_arg);
   BwdParams p = params;
   check_operand_alignment(p);
-  check_vector_alignment(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, "dout");
-  check_vector_alignment(p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, "dq");
-  check_vector_alignment(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, "dk");
-  check_vector_alignment(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, "dv");
+  check_vector_alignment(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, "dout", 2);
+  check_vector_alignment(p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, "dq", 2);
+  check_vector_alignment(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, "dk", 2);
+  check_vector_alignment(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, "dv", 2);
   const int hd = padded_head_dim(int(p.head_dim));
   HIPFLASH_CHECK_AS(not_implemented, head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, hd),
                     "head dim kernel hd", hd, " was not built");

@@ -65,19 +65,25 @@ void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stre
 
 /// Explicit instantiations of every flag combination of one (launcher, dtype, padded head dim),
 /// LAUNCHER one of launch_generic_fwd, launch_decode_fwd, launch_decode_heads_fwd, launch_sm90_fwd. split-K kernels always
-/// write partial LSE, so the split variants take kReturnLse = false (folded).
-#define HIPFLASH_INSTANTIATE_FWD(LAUNCHER, DT, HD)                                             \
+/// write partial LSE, so the split variants take kReturnLse = false (folded). KV: the k/v dtype
+/// (HIPFLASH_INSTANTIATE_FWD: DT's; HIPFLASH_INSTANTIATE_FWD_KV8: an fp8 KV cache, for the
+/// launchers whose registry entry reads one).
+#define HIPFLASH_INSTANTIATE_FWD_WITH_KV(LAUNCHER, DT, HD, KV)                                 \
   namespace hipflash::gpu {                                                                    \
-  template void LAUNCHER<FwdTraits<DT, HD, false, false, false>>(const FwdParams&,             \
-                                                                 port::stream_t);              \
-  template void LAUNCHER<FwdTraits<DT, HD, true, false, false>>(const FwdParams&,              \
-                                                                port::stream_t);               \
-  template void LAUNCHER<FwdTraits<DT, HD, false, true, false>>(const FwdParams&,              \
-                                                                port::stream_t);               \
-  template void LAUNCHER<FwdTraits<DT, HD, true, true, false>>(const FwdParams&,               \
-                                                               port::stream_t);                \
-  template void LAUNCHER<FwdTraits<DT, HD, false, false, true>>(const FwdParams&,              \
-                                                                port::stream_t);               \
-  template void LAUNCHER<FwdTraits<DT, HD, false, true, true>>(const FwdParams&,               \
-                                                               port::stream_t);                \
+  template void LAUNCHER<FwdTraits<DT, HD, false, false, false, KV>>(const FwdParams&,         \
+                                                                     port::stream_t);          \
+  template void LAUNCHER<FwdTraits<DT, HD, true, false, false, KV>>(const FwdParams&,          \
+                                                                    port::stream_t);           \
+  template void LAUNCHER<FwdTraits<DT, HD, false, true, false, KV>>(const FwdParams&,          \
+                                                                    port::stream_t);           \
+  template void LAUNCHER<FwdTraits<DT, HD, true, true, false, KV>>(const FwdParams&,           \
+                                                                   port::stream_t);            \
+  template void LAUNCHER<FwdTraits<DT, HD, false, false, true, KV>>(const FwdParams&,          \
+                                                                    port::stream_t);           \
+  template void LAUNCHER<FwdTraits<DT, HD, false, true, true, KV>>(const FwdParams&,           \
+                                                                   port::stream_t);            \
   }
+#define HIPFLASH_INSTANTIATE_FWD(LAUNCHER, DT, HD) \
+  HIPFLASH_INSTANTIATE_FWD_WITH_KV(LAUNCHER, DT, HD, DT)
+#define HIPFLASH_INSTANTIATE_FWD_KV8(LAUNCHER, DT, HD) \
+  HIPFLASH_INSTANTIATE_FWD_WITH_KV(LAUNCHER, DT, HD, ::hipflash::DType::e4m3)

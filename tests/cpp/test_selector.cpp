@@ -296,6 +296,52 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
   }
 }
 
+TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
+  // An fp8 (e4m3) cache: the decode kernel alone reads one (kernels.def: cache_fp8), on sm_89
+  // and newer (its cvt); never the head-group kernel; longer queries, older archs and AMD
+  // are refused with a reason.
+  BuildCaps caps = kCuda;
+  caps.sm90 = caps.sm90_ws = true;
+  caps.decode_heads = HeadGroupDecode::always;
+  EXPECT_TRUE(reads_fp8_kv_cache(KernelKind::decode));
+  EXPECT_FALSE(reads_fp8_kv_cache(KernelKind::decode_heads));
+  EXPECT_FALSE(reads_fp8_kv_cache(KernelKind::generic));
+  const Arch sm89{Arch::nvidia, 89, 128};
+  for (int d : {32, 64, 96, 128, 256})
+    for (int64_t rows : {int64_t(1), int64_t(4), kDecodeMaxRows}) {
+      Problem p = problem(DType::bf16, d);
+      p.kv_cache = p.gqa_decode = p.tma_compatible = true;
+      p.kv_dtype = DType::e4m3;
+      p.query_rows = rows;
+      p.heads_kv = kDecodeHeadsPerBlock;
+      for (Arch a : {kSm90, sm89}) {
+        const Selection s = select_kernel(p, a, caps);
+        EXPECT_EQ(s.kind, KernelKind::decode) << d << " " << rows << " " << s.reason;
+        EXPECT_EQ(s.key.kv_dtype, DType::e4m3);
+        EXPECT_NE(s.key.name().find("_kvfp8"), std::string::npos) << s.key.name();
+      }
+      const Selection old = select_kernel(p, kSm80, caps);
+      EXPECT_EQ(old.kind, KernelKind::unsupported);
+      EXPECT_NE(old.reason.find("sm_89"), std::string::npos) << old.reason;
+      p.query_rows = kDecodeMaxRows + 1;
+      const Selection longer = select_kernel(p, kSm90, caps);
+      EXPECT_EQ(longer.kind, KernelKind::unsupported) << d;
+      EXPECT_NE(longer.reason.find("decode kernel only"), std::string::npos) << longer.reason;
+      const Selection amd = select_kernel(p, kGfx942, kHip);
+      EXPECT_EQ(amd.kind, KernelKind::unsupported);
+    }
+  // Packed GQA decode with an fp8 cache packs only into one decode block, as ALiBi does.
+  FwdParams fp;
+  fp.seqlen_q = 1;
+  fp.heads_kv = 2;
+  fp.kv_dtype = DType::e4m3;
+  for (int64_t group : {int64_t(2), kDecodeMaxRows, kDecodeMaxRows + 1, int64_t(32)}) {
+    fp.heads_q = fp.heads_kv * group;
+    EXPECT_EQ(fp.packs_gqa_decode(), group <= kDecodeMaxRows) << group;
+    EXPECT_EQ(fp.gpu_query_rows(), group <= kDecodeMaxRows ? group : 1) << group;
+  }
+}
+
 TEST(Selector, AmdArchs) {
   for (Arch a : {kGfx90a, kGfx942, kGfx950})
     EXPECT_EQ(select_kernel(problem(DType::bf16, 128), a, kHip).kind, KernelKind::generic)

@@ -57,5 +57,33 @@ TEST(Swizzle, PanelMajorTilesAreTmaBoxes) {
   check_layout<32, 128>(128);
 }
 
+// The fp8 tiles (16 one-byte elements a chunk): each row's chunks a bijection within the row,
+// and the eight rows of an ldmatrix (one chunk each, any eight consecutive rows from a multiple
+// of 8) on eight different 16-byte bank groups of a 128-byte line — for 64-byte rows (hd64),
+// two rows a line, too.
+template <int kChunks>
+void check_fp8_rows() {
+  for (int r = 0; r < 64; ++r) {
+    std::set<int> in_row;
+    for (int c = 0; c < kChunks; ++c) {
+      const int off = common::swizzle<kChunks, 16>(r, c);
+      EXPECT_EQ(off / (kChunks * 16), r) << "row " << r << " chunk " << c << " stays in its row";
+      EXPECT_TRUE(in_row.insert(off).second) << "row " << r << " chunk " << c;
+    }
+  }
+  for (int r0 = 0; r0 < 64; r0 += 8)
+    for (int c = 0; c < kChunks; ++c) {
+      std::set<int> groups;
+      for (int r = r0; r < r0 + 8; ++r) groups.insert(common::swizzle<kChunks, 16>(r, c) / 16 % 8);
+      EXPECT_EQ(groups.size(), 8u) << "rows " << r0 << ".. chunk " << c << ": bank conflicts";
+    }
+}
+
+TEST(Swizzle, Fp8TilesAreConflictFree) {
+  check_fp8_rows<4>();   // hd64
+  check_fp8_rows<8>();   // hd128
+  check_fp8_rows<16>();  // hd256
+}
+
 }  // namespace
 }  // namespace hipflash::test

@@ -1,8 +1,9 @@
 """fp8 (FlashAttention 3's): float8_e4m3fn q, k, v with fp32 descale factors, per tensor or per
 (batch, kv head); the scores are q.k * q_descale * k_descale * softmax_scale, out (bfloat16) is
 softmax . v * v_descale, the LSE that of the descaled scores. The CPU backend dequantises (the
-reference); GPU calls raise NotImplementedError before anything is written. Needs a PyTorch
-with torch.float8_e4m3fn (2.1+)."""
+reference); GPU calls raise NotImplementedError before anything is written. An fp8 KV cache
+(vLLM's kv_cache_dtype="fp8") runs on the CPU backend and, in decode calls, on NVIDIA GPUs from
+sm_89 (the GPU cases at the end). Needs a PyTorch with torch.float8_e4m3fn (2.1+)."""
 import pytest
 import torch
 
@@ -117,7 +118,7 @@ def test_bad_calls_are_refused_and_nothing_is_written(breaks, error, match):
 def test_the_gpu_refuses_it_before_writing():
     q, k, v = (t.cuda() for t in fp8_case(1, 8, 8, 2, 2, 64))
     out = torch.full((1, 8, 2, 64), float("nan"), dtype=BF16, device="cuda")
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn inputs and KV caches run on the CPU backend"):
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn inputs run on the CPU backend"):
         hipflash.flash_attn_func(q, k, v, out=out, q_descale=torch.ones(1, device="cuda"))
     assert torch.isnan(out).all()
 
@@ -168,3 +169,179 @@ def test_fp8_cache_equals_the_bf16_cache_of_its_dequantised_values(paged):
     assert_bitwise_equal((v8.float() * vs).to(BF16), vb, "v_cache after the append")
     first_new = k8[table[0, 2], 37 - 32] if paged else k8[0, 37]
     assert first_new[0, 0].float() == 448.0
+
+
+# ---- An fp8 KV cache on the GPU: the decode kernel (sm_89+), up to 16 query rows per kv head.
+
+needs_gpu_fp8 = pytest.mark.skipif(
+    E4M3 is None or not GPU or (GPU and torch.cuda.get_device_capability() < (8, 9)),
+    reason="needs torch.float8_e4m3fn, a GPU of sm_89 or newer visible to torch and a hipflash "
+           f"built with GPU kernels (this build: {hipflash.build_info()!r})")
+
+
+def fp8_cache(lens, cap, hkv, d, ks, vs, page=None, seed=5):
+    """A contiguous e4m3 cache [B, cap, Hkv, D] (K / k_scale, V / v_scale of unit normals) and,
+    with `page`, the same rows on shuffled pages with a block table. Rows past each length hold
+    NaN bytes (0x7f), which the call must not read."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    k8 = (torch.randn(b, cap, hkv, d, generator=g) / ks).to(E4M3)
+    v8 = (torch.randn(b, cap, hkv, d, generator=g) / vs).to(E4M3)
+    for i, n in enumerate(lens):
+        k8.view(torch.uint8)[i, n:] = 0x7F
+        v8.view(torch.uint8)[i, n:] = 0x7F
+    if page is None:
+        return k8, v8, None
+    blocks = b * cap // page
+    table = torch.randperm(blocks, generator=g).to(torch.int32).reshape(b, cap // page)
+    order = table.flatten().argsort()
+    kp = k8.view(torch.uint8).reshape(-1, page, hkv, d)[order].view(E4M3)
+    vp = v8.view(torch.uint8).reshape(-1, page, hkv, d)[order].view(E4M3)
+    return kp, vp, table
+
+
+def check_fp8_cache_call(out, lse, q, k8, v8, lens, ks, vs, **kw):
+    """Each sequence against the reference on its dequantised keys (fp32), SPEC §6's tolerance."""
+    for i, n in enumerate(lens):
+        kf = k8[i:i + 1, :n].float() * ks
+        vf = v8[i:i + 1, :n].float() * vs
+        check_attention(out[i:i + 1], lse[i:i + 1], q[i:i + 1], kf, vf, what=f"sequence {i}",
+                        **kw)
+
+
+@needs_gpu_fp8
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("heads, sq", [((8, 2), 1), ((2, 2), 5), ((64, 2), 1)],
+                         ids=["gqa4_decode", "sq5", "group32_unpacked"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_fp8_cache_matches_the_reference(d, dtype, heads, sq, num_splits, paged):
+    hq, hkv = heads
+    lens, cap, ks, vs = [300, 0, 77], 320, 0.03, 0.02
+    k8, v8, _ = fp8_cache(lens, cap, hkv, d, ks, vs)
+    kc, vc, table = fp8_cache(lens, cap, hkv, d, ks, vs, page=16 if paged else None)
+    q = torch.randn(len(lens), sq, hq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+              block_table=None if table is None else table.cuda(), causal=True,
+              num_splits=num_splits, return_lse=True,
+              k_scale=torch.tensor(ks, device="cuda"), v_scale=torch.tensor([vs], device="cuda"))
+    out, lse = hipflash.flash_attn_with_kvcache(q.cuda(), kc.cuda(), vc.cuda(), **kw)
+    assert hipflash.last_kernel_name().startswith("fwd_decode_") and "_kvfp8_" in \
+        hipflash.last_kernel_name(), hipflash.last_kernel_name()
+    assert out.dtype == dtype
+    check_fp8_cache_call(out.cpu(), lse.cpu(), q, k8, v8, lens, ks, vs, causal=True)
+
+
+@needs_gpu_fp8
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_fp8_cache_append_writes_the_cpu_bytes(paged):
+    # The append quantises k / k_scale in place as the CPU backend does (bitwise), then the call
+    # reads the new rows; the result agrees with the CPU backend's within the tolerance.
+    lens, cap, hkv, hq, d, ks, vs = [40, 3], 64, 2, 8, 128, 0.05, 0.04
+    kc, vc, table = fp8_cache(lens, cap, hkv, d, ks, vs, page=16 if paged else None)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 3, hq, d, generator=g).to(BF16)
+    k_new = torch.randn(2, 3, hkv, d, generator=g).to(BF16)
+    v_new = torch.randn(2, 3, hkv, d, generator=g).to(BF16)
+    k_new[0, 0, 0, :4] = torch.tensor([1000.0, -1000.0, float("nan"), 1e-12])  # saturate, NaN, 0
+    v_new[1, 2, 1, :2] = torch.tensor([3e-7, -22.4])
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    args = dict(block_table=table, causal=True, return_lse=True, k_scale=torch.tensor(ks),
+                v_scale=torch.tensor(vs))
+    k_cpu, v_cpu = kc.clone(), vc.clone()
+    out_cpu, lse_cpu = hipflash.flash_attn_with_kvcache(q, k_cpu, v_cpu, k_new, v_new,
+                                                        cache_seqlens=seqlens, **args)
+    cuda = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in args.items()}
+    k_gpu, v_gpu = kc.cuda(), vc.cuda()
+    out, lse = hipflash.flash_attn_with_kvcache(q.cuda(), k_gpu, v_gpu, k_new.cuda(), v_new.cuda(),
+                                                cache_seqlens=seqlens.cuda(), **cuda)
+    assert torch.equal(k_gpu.cpu().view(torch.uint8), k_cpu.view(torch.uint8)), "k_cache bytes"
+    assert torch.equal(v_gpu.cpu().view(torch.uint8), v_cpu.view(torch.uint8)), "v_cache bytes"
+    # Sequence 0's first new key holds a NaN: its rows that see it are NaN on both backends.
+    assert torch.equal(torch.isnan(out.cpu()), torch.isnan(out_cpu))
+    assert torch.equal(torch.isnan(lse.cpu()), torch.isnan(lse_cpu))
+    ok = ~torch.isnan(out_cpu)
+    assert (out.cpu()[ok].float() - out_cpu[ok].float()).abs().max() < 2e-2
+    fin = torch.isfinite(lse_cpu)
+    assert (lse.cpu()[fin] - lse_cpu[fin]).abs().max() < 1e-3
+
+
+@needs_gpu_fp8
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_gpu_fp8_cache_nan_reaches_its_rows(where, num_splits):
+    lens, cap, hkv, hq, d = [200, 200], 256, 2, 4, 128
+    kc, vc, _ = fp8_cache(lens, cap, hkv, d, 0.1, 0.1)
+    (kc if where == "k" else vc).view(torch.uint8)[1, 150, 0, 7] = 0xFF  # -NaN, kv head 0
+    q = torch.randn(2, 1, hq, d).to(BF16).cuda()
+    out, lse = hipflash.flash_attn_with_kvcache(
+        q, kc.cuda(), vc.cuda(), cache_seqlens=torch.tensor(lens, dtype=torch.int32).cuda(),
+        num_splits=num_splits, return_lse=True, k_scale=torch.tensor(0.1).cuda(),
+        v_scale=torch.tensor(0.1).cuda())
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.isnan(out[1, :, :2]).all(), "query heads of kv head 0 in sequence 1"
+    assert not torch.isnan(out[1, :, 2:]).any() and not torch.isnan(out[0]).any()
+    if where == "k":
+        assert torch.isnan(lse[1, :2]).all() and not torch.isnan(lse[1, 2:]).any()
+    else:
+        assert not torch.isnan(lse).any()
+
+
+@needs_gpu_fp8
+def test_gpu_fp8_cache_keeps_queries_of_any_magnitude():
+    # Q is rounded to f16 after a power-of-two scale a row: bf16 rows far outside f16's range
+    # (and tiny ones) give the reference's result, with softmax_scale bringing the scores back.
+    lens, cap, hkv, hq, d = [96], 128, 1, 4, 64
+    kc, vc, _ = fp8_cache(lens, cap, hkv, d, 1.0, 1.0)
+    q = torch.randn(1, 1, hq, d, generator=torch.Generator().manual_seed(2))
+    q[0, 0, 0] *= 1e30
+    q[0, 0, 1] *= 1e-6  # below f16's normal range
+    q[0, 0, 2, ::2] = 0  # mixed magnitudes within one row
+    q[0, 0, 2, 1] = 3e20
+    for scale, rows in ((1e-30, [0]), (65536.0, [1]), (1e-20, [2]), (0.125, [3])):
+        qb = q.to(BF16)
+        out, lse = hipflash.flash_attn_with_kvcache(
+            qb.cuda(), kc.cuda(), vc.cuda(), cache_seqlens=torch.tensor(lens, dtype=torch.int32).cuda(),
+            softmax_scale=scale, return_lse=True)
+        ref_out, ref_lse = check_fp8_reference(qb, kc, vc, lens, scale)
+        for r in rows:
+            assert (out.cpu()[0, 0, r].float() - ref_out[0, 0, r]).abs().max() < 3e-2, (scale, r)
+            assert abs(lse.cpu()[0, r, 0] - ref_lse[0, r, 0]) < 1e-2 * max(1.0, abs(ref_lse[0, r, 0])), (scale, r)
+
+
+def check_fp8_reference(q, k8, v8, lens, scale):
+    from reference import attention_ref
+    n = lens[0]
+    return attention_ref(q, k8[:, :n].float(), v8[:, :n].float(), softmax_scale=scale)
+
+
+@needs_gpu_fp8
+@pytest.mark.parametrize("mod", ["softcap", "alibi", "window"])
+def test_gpu_fp8_cache_with_score_modifiers(mod):
+    lens, cap, hkv, hq, d, ks, vs = [180, 33], 192, 2, 8, 128, 0.05, 0.05
+    kc, vc, _ = fp8_cache(lens, cap, hkv, d, ks, vs)
+    q = torch.randn(2, 1, hq, d, generator=torch.Generator().manual_seed(3)).to(BF16)
+    kw = dict(softcap=20.0) if mod == "softcap" else (
+        dict(alibi_slopes=torch.linspace(0.05, 0.5, hq)) if mod == "alibi" else
+        dict(window_size=(50, 0), causal=True))
+    gkw = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in kw.items()}
+    out, lse = hipflash.flash_attn_with_kvcache(
+        q.cuda(), kc.cuda(), vc.cuda(), cache_seqlens=torch.tensor(lens, dtype=torch.int32).cuda(),
+        return_lse=True, k_scale=torch.tensor(ks).cuda(), v_scale=torch.tensor(vs).cuda(), **gkw)
+    check_fp8_cache_call(out.cpu(), lse.cpu(), q, kc, vc, lens, ks, vs, **kw)
+
+
+@needs_gpu_fp8
+def test_gpu_fp8_cache_refuses_long_queries_before_writing():
+    # 32 query rows per kv head: the decode kernel's block holds 16; nothing is appended.
+    lens, cap, hkv, d = [10], 64, 2, 64
+    kc, vc, _ = fp8_cache(lens, cap, hkv, d, 1.0, 1.0)
+    kc, vc = kc.cuda(), vc.cuda()
+    before = kc.view(torch.uint8).clone()
+    q = torch.randn(1, 32, 2, d).to(BF16).cuda()
+    k_new = torch.randn(1, 2, hkv, d).to(BF16).cuda()
+    with pytest.raises(NotImplementedError, match="decode kernel only"):
+        hipflash.flash_attn_with_kvcache(q, kc, vc, k_new, k_new.clone(),
+                                         cache_seqlens=torch.tensor(lens, dtype=torch.int32).cuda())
+    assert torch.equal(kc.view(torch.uint8), before)

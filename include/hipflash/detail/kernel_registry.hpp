@@ -11,7 +11,7 @@ namespace hipflash {
 enum class KernelKind : int {
   cpu_reference,  ///< the CPU backend
 #define HIPFLASH_HEAD_DIM(padded, also)
-#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, paged, summary) kind,
+#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, kv_cache, summary) kind,
 #include "hipflash/detail/kernels.def"
 #undef HIPFLASH_KERNEL
 #undef HIPFLASH_HEAD_DIM
@@ -21,6 +21,10 @@ enum class KernelKind : int {
 /// The builds a kernel kind exists in (kernels.def's `build` field).
 enum class KernelBuild : int { gpu, cuda, cuda_sm90a, hip_gfx950 };
 
+/// The KV caches a kernel kind's loaders read (kernels.def's `kv_cache` field): none; caches of
+/// q's dtype; those and float8_e4m3fn caches (dequantised in registers).
+enum class KvCacheReads : int { none, cache, cache_fp8 };
+
 namespace registry {
 
 struct Kernel {
@@ -28,12 +32,12 @@ struct Kernel {
   const char* name;
   KernelBuild build;
   int max_head_dim;  ///< the largest padded head dim it has a tile for
-  bool paged;        ///< its loaders read a KV cache
+  KvCacheReads kv_cache;  ///< the KV caches its loaders read
 };
 inline constexpr Kernel kKernels[] = {
 #define HIPFLASH_HEAD_DIM(padded, also)
-#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, paged, summary) \
-  {KernelKind::kind, #kind, KernelBuild::build, max_head_dim, paged},
+#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, kv_cache, summary) \
+  {KernelKind::kind, #kind, KernelBuild::build, max_head_dim, KvCacheReads::kv_cache},
 #include "hipflash/detail/kernels.def"
 #undef HIPFLASH_KERNEL
 #undef HIPFLASH_HEAD_DIM
@@ -91,7 +95,14 @@ constexpr int max_head_dim(KernelKind k) {
 /// Whether a kernel's loaders read a KV cache (flash_attn_with_kvcache; contiguous or paged).
 constexpr bool reads_kv_cache(KernelKind k) {
   for (const auto& e : registry::kKernels)
-    if (e.kind == k) return e.paged;
+    if (e.kind == k) return e.kv_cache != KvCacheReads::none;
+  return k == KernelKind::cpu_reference;
+}
+
+/// Whether a kernel's loaders read a float8_e4m3fn KV cache (it has those instantiations).
+constexpr bool reads_fp8_kv_cache(KernelKind k) {
+  for (const auto& e : registry::kKernels)
+    if (e.kind == k) return e.kv_cache == KvCacheReads::cache_fp8;
   return k == KernelKind::cpu_reference;
 }
 

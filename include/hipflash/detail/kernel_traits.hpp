@@ -12,10 +12,13 @@ namespace hipflash {
 ///  * split-K kernels always write partial LSE, so kSplit implies the LSE store;
 ///  * varlen, the Sk boundary and the split range are runtime (they cost a predicate per tile);
 ///  * causal is a window, so one kMasked flag covers causal and sliding windows.
-template <DType kDType_, int kHeadDim_, bool kReturnLse_, bool kMasked_, bool kSplit_>
+/// kKvDType: k and v — kDType, or e4m3 for an fp8 KV cache (the kernels whose registry entry
+/// reads one: kernels.def's cache_fp8).
+template <DType kDType_, int kHeadDim_, bool kReturnLse_, bool kMasked_, bool kSplit_,
+          DType kKvDType_ = kDType_>
 struct FwdTraits {
-  static constexpr DType kDType = kDType_;     ///< q, k, v and out today
-  static constexpr DType kInDType = kDType_;   ///< q, k, v: 8-bit inputs will set this alone
+  static constexpr DType kDType = kDType_;     ///< q and out
+  static constexpr DType kKvDType = kKvDType_; ///< k and v
   static constexpr DType kOutDType = kDType_;  ///< out (and the P operand's rounding)
   static constexpr int kHeadDim = kHeadDim_;  ///< padded head dim of the instantiation
   static constexpr bool kReturnLse = kReturnLse_ || kSplit_;
@@ -40,10 +43,12 @@ struct KernelKey {
   bool return_lse = false;
   bool masked = false;
   bool split = false;
+  DType kv_dtype = DType::f16;  ///< k and v: dtype, or e4m3 (an fp8 KV cache)
 
   /// Self-describing name, e.g. "bf16_hd128_causal_lse" (STYLE.md, "Habits worth taking" 12).
   std::string name() const {
     std::string s = dtype == DType::bf16 ? "bf16" : dtype == DType::f16 ? "fp16" : "unsupported";
+    if (kv_dtype == DType::e4m3) s += "_kvfp8";
     s += "_hd" + std::to_string(head_dim);
     if (masked) s += "_masked";
     if (split) s += "_splitk";

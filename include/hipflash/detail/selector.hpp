@@ -57,6 +57,9 @@ struct Problem {
   /// paged instantiation through common::PagedRows); the sm90 kernels address K/V themselves and
   /// the AMD kernels not at all yet.
   bool kv_cache = false;
+  /// k and v: dtype, or e4m3 for an fp8 KV cache (read by the kernels whose registry entry says
+  /// cache_fp8: the decode kernel, on sm_89 and newer, whose cvt turns e4m3 pairs into f16).
+  DType kv_dtype = DType::bf16;
   int num_splits = 1;   ///< resolved (>= 1)
   /// Query rows per (batch, head) as the kernel sees them: Sq (max_seqlen_q for varlen), or
   /// Hq / Hkv for GQA decode, whose query heads are packed into the rows of one block.
@@ -73,6 +76,9 @@ struct Problem {
   /// as a view.
   bool kv_heads_in_rows = true;
 };
+
+/// The first NVIDIA arch with the e4m3 conversions the fp8 KV cache's decode kernel uses.
+inline constexpr int kFp8KvMinSm = 89;
 
 /// Packed GQA decode with at least this many kv heads may take the head-group decode kernel
 /// (its block: eight kv heads, a warp each; with fewer, warps would compute on zeros).
