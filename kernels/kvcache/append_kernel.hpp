@@ -27,10 +27,15 @@ struct AppendParams {
 };
 
 /// x / scale as an e4m3 byte, as the CPU backend quantises (src/kvcache.cpp, append_on_cpu):
-/// an IEEE division, round to nearest even, saturated to +-448, NaN as S.1111.111.
+/// an IEEE division, round to nearest even, saturated to +-448, NaN as S.1111.111, the
+/// subnormal range (below 2^-6) in units of 2^-9 by an integer rounding, as the CPU does
+/// (the hardware conversion is left the normal range).
 __device__ __forceinline__ uint8_t quantise_e4m3(float x, float scale) {
   const float y = __fdiv_rn(x, scale);
-  if (isnan(y)) return uint8_t((__float_as_uint(y) >> 24 & 0x80u) | 0x7fu);
+  const uint8_t sign = uint8_t(__float_as_uint(y) >> 24 & 0x80u);
+  if (isnan(y)) return uint8_t(sign | 0x7fu);
+  const float a = fabsf(y);
+  if (a < 0.015625f) return uint8_t(sign | __float2int_rn(a * 512.f));  // 8: 2^-6, still right
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint16_t pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(y));
