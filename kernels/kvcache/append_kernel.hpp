@@ -27,12 +27,14 @@ struct AppendParams {
 };
 
 /// x / scale as an e4m3 byte, as the CPU backend quantises (src/kvcache.cpp, append_on_cpu):
-/// an IEEE division, round to nearest even, saturated to +-448, NaN as S.1111.111, the
-/// subnormal range (below 2^-6) in units of 2^-9 by an integer rounding, as the CPU does
+/// an IEEE division, round to nearest even, saturated to +-448, NaN as S.1111.111 with the
+/// sign of the NaN operand (the host's division passes it on; the GPU's gives its own NaN),
+/// the subnormal range (below 2^-6) in units of 2^-9 by an integer rounding, as the CPU does
 /// (the hardware conversion is left the normal range).
 __device__ __forceinline__ uint8_t quantise_e4m3(float x, float scale) {
   const float y = __fdiv_rn(x, scale);
-  const uint8_t sign = uint8_t(__float_as_uint(y) >> 24 & 0x80u);
+  const float signed_as = isnan(x) ? x : isnan(scale) ? scale : y;
+  const uint8_t sign = uint8_t(__float_as_uint(signed_as) >> 24 & 0x80u);
   if (isnan(y)) return uint8_t(sign | 0x7fu);
   const float a = fabsf(y);
   if (a < 0.015625f) return uint8_t(sign | __float2int_rn(a * 512.f));  // 8: 2^-6, still right
