@@ -9,7 +9,8 @@ python3 bench/make_report.py \
   bench/results/h200-2026-12-01j/full:fa-grid,head-dims,lse-overhead,varlen,host-overhead \
   bench/results/h200-2026-12-02b/decode \
   bench/results/h200-2026-12-02/serving \
+  bench/results/h200-2026-12-04e/decode-fp8 \
   --allow-partial \
-  --append bench/results/h200-2026-12-04c/train \
+  --append bench/results/h200-2026-12-04e/train \
   --append bench/results/h200-2026-12-04/merge \
   --note-file bench/results/benchmarks-note.md
