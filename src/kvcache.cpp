@@ -225,11 +225,18 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     check_index(*batch_idx, "cache_batch_idx", 1, "[batch]", q);
     HIPFLASH_CHECK(batch_idx->sizes[0] == batch, "cache_batch_idx must have one entry per "
                    "sequence (batch = ", batch, "), got shape ", shape_str(*batch_idx));
-    HIPFLASH_CHECK_AS(not_implemented, q.loc.kind == Location::cpu,
-                      "cache_batch_idx runs on the CPU backend only: the GPU kernels do not read "
-                      "it yet");
-    const auto* idx = static_cast<const int32_t*>(batch_idx->data);
-    for (int64_t b = 0; b < batch; ++b)
+    // The entries, on the host: copied back from a GPU as cache_seqlens are (not while the
+    // stream captures a graph, where an entry out of range is the caller's error, as for a
+    // block table: docs/spec.md §7).
+    std::vector<int32_t> idx(size_t(batch), 0);
+    const bool on_gpu = q.loc.kind == Location::gpu;
+    if (batch > 0 && !on_gpu)
+      std::memcpy(idx.data(), batch_idx->data, size_t(batch) * sizeof(int32_t));
+    else if (batch > 0 && !gpu::stream_capturing(stream))
+      gpu::copy_to_host(idx.data(), batch_idx->data, size_t(batch) * sizeof(int32_t), stream);
+    else
+      idx.clear();
+    for (size_t b = 0; b < idx.size(); ++b)
       HIPFLASH_CHECK(idx[b] >= 0 && idx[b] < k_cache.sizes[0], "cache_batch_idx[", b, "] = ",
                      idx[b], " is not an entry of the cache (k_cache.shape[0] = ",
                      k_cache.sizes[0], ")");

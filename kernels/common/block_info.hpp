@@ -202,19 +202,26 @@ struct BlockInfo : SeqBounds {
   /// launcher runs the paged instantiation only for calls with a block table, so the kernels
   /// of every other call are the contiguous code alone (the NVIDIA decode and generic kernels
   /// have both; a KV cache is refused on AMD).
+  /// A contiguous cache with FlashAttention's cache_batch_idx reads entry cache_batch_idx[b].
   template <class T, bool kPaged>
   HIPFLASH_HD auto k_source_of(const FwdParams& p) const {
     if constexpr (kPaged)
       return pages_of<T>(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
     else
-      return k_source<T>(p);
+      return ContiguousRows<T>{k_rows<T>(p) + cache_entry_offset(p) * p.k_batch_stride,
+                               p.k_row_stride};
   }
   template <class T, bool kPaged>
   HIPFLASH_HD auto v_source_of(const FwdParams& p) const {
     if constexpr (kPaged)
       return pages_of<T>(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
     else
-      return v_source<T>(p);
+      return ContiguousRows<T>{v_rows<T>(p) + cache_entry_offset(p) * p.v_batch_stride,
+                               p.v_row_stride};
+  }
+  /// Batches from b to the cache entry this sequence reads (cache_batch_idx[b] - b; 0 without).
+  HIPFLASH_HD int64_t cache_entry_offset(const FwdParams& p) const {
+    return p.cache_batch_idx ? int64_t(p.cache_batch_idx[b]) - b : 0;
   }
   /// This block's kv head of a paged cache (pages page_stride elements apart) through its
   /// sequence's block-table row.

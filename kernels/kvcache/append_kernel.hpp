@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const HIPFLASH_GRID_CO
                                         row_stride, p.page_shift};
         dst = rows.row(row) + d;
       } else {
-        dst = cache + b * batch_stride + row * row_stride + hk * head_stride + d;
+        const int64_t entry = p.cache_batch_idx ? p.cache_batch_idx[b] : b;  // FlashAttention's
+        dst = cache + entry * batch_stride + row * row_stride + hk * head_stride + d;
       }
       *dst = value;
     };

@@ -519,8 +519,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             query row); other GPU calls raise NotImplementedError before the append.
         cache_batch_idx: optional (batch_size,) int32 on q's device (FlashAttention's): with a
             contiguous cache of any batch size, sequence b reads and appends to cache entry
-            cache_batch_idx[b]. CPU tensors only for now (the GPU raises NotImplementedError
-            before the append).
+            cache_batch_idx[b] (CPU tensors and NVIDIA GPUs; on the GPU the entries are copied
+            back for their range check, as cache_seqlens are).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE

@@ -224,18 +224,28 @@ def test_chunked_prefill_bad_calls_are_refused():
         call(q=q.clone().requires_grad_())
 
 
-def test_cache_batch_idx_reads_and_appends_the_named_entries():
+GPU_OK = torch.cuda.is_available() and hipflash.gpu_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU_OK, reason="needs a GPU visible to torch and a hipflash built with GPU kernels "
+    f"(this build: {hipflash.build_info()!r})"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sq", [3, 40], ids=["decode", "generic"])
+def test_cache_batch_idx_reads_and_appends_the_named_entries(device, sq):
     # FlashAttention's cache_batch_idx: a contiguous cache of 3 entries, 2 sequences reading
     # entries 2 and 0 — bitwise the call on a cache of those entries; the appends land there.
     import hipflash.compat.flash_attn as fa2
     import hipflash.compat.flash_attn_interface as fa3
     torch.manual_seed(6)
     bf16 = torch.bfloat16
-    q = torch.randn(2, 3, 4, 64).to(bf16)
-    k_cache, v_cache = torch.randn(3, 40, 2, 64).to(bf16), torch.randn(3, 40, 2, 64).to(bf16)
-    k_new, v_new = torch.randn(2, 2, 2, 64).to(bf16), torch.randn(2, 2, 2, 64).to(bf16)
-    lens = torch.tensor([17, 30], dtype=torch.int32)
-    idx = torch.tensor([2, 0], dtype=torch.int32)
+    q = torch.randn(2, sq, 4, 64).to(bf16).to(device)
+    k_cache = torch.randn(3, 80, 2, 64).to(bf16).to(device)
+    v_cache = torch.randn(3, 80, 2, 64).to(bf16).to(device)
+    k_new = torch.randn(2, 2, 2, 64).to(bf16).to(device)
+    v_new = torch.randn(2, 2, 2, 64).to(bf16).to(device)
+    lens = torch.tensor([17, 30], dtype=torch.int32, device=device)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
     kw = dict(cache_seqlens=lens, causal=True, return_lse=True)
     kc, vc = k_cache.clone(), v_cache.clone()
     out, lse = hipflash.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_batch_idx=idx, **kw)
@@ -260,11 +270,13 @@ def test_cache_batch_idx_reads_and_appends_the_named_entries():
     (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32),
           block_table=torch.zeros(2, 3, dtype=torch.int32)), ValueError, "contiguous cache"),
 ])
-def test_bad_cache_batch_idx_is_refused_and_nothing_is_written(bad, error, match):
-    q = torch.randn(2, 1, 4, 64).to(torch.bfloat16)
-    k_cache = torch.zeros(3, 48, 2, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_cache_batch_idx_is_refused_and_nothing_is_written(bad, error, match, device):
+    q = torch.randn(2, 1, 4, 64).to(torch.bfloat16).to(device)
+    k_cache = torch.zeros(3, 48, 2, 64, dtype=torch.bfloat16, device=device)
     v_cache = torch.zeros_like(k_cache)
-    k_new = torch.ones(2, 1, 2, 64, dtype=torch.bfloat16)
+    k_new = torch.ones(2, 1, 2, 64, dtype=torch.bfloat16, device=device)
+    bad = {n: t.to(device) for n, t in bad.items()}
     with pytest.raises(error, match=match):
         if "block_table" in bad:  # a paged cache: pages of 16 rows
             hipflash.flash_attn_with_kvcache(q, k_cache.view(9, 16, 2, 64),
@@ -276,17 +288,3 @@ def test_bad_cache_batch_idx_is_refused_and_nothing_is_written(bad, error, match
     assert not k_cache.any() and not v_cache.any(), "the append ran before the refusal"
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and hipflash.gpu_available()),
-                    reason="needs a GPU visible to torch and a hipflash built with GPU kernels "
-                    f"(this build: {hipflash.build_info()!r})")
-def test_the_gpu_refuses_cache_batch_idx_before_the_append():
-    q = torch.randn(2, 1, 4, 64, device="cuda").to(torch.bfloat16)
-    k_cache = torch.zeros(3, 48, 2, 64, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    k_new = torch.ones(2, 1, 2, 64, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(NotImplementedError, match="cache_batch_idx runs on the CPU backend"):
-        hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new.clone(),
-                                         cache_seqlens=4,
-                                         cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32,
-                                                                      device="cuda"))
-    assert not k_cache.any() and not v_cache.any()

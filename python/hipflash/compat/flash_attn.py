@@ -8,7 +8,7 @@ Function names, argument names and defaults as in flash-attn 2.x. Returns: ``out
 layouts ([batch, nheads, seqlen] dense, [nheads, total_q] varlen), and no probabilities
 (FlashAttention returns them only with dropout, which hipflash does not have). Refused with
 NotImplementedError: dropout_p > 0, and in flash_attn_with_kvcache rotary embedding,
-cache_leftpad (cache_batch_idx runs on CPU tensors). softcap and alibi_slopes run on CPU tensors (hipflash's CPU
+cache_leftpad (cache_batch_idx runs). softcap and alibi_slopes run on CPU tensors (hipflash's CPU
 backend, forward and backward); on NVIDIA GPUs their forward runs, and their backward raises
 NotImplementedError (before the forward, when gradients will be needed) until the kernels
 apply them.

@@ -10,7 +10,7 @@ Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
 NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs on CPU
 tensors: hipflash.flash_attn_func's q_descale), attention_chunk,
-rotary embedding, cache_leftpad (cache_batch_idx runs on CPU tensors), and varlen queries
+rotary embedding, cache_leftpad (cache_batch_idx runs), and varlen queries
 appending new keys (cu_seqlens_k_new). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
 GPU forward (the GPU backward refuses them); softcap
 on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
