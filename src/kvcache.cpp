@@ -299,14 +299,28 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     HIPFLASH_CHECK(cache_seqlens->sizes[0] == batch, "cache_seqlens must have one entry per "
                    "sequence (batch = ", batch, "), got shape ", shape_str(*cache_seqlens));
   }
-  for (const TensorRef* t : {cache_seqlens, block_table, batch_idx}) {
+  const TensorRef* leftpad = opts.cache_leftpad;
+  const bool gpu = q.loc.kind == Location::gpu;
+  if (leftpad) {
+    check_index(*leftpad, "cache_leftpad", 1, "[batch]", q);
+    HIPFLASH_CHECK(leftpad->sizes[0] == batch, "cache_leftpad must have one entry per sequence "
+                   "(batch = ", batch, "), got shape ", shape_str(*leftpad));
+    HIPFLASH_CHECK_AS(not_implemented, !(gpu && paged), "cache_leftpad with a paged cache runs "
+                      "on the CPU backend only: the GPU kernels read a paged cache from its first "
+                      "page's first row");
+    if (k_new) {
+      check_disjoint(k_cache, "k_cache", *leftpad, "cache_leftpad");
+      check_disjoint(v_cache, "v_cache", *leftpad, "cache_leftpad");
+    }
+  }
+  for (const TensorRef* t : {cache_seqlens, block_table, batch_idx, leftpad}) {
     if (!t) continue;
     const char* name = t == cache_seqlens ? "cache_seqlens"
-                       : t == block_table ? "block_table" : "cache_batch_idx";
+                       : t == block_table ? "block_table"
+                       : t == batch_idx   ? "cache_batch_idx" : "cache_leftpad";
     check_disjoint(out, "out", *t, name);
     if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);
   }
-  const bool gpu = q.loc.kind == Location::gpu;
   // The GPU kernels move 16-byte vectors (gpu::run_forward checks the same, but only after the
   // append would have written the caches).
   if (gpu) check_gpu_vectors({{&q, "q"}, {&out, "out"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}});
@@ -315,16 +329,20 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   // the lengths are copied back as cu_seqlens are (not while the stream captures a graph); the
   // block table is not (a copy of every entry per call is not cheap): an entry out of range
   // there is the caller's error (docs/spec.md §7).
-  std::vector<int32_t> lens(size_t(batch), 0);
+  std::vector<int32_t> lens(size_t(batch), 0), pads(size_t(batch), 0);
   const bool capturing = gpu && gpu::stream_capturing(stream);
-  if (cache_seqlens && batch > 0) {
-    if (!gpu) std::memcpy(lens.data(), cache_seqlens->data, size_t(batch) * sizeof(int32_t));
+  for (auto [t, host] : {std::pair{cache_seqlens, &lens}, {leftpad, &pads}}) {
+    if (!t || batch == 0) continue;
+    if (!gpu) std::memcpy(host->data(), t->data, size_t(batch) * sizeof(int32_t));
     else if (!capturing)
-      gpu::copy_to_host(lens.data(), cache_seqlens->data, size_t(batch) * sizeof(int32_t), stream);
+      gpu::copy_to_host(host->data(), t->data, size_t(batch) * sizeof(int32_t), stream);
   }
   for (int64_t b = 0; b < batch && !capturing; ++b) {
     const int64_t len = cache_seqlens ? int64_t(lens[size_t(b)]) : capacity;
     HIPFLASH_CHECK(len >= 0, "cache_seqlens[", b, "] = ", len, " is negative");
+    const int64_t pad = pads[size_t(b)];
+    HIPFLASH_CHECK(pad >= 0 && pad <= len, "cache_leftpad[", b, "] = ", pad, " is not in [0, ",
+                   len, "] (the sequence's cached rows)");
     HIPFLASH_CHECK(len + s_new <= capacity, "sequence ", b, " needs ", len, " cached + ", s_new,
                    " new keys but its cache holds ", capacity,
                    paged ? " (max_blocks_per_seq * page_size)" : " (k_cache.shape[1])");
@@ -340,6 +358,7 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     point_at_pages(p, *block_table, page);
   }
   if (batch_idx) p.cache_batch_idx = static_cast<const int32_t*>(batch_idx->data);
+  if (leftpad) p.cache_leftpad = static_cast<const int32_t*>(leftpad->data);
   // The window saturates against the capacity (the paged view above had no keys): no sequence
   // has more keys, so a left bound of capacity - 1 reaches every key (fill_window's rule).
   p.window_left = opts.window_left >= capacity - 1 ? -1 : opts.window_left;

@@ -54,15 +54,21 @@ struct KvCacheOptions : FwdOptions {
   /// bfloat16 / float16 q, holding K / k_scale and V / v_scale; fp32 [] / [1] scales, nullptr: 1.
   /// The scores are q.(k * k_scale), out is softmax . (v * v_scale) in q's dtype; appended rows
   /// are quantised in place as k / k_scale (v / v_scale), rounded to nearest even and saturated
-  /// to +-448 (a NaN stays NaN). Refused with other cache dtypes. The CPU backend only, for now.
+  /// to +-448 (a NaN stays NaN). Refused with other cache dtypes. The CPU backend and, in decode
+  /// calls (up to 16 query rows per kv head), NVIDIA GPUs from sm_89.
   const TensorRef* k_scale = nullptr;
   const TensorRef* v_scale = nullptr;
   /// FlashAttention's cache_batch_idx: int32 [batch] on q's device, or nullptr. With a
   /// contiguous cache of any batch size (no block_table), sequence b reads and appends to cache
   /// entry cache_batch_idx[b] (each in [0, k_cache.shape[0]); with repeated entries and new
-  /// rows, the last sequence's rows are the ones a repeated entry keeps). The CPU backend only,
-  /// for now: a GPU call raises not_implemented.
+  /// rows, the last sequence's rows are the ones a repeated entry keeps).
   const TensorRef* cache_batch_idx = nullptr;
+  /// FlashAttention's cache_leftpad: int32 [batch] on q's device, or nullptr (0). Sequence b's
+  /// keys start at row cache_leftpad[b] of its cache (each in [0, its cached length]): it
+  /// attends to rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), causal and windows
+  /// aligned to those keys; new rows are still appended at cache_seqlens[b]. Paged caches on
+  /// CPU tensors only (a GPU call with a block_table raises not_implemented).
+  const TensorRef* cache_leftpad = nullptr;
 };
 
 /// Attention of q against a KV cache, after appending k_new / v_new (see the header comment).

@@ -75,6 +75,10 @@ struct FwdParams {
   /// A contiguous KV cache's batch indirection (FlashAttention's cache_batch_idx), int32 [B] or
   /// nullptr: sequence b reads and appends to cache entry cache_batch_idx[b] (CPU backend).
   const int32_t* __restrict__ cache_batch_idx = nullptr;
+  /// FlashAttention's cache_leftpad, int32 [B] or nullptr: sequence b's keys are cache rows
+  /// [cache_leftpad[b], seqlens_k[b] + seqlen_k_new) (SeqBounds::k_start; a contiguous cache on
+  /// the GPU).
+  const int32_t* __restrict__ cache_leftpad = nullptr;
 
   int64_t batch = 0;
   int64_t seqlen_q = 0;  ///< dense Sq, or max_seqlen_q for varlen

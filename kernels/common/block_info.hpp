@@ -29,10 +29,12 @@ struct SeqBounds {
       len_q = p.seqused_q != nullptr ? p.seqused_q[b] : p.cu_seqlens_q[b + 1] - q_start;
       len_k = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k_start;
     } else {
-      q_start = k_start = 0;
+      q_start = 0;
       len_q = p.seqlen_q;
-      // A KV cache: sequence b holds its cached keys plus the appended ones.
-      len_k = p.seqlens_k != nullptr ? p.seqlens_k[b] + p.seqlen_k_new : p.seqlen_k;
+      // A KV cache: sequence b holds its cached keys plus the appended ones, from its left
+      // padding on (FlashAttention's cache_leftpad; validated <= its cached length).
+      k_start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+      len_k = (p.seqlens_k != nullptr ? p.seqlens_k[b] + p.seqlen_k_new : p.seqlen_k) - k_start;
     }
     diag = len_k - len_q;
   }

@@ -488,7 +488,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0,
-                            alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None):
+                            alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None,
+                            cache_leftpad=None):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -521,6 +522,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             contiguous cache of any batch size, sequence b reads and appends to cache entry
             cache_batch_idx[b] (CPU tensors and NVIDIA GPUs; on the GPU the entries are copied
             back for their range check, as cache_seqlens are).
+        cache_leftpad: optional (batch_size,) int32 on q's device (FlashAttention's): sequence
+            b's keys start at row cache_leftpad[b] of its cache (in [0, cache_seqlens[b]]): it
+            attends to rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1, causal and
+            windows aligned to those keys; k / v are still appended at cache_seqlens[b]. Paged
+            caches with it run on CPU tensors only (a GPU call raises NotImplementedError).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
@@ -552,7 +558,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _check_tensor(block_table, "block_table")
         named.append(("block_table", block_table))
     for name, t in (("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale),
-                    ("cache_batch_idx", cache_batch_idx)):
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is not None:
             _check_tensor(t, name)
             named.append((name, t))
@@ -562,7 +568,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
-                     _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx)
+                     _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx,
+                     cache_leftpad)
     return (out, lse) if return_lse else out
 
 

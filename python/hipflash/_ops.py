@@ -115,7 +115,8 @@ def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_ta
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                   window_left, window_right, num_splits, return_lse, softcap=0.0,
-                  alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None):
+                  alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None,
+                  cache_leftpad=None):
     # The caches are mutated in place (declared in the schema); the outputs are new.
     return _fwd_fake(q, None, None, softmax_scale, causal, window_left, window_right, num_splits,
                      return_lse)

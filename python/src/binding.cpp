@@ -406,7 +406,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     int64_t num_splits, bool return_lse, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
     const OptionalTensor& k_scale, const OptionalTensor& v_scale,
-    const OptionalTensor& cache_batch_idx) {
+    const OptionalTensor& cache_batch_idx, const OptionalTensor& cache_leftpad) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
@@ -414,7 +414,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   run_launcher([&] {
     const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse),
         ks(k_scale, "k_scale", Role::lse), vs(v_scale, "v_scale", Role::lse),
-        bidx(cache_batch_idx, "cache_batch_idx", Role::index);
+        bidx(cache_batch_idx, "cache_batch_idx", Role::index),
+        lpad(cache_leftpad, "cache_leftpad", Role::index);
     hipflash::KvCacheOptions o;
     static_cast<hipflash::FwdOptions&>(o) =
         fwd_options(softmax_scale, causal, window_left, window_right, num_splits, return_lse,
@@ -423,6 +424,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     o.k_scale = ks.get();
     o.v_scale = vs.get();
     o.cache_batch_idx = bidx.get();
+    o.cache_leftpad = lpad.get();
     const auto qr = to_ref(q, "q", Role::operand), kc = to_ref(k_cache, "k_cache", Role::operand),
                vc = to_ref(v_cache, "v_cache", Role::operand), outr = to_ref(out, "out", Role::operand);
     std::optional<hipflash::TensorRef> kr, vr, sr, br, lr;
@@ -615,7 +617,8 @@ TORCH_LIBRARY(hipflash, m) {
         "Tensor? cache_seqlens, Tensor? block_table, float? softmax_scale, bool causal, "
         "int window_left, int window_right, int num_splits, bool return_lse, "
         "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, Tensor? cache_batch_idx=None) -> (Tensor out, Tensor lse)");
+        "Tensor? v_scale=None, Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None) -> "
+        "(Tensor out, Tensor lse)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "
         "bool deterministic, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");

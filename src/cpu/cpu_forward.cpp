@@ -35,8 +35,10 @@ struct Seq {
 };
 
 Seq sequence(const FwdParams& p, int64_t b) {
-  if (p.seqlens_k) return {0, 0, p.seqlen_q, p.seqlens_k[b] + p.seqlen_k_new};  // KV cache
-  if (!p.is_varlen()) return {0, 0, p.seqlen_q, p.seqlen_k};
+  if (!p.is_varlen()) {  // a KV cache's keys: its cached ones and the appended, from its leftpad
+    const int64_t pad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
+    return {0, pad, p.seqlen_q, (p.seqlens_k ? p.seqlens_k[b] + p.seqlen_k_new : p.seqlen_k) - pad};
+  }
   // seqused (validated <= the cu_seqlens lengths): the rows and keys the sequence uses.
   return {p.cu_seqlens_q[b], p.cu_seqlens_k[b],
           p.seqused_q ? p.seqused_q[b] : p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
@@ -61,27 +63,40 @@ struct AnyPagedRows {
   const Elem* row(int64_t j) const { return base + table[j / page] * page_stride + (j % page) * ld; }
 };
 
+/// Rows of a paged source from row `first` on (a KV cache's cache_leftpad).
+template <class Rows>
+struct RowsFrom {
+  Rows rows;
+  int64_t first;
+  auto row(int64_t j) const { return rows.row(first + j); }
+};
+
 /// Calls fn(k_rows, v_rows) with the row sources (common/kv_source.hpp) of sequence b's keys and
-/// values for kv head hk: pages through the block table for a paged KV cache, rows at a fixed
-/// stride otherwise. A paged and a contiguous cache run the same arithmetic on the same values.
+/// values for kv head hk, from its first key (s.k_start: varlen, or a cache's leftpad; a paged
+/// cache's sequence starts at its first page, so only its leftpad moves it): pages through the
+/// block table for a paged KV cache, rows at a fixed stride otherwise. A paged and a contiguous
+/// cache run the same arithmetic on the same values.
 template <class Elem, class Fn>
 void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& fn) {
   const auto* k = static_cast<const Elem*>(p.k);
   const auto* v = static_cast<const Elem*>(p.v);
+  const int64_t pad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
   if (p.block_table && (p.page_size & (p.page_size - 1)) != 0) {
     const int32_t* table = p.block_table + b * p.block_table_stride;
-    fn(AnyPagedRows<Elem>{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
-                          p.page_size},
-       AnyPagedRows<Elem>{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride,
-                          p.page_size});
+    using R = AnyPagedRows<Elem>;
+    fn(RowsFrom<R>{R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
+                     p.page_size}, pad},
+       RowsFrom<R>{R{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride,
+                     p.page_size}, pad});
     return;
   }
   if (p.block_table) {
     const int32_t* table = p.block_table + b * p.block_table_stride;
-    fn(common::PagedRows<const Elem>{k + hk * p.k_head_stride, table, p.k_batch_stride,
-                                     p.k_row_stride, p.page_shift},
-       common::PagedRows<const Elem>{v + hk * p.v_head_stride, table, p.v_batch_stride,
-                                     p.v_row_stride, p.page_shift});
+    using R = common::PagedRows<const Elem>;
+    fn(RowsFrom<R>{R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
+                     p.page_shift}, pad},
+       RowsFrom<R>{R{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride,
+                     p.page_shift}, pad});
     return;
   }
   const int64_t bc = p.cache_batch_idx ? p.cache_batch_idx[b] : b;  // a cache's batch indirection

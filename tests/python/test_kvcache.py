@@ -262,6 +262,85 @@ def test_cache_batch_idx_reads_and_appends_the_named_entries(device, sq):
         assert_bitwise_equal(got, want, mod.__name__)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sq", [1, 40], ids=["decode", "generic"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cache_leftpad_equals_the_call_on_the_shifted_cache(device, sq, paged):
+    # FlashAttention's cache_leftpad: sequence b's keys are rows [pad[b], cache_seqlens[b]) plus
+    # the appended ones (written at cache_seqlens[b]); bitwise the call on a cache whose rows
+    # were moved to start at row 0 (same capacity, so the same splits).
+    if paged and device == "cuda":
+        pytest.skip("the GPU refuses cache_leftpad with a paged cache (its own test)")
+    import hipflash.compat.flash_attn as fa2
+    import hipflash.compat.flash_attn_interface as fa3
+    g = torch.Generator().manual_seed(12)
+    bf16, cap, page = torch.bfloat16, 96, 16
+    q = torch.randn(2, sq, 4, 64, generator=g).to(bf16)
+    k_cache = torch.randn(2, cap, 2, 64, generator=g).to(bf16)
+    v_cache = torch.randn(2, cap, 2, 64, generator=g).to(bf16)
+    k_new = torch.randn(2, 3, 2, 64, generator=g).to(bf16)
+    v_new = torch.randn(2, 3, 2, 64, generator=g).to(bf16)
+    lens, pads = [50, 70], [13, 0]
+    k_shift, v_shift = k_cache.clone(), v_cache.clone()
+    for b, p in enumerate(pads):
+        k_shift[b, :cap - p], v_shift[b, :cap - p] = k_cache[b, p:], v_cache[b, p:]
+    dev = lambda t: t.to(device)  # noqa: E731
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    kw = dict(causal=True, return_lse=True)
+
+    def cache(t):  # contiguous, or pages of 16 rows in reverse order
+        if not paged:
+            return dev(t.clone()), None
+        table = torch.arange(2 * cap // page, dtype=torch.int32).flip(0).reshape(2, cap // page)
+        pages = t.reshape(-1, page, 2, 64)[table.flatten().argsort()].clone()
+        return dev(pages), dev(table)
+
+    kc, table = cache(k_cache)
+    vc, _ = cache(v_cache)
+    out, lse = hipflash.flash_attn_with_kvcache(dev(q), kc, vc, dev(k_new), dev(v_new),
+                                                cache_seqlens=i32(lens), block_table=table,
+                                                cache_leftpad=i32(pads), **kw)
+    ks, _ = cache(k_shift)
+    vs, _ = cache(v_shift)
+    want, want_lse = hipflash.flash_attn_with_kvcache(
+        dev(q), ks, vs, dev(k_new), dev(v_new), block_table=table,
+        cache_seqlens=i32([n - p for n, p in zip(lens, pads)]), **kw)
+    assert_bitwise_equal(out, want, "out")
+    assert_bitwise_equal(lse, want_lse, "lse")
+    if not paged:  # the new rows land at cache_seqlens[b], the padding untouched
+        for b, (n, p) in enumerate(zip(lens, pads)):
+            assert_bitwise_equal(kc[b, n:n + 3].cpu(), k_new[b], f"appended k of {b}")
+            assert_bitwise_equal(kc[b, :n].cpu(), k_cache[b, :n], f"cached k of {b}")
+        for mod in (fa2, fa3):  # the compatibility modules pass it through
+            got = mod.flash_attn_with_kvcache(dev(q), dev(k_cache.clone()), dev(v_cache.clone()),
+                                              dev(k_new), dev(v_new), cache_seqlens=i32(lens),
+                                              cache_leftpad=i32(pads), causal=True)
+            assert_bitwise_equal(got, want, mod.__name__)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_cache_leftpad_is_refused_and_nothing_is_written(device):
+    q = torch.randn(2, 1, 4, 64).to(torch.bfloat16).to(device)
+    k_cache = torch.zeros(2, 48, 2, 64, dtype=torch.bfloat16, device=device)
+    k_new = torch.ones(2, 1, 2, 64, dtype=torch.bfloat16, device=device)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    for pads, error, match in (([5, 0], ValueError, r"cache_leftpad\[0\] = 5 is not in \[0, 4\]"),
+                               ([-1, 0], ValueError, "cache_leftpad"),
+                               ([0], ValueError, "one entry per sequence")):
+        with pytest.raises(error, match=match):
+            hipflash.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k_new, k_new.clone(),
+                                             cache_seqlens=4, cache_leftpad=i32(pads))
+        assert not k_cache.any(), "the append ran before the refusal"
+    if device == "cuda":  # a paged cache: the GPU reads pages from their first row
+        pages = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16, device=device)
+        with pytest.raises(NotImplementedError, match="cache_leftpad with a paged cache"):
+            hipflash.flash_attn_with_kvcache(q, pages, pages.clone(), k_new, k_new.clone(),
+                                             cache_seqlens=4, cache_leftpad=i32([1, 0]),
+                                             block_table=torch.arange(6, dtype=torch.int32,
+                                                                      device=device).reshape(2, 3))
+        assert not pages.any()
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (dict(cache_batch_idx=torch.tensor([3, 0], dtype=torch.int32)), ValueError,
      r"cache_batch_idx\[0\] = 3 is not an entry of the cache"),

@@ -10,8 +10,8 @@ Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
 NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs on CPU
 tensors: hipflash.flash_attn_func's q_descale), attention_chunk,
-rotary embedding, cache_leftpad (cache_batch_idx runs), and varlen queries
-appending new keys (cu_seqlens_k_new). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
+rotary embedding, varlen queries appending new keys (cu_seqlens_k_new) or with cache_leftpad
+(cache_batch_idx and cache_leftpad run with batched queries). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
 GPU forward (the GPU backward refuses them); softcap
 on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
 the kernels cap scores).
@@ -104,10 +104,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     without appending (hipflash's chunked prefill)."""
     _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                        ("rotary_seqlens", rotary_seqlens), ("cache_leftpad", cache_leftpad),
-                        ("cu_seqlens_k_new", cu_seqlens_k_new)):
+                        ("rotary_seqlens", rotary_seqlens), ("cu_seqlens_k_new", cu_seqlens_k_new)):
         refuse(name, value, None)
     if cu_seqlens_q is not None:
+        refuse("cache_leftpad", cache_leftpad, None, "cache_leftpad with varlen queries")
         if k is not None or v is not None:
             raise NotImplementedError("hipflash.compat: varlen queries (cu_seqlens_q) appending "
                                       "new keys (k, v) are not supported by hipflash yet")
@@ -128,7 +128,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
-        softcap=softcap_value(softcap), cache_batch_idx=cache_batch_idx)
+        softcap=softcap_value(softcap), cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):
