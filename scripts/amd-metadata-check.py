@@ -169,10 +169,13 @@ def short_name(demangled, dtypes):
     last_kernel_name() spelling), else the demangled name without namespaces and arguments."""
     demangled = re.sub(r"^void ", "", demangled)
     m = re.match(r"(?:\w+::)*fwd_(\w+)_kernel<hipflash::FwdTraits<\(hipflash::DType\)(\d+), "
-                 r"(\d+), (true|false), (true|false), (true|false)>>\(", demangled)
+                 r"(\d+), (true|false), (true|false), (true|false)"
+                 r"(?:, \(hipflash::DType\)(\d+))?>>\(", demangled)
     if m:
-        kind, dt, hd, lse, masked, split = m.groups()
-        s = f"fwd_{kind}_{dtypes.get(dt, 'dtype' + dt)}_hd{hd}"
+        kind, dt, hd, lse, masked, split, kv = m.groups()
+        s = f"fwd_{kind}_{dtypes.get(dt, 'dtype' + dt)}"
+        s += f"_kv{dtypes.get(kv, 'dtype' + kv)}" if kv not in (None, dt) else ""
+        s += f"_hd{hd}"
         s += "_masked" if masked == "true" else ""
         s += "_splitk" if split == "true" else "_lse" if lse == "true" else ""
         return s

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "common/kv_source.hpp"
 #include "hipflash/params.hpp"
@@ -77,26 +76,24 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const HIPFLASH_GRID_CO
     const int64_t row_stride = which ? p.v_row_stride : p.k_row_stride;
     const int64_t head_stride = which ? p.v_head_stride : p.k_head_stride;
     const int64_t row = p.seqlens_k[b] + j;
-    const auto store = [&](auto* cache, auto value) {  // element (b, row, hk, d) of the cache
-      using E = std::remove_pointer_t<decltype(cache)>;
-      E* dst;
-      if (p.block_table != nullptr) {
-        const common::PagedRows<E> rows{cache + hk * head_stride,
-                                        p.block_table + b * p.block_table_stride, batch_stride,
-                                        row_stride, p.page_shift};
-        dst = rows.row(row) + d;
-      } else {
-        const int64_t entry = p.cache_batch_idx ? p.cache_batch_idx[b] : b;  // FlashAttention's
-        dst = cache + entry * batch_stride + row * row_stride + hk * head_stride + d;
-      }
-      *dst = value;
-    };
+    // The element's offset in the cache: through the block table (common::PagedRows' rule), or
+    // at the sequence's entry (FlashAttention's cache_batch_idx) of a contiguous cache.
+    int64_t at;
+    if (p.block_table != nullptr) {
+      const int64_t page = p.block_table[b * p.block_table_stride + (row >> p.page_shift)];
+      at = page * batch_stride + (row & ((int64_t(1) << p.page_shift) - 1)) * row_stride;
+    } else {
+      const int64_t entry = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+      at = entry * batch_stride + row * row_stride;
+    }
+    at += hk * head_stride + d;
     void* cache = const_cast<void*>(which ? p.v : p.k);
     if (p.kv_dtype == DType::e4m3) {
-      const float scale = (which ? p.v_descale : p.k_descale).at(0, 0);
-      store(static_cast<uint8_t*>(cache), quantise_e4m3(element_to_float(*src, p.dtype), scale));
+      const float* scale_at = which ? p.v_descale.ptr : p.k_descale.ptr;  // [] / [1]: one value
+      const float scale = scale_at ? *scale_at : 1.f;
+      static_cast<uint8_t*>(cache)[at] = quantise_e4m3(element_to_float(*src, p.dtype), scale);
     } else {
-      store(static_cast<uint16_t*>(cache), *src);
+      static_cast<uint16_t*>(cache)[at] = *src;
     }
   }
 }
