@@ -26,6 +26,7 @@ import torch
 
 from . import _C
 from . import _ops
+from . import _rotary
 
 __all__ = [
     "flash_attn_func",
@@ -489,7 +490,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0,
                             alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None,
-                            cache_leftpad=None):
+                            cache_leftpad=None, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=True, rotary_seqlens=None):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -527,6 +529,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             attends to rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1, causal and
             windows aligned to those keys; k / v are still appended at cache_seqlens[b]. Paged
             caches with it run on CPU tensors only (a GPU call raises NotImplementedError).
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) on q's device
+            (FlashAttention's rotary embedding on append): the first rotary_dim (even, <=
+            headdim) dims of k are rotated at positions cache_seqlens[b] - cache_leftpad[b] + j
+            (rotary_seqlens[b] instead of cache_seqlens[b] when given) before the append, and
+            those of q at the same base + i when causal or windowed, at the base alone
+            otherwise; rotary_interleaved: pairs (0, 1), (2, 3), ... (GPT-J) or the two halves
+            (GPT-NeoX). Computed in float32 and rounded to q's dtype by PyTorch ops before the
+            call (not fused into the kernels).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
@@ -566,6 +576,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
+    if rotary_cos is not None or rotary_sin is not None:
+        q, k = _rotary.on_append(q, k, k_cache, block_table, cache_seqlens, cache_leftpad,
+                                 rotary_seqlens, rotary_cos, rotary_sin, bool(rotary_interleaved),
+                                 causal or left >= 0 or right >= 0)
+    elif rotary_seqlens is not None:
+        raise ValueError("rotary_seqlens needs rotary_cos and rotary_sin")
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
                      _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx,

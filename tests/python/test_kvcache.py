@@ -367,3 +367,84 @@ def test_bad_cache_batch_idx_is_refused_and_nothing_is_written(bad, error, match
     assert not k_cache.any() and not v_cache.any(), "the append ran before the refusal"
 
 
+
+
+def rotary_reference(x, cos, sin, pos, interleaved):
+    """FlashAttention's rotary embedding in float64: the first rotary_dim dims of x [B, S, H, D]
+    as complex pairs (interleaved) or halves (rotate_half), at positions pos [B, S]."""
+    rd = 2 * cos.shape[1]
+    c, s = cos.double()[pos][:, :, None, :], sin.double()[pos][:, :, None, :]
+    xr = x[..., :rd].double()
+    if interleaved:
+        z = torch.view_as_complex(xr.reshape(*xr.shape[:-1], rd // 2, 2).contiguous())
+        rot = torch.view_as_real(z * torch.complex(c, s)).flatten(-2)
+    else:
+        c2, s2 = torch.cat((c, c), -1), torch.cat((s, s), -1)
+        half = torch.cat((-xr[..., rd // 2:], xr[..., :rd // 2]), -1)
+        rot = xr * c2 + half * s2
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("leftpad", [False, True], ids=["nopad", "leftpad"])
+def test_rotary_on_append(device, interleaved, causal, leftpad):
+    # FlashAttention's rotary_cos / rotary_sin: k rotated at cache_seqlens - leftpad + j before the
+    # append, q at that base + i (causal) or the base alone; against the float64 rotation.
+    import hipflash.compat.flash_attn as fa2
+    import hipflash.compat.flash_attn_interface as fa3
+    g = torch.Generator().manual_seed(21)
+    bf16, d, rd, s_new, sq = torch.bfloat16, 64, 32, 3, 3
+    q = torch.randn(2, sq, 4, d, generator=g).to(bf16).to(device)
+    kc = torch.randn(2, 64, 2, d, generator=g).to(bf16).to(device)
+    vc = torch.randn(2, 64, 2, d, generator=g).to(bf16).to(device)
+    k_new = torch.randn(2, s_new, 2, d, generator=g).to(bf16).to(device)
+    v_new = torch.randn(2, s_new, 2, d, generator=g).to(bf16).to(device)
+    angles = torch.rand(80, rd // 2, generator=g, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
+    lens = torch.tensor([20, 41], dtype=torch.int32, device=device)
+    pads = torch.tensor([5, 0], dtype=torch.int32, device=device) if leftpad else None
+    base = (lens - (pads if leftpad else 0)).long()
+    pos_k = base[:, None] + torch.arange(s_new, device=device)
+    pos_q = base[:, None] + (torch.arange(sq, device=device) if causal else 0 * torch.arange(sq, device=device))
+    q_rot = rotary_reference(q, cos, sin, pos_q, interleaved)
+    k_rot = rotary_reference(k_new, cos, sin, pos_k, interleaved)
+    kw = dict(cache_seqlens=lens, cache_leftpad=pads, causal=causal, return_lse=True)
+    k1, v1 = kc.clone(), vc.clone()
+    out, lse = hipflash.flash_attn_with_kvcache(q, k1, v1, k_new, v_new, rotary_cos=cos,
+                                                rotary_sin=sin, rotary_interleaved=interleaved, **kw)
+    k2, v2 = kc.clone(), vc.clone()
+    want, want_lse = hipflash.flash_attn_with_kvcache(q_rot, k2, v2, k_rot, v_new, **kw)
+    # The rotation rounds once to bf16 either way (float32 vs float64 before it): within an ulp.
+    for b in range(2):
+        n = int(lens[b])
+        got_k, ref_k = k1[b, n:n + s_new].float(), k_rot[b].float()
+        assert torch.allclose(got_k, ref_k, rtol=2 ** -7, atol=1e-6), "appended k rotated"
+        assert torch.equal(k1[b, :n], kc[b, :n]) and torch.equal(v1[b, n:n + s_new], v_new[b])
+    assert (out.float() - want.float()).abs().max() < 2e-2
+    assert (lse - want_lse).abs().max() < 1e-2
+    # The compatibility modules pass it through (FA3's rotary_seqlens too: the same base here).
+    for mod, extra in ((fa2, {}), (fa3, {"rotary_seqlens": (base.int() if leftpad else None)})):
+        got = mod.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k_new, v_new,
+                                          cache_seqlens=lens, cache_leftpad=pads, causal=causal,
+                                          rotary_cos=cos, rotary_sin=sin,
+                                          rotary_interleaved=interleaved, **extra)
+        assert_bitwise_equal(got, out, mod.__name__)
+
+
+def test_bad_rotary_is_refused_and_nothing_is_written():
+    q = torch.randn(1, 1, 2, 64).to(torch.bfloat16)
+    kc = torch.zeros(1, 32, 2, 64, dtype=torch.bfloat16)
+    k_new = torch.ones(1, 2, 2, 64, dtype=torch.bfloat16)
+    cos = torch.ones(8, 16)
+    for kw, match in ((dict(rotary_cos=cos), "given together"),
+                      (dict(rotary_cos=cos, rotary_sin=torch.ones(8, 8)), "one shape"),
+                      (dict(rotary_cos=torch.ones(8, 40), rotary_sin=torch.ones(8, 40)),
+                       "rotary_dim"),
+                      (dict(rotary_cos=cos, rotary_sin=cos.clone()), r"reach \[7, 8\]"),
+                      (dict(rotary_seqlens=torch.zeros(1, dtype=torch.int32)), "needs rotary_cos")):
+        with pytest.raises(ValueError, match=match):
+            hipflash.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new.clone(),
+                                             cache_seqlens=7, **kw)
+        assert not kc.any(), "the append ran before the refusal"

@@ -7,8 +7,8 @@ Function names, argument names and defaults as in flash-attn 2.x. Returns: ``out
 ``return_attn_probs=True`` the triple ``(out, softmax_lse, None)`` — the LSE in FlashAttention's
 layouts ([batch, nheads, seqlen] dense, [nheads, total_q] varlen), and no probabilities
 (FlashAttention returns them only with dropout, which hipflash does not have). Refused with
-NotImplementedError: dropout_p > 0, and in flash_attn_with_kvcache rotary embedding
-(cache_batch_idx and cache_leftpad run). softcap and alibi_slopes run on CPU tensors (hipflash's CPU
+NotImplementedError: dropout_p > 0 (flash_attn_with_kvcache's rotary embedding, cache_batch_idx
+and cache_leftpad run). softcap and alibi_slopes run on CPU tensors (hipflash's CPU
 backend, forward and backward); on NVIDIA GPUs their forward runs, and their backward raises
 NotImplementedError (before the forward, when gradients will be needed) until the kernels
 apply them.
@@ -103,10 +103,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             return_softmax_lse=False):
     """Attention against a KV cache (contiguous, or paged with block_table) after appending
     k / v in place at cache_seqlens; returns out, and the LSE with return_softmax_lse."""
-    refuse("rotary_cos", rotary_cos, None, "rotary embedding on append")
-    refuse("rotary_sin", rotary_sin, None, "rotary embedding on append")
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=num_splits, return_lse=return_softmax_lse, softcap=softcap_value(softcap),
-        alibi_slopes=alibi_slopes, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+        alibi_slopes=alibi_slopes, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)

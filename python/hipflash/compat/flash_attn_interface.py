@@ -10,8 +10,9 @@ Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
 NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs on CPU
 tensors: hipflash.flash_attn_func's q_descale), attention_chunk,
-rotary embedding, varlen queries appending new keys (cu_seqlens_k_new) or with cache_leftpad
-(cache_batch_idx and cache_leftpad run with batched queries). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
+varlen queries appending new keys (cu_seqlens_k_new) or with cache_leftpad or rotary embedding
+(cache_batch_idx, cache_leftpad and rotary_cos / rotary_sin / rotary_seqlens run with batched
+queries). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
 GPU forward (the GPU backward refuses them); softcap
 on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
 the kernels cap scores).
@@ -103,11 +104,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     k / v in place at cache_seqlens. Varlen queries (cu_seqlens_q) attend to a paged cache
     without appending (hipflash's chunked prefill)."""
     _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                        ("rotary_seqlens", rotary_seqlens), ("cu_seqlens_k_new", cu_seqlens_k_new)):
-        refuse(name, value, None)
+    refuse("cu_seqlens_k_new", cu_seqlens_k_new, None)
     if cu_seqlens_q is not None:
-        refuse("cache_leftpad", cache_leftpad, None, "cache_leftpad with varlen queries")
+        for name, value in (("cache_leftpad", cache_leftpad), ("rotary_cos", rotary_cos),
+                            ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens)):
+            refuse(name, value, None, f"{name} with varlen queries")
         if k is not None or v is not None:
             raise NotImplementedError("hipflash.compat: varlen queries (cu_seqlens_q) appending "
                                       "new keys (k, v) are not supported by hipflash yet")
@@ -129,7 +130,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
         softcap=softcap_value(softcap), cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad)
+        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):

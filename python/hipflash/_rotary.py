@@ -1,0 +1,79 @@
+"""Rotary embedding on append (FlashAttention's rotary_cos / rotary_sin of flash_attn_with_kvcache):
+q and the new k rotated by PyTorch ops before the KV-cache call, in float32, rounded to q's dtype.
+"""
+import torch
+
+
+def _positions(base, rows, per_row, device):
+    """[B, rows] int64 positions: base[b] + i (per_row) or base[b]."""
+    offsets = torch.arange(rows, device=device) if per_row else torch.zeros(rows, device=device,
+                                                                              dtype=torch.long)
+    return base[:, None] + offsets[None, :]
+
+
+def rotate(x, cos, sin, pos, interleaved):
+    """x [B, S, H, D] with its first 2 * cos.shape[1] dims rotated at positions pos [B, S]."""
+    half = cos.shape[1]
+    c = cos.float()[pos][:, :, None, :]  # [B, S, 1, half]
+    s = sin.float()[pos][:, :, None, :]
+    xr = x[..., :2 * half].float()
+    if interleaved:  # pairs (0, 1), (2, 3), ...
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:  # halves
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def on_append(q, k, k_cache, block_table, cache_seqlens, cache_leftpad, rotary_seqlens, cos, sin,
+              interleaved, q_per_row):
+    """(q, k) rotated for flash_attn_with_kvcache; validated first (ValueError), nothing written."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a (seqlen_ro, rotary_dim / 2) tensor")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape, got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")
+    if q.dim() != 4 or (k is not None and k.dim() != 4):
+        raise ValueError("q and k must have rank 4 ([batch, seqlen, heads, head_dim]) with rotary")
+    rotary_dim = 2 * cos.shape[1]
+    if rotary_dim == 0 or rotary_dim > q.shape[-1]:
+        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must be in "
+                         f"[2, head_dim = {q.shape[-1]}]")
+    batch = q.shape[0]
+    if rotary_seqlens is not None:
+        base = rotary_seqlens
+        name = "rotary_seqlens"
+    elif cache_seqlens is not None:
+        base = cache_seqlens
+        name = "cache_seqlens"
+    else:  # a full cache: its capacity
+        cap = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+        base = torch.full((batch,), cap, dtype=torch.int32, device=q.device)
+        name = "the cache's capacity"
+    if not isinstance(base, torch.Tensor) or base.shape != (batch,) or base.dtype != torch.int32:
+        raise ValueError(f"{name} must be an int32 tensor of shape ({batch},) with rotary")
+    if base.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device})")
+    base = base.long()
+    if cache_leftpad is not None and rotary_seqlens is None:
+        base = base - cache_leftpad.long()
+    s_new = k.shape[1] if k is not None else 0
+    rows = max(q.shape[1], s_new)
+    if batch and rows:
+        lo = int(base.min())
+        hi = int(base.max()) + rows - 1
+        if lo < 0 or hi >= cos.shape[0]:
+            raise ValueError(f"rotary positions reach [{lo}, {hi}] but rotary_cos has "
+                             f"{cos.shape[0]} rows (seqlen_ro)")
+    q = rotate(q, cos, sin, _positions(base, q.shape[1], q_per_row, q.device), interleaved)
+    if k is not None:
+        k = rotate(k, cos, sin, _positions(base, s_new, True, q.device), interleaved)
+    return q, k
