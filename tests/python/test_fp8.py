@@ -354,3 +354,37 @@ def test_gpu_fp8_cache_refuses_long_queries_before_writing():
         hipflash.flash_attn_with_kvcache(q, kc, vc, k_new, k_new.clone(),
                                          cache_seqlens=torch.tensor(lens, dtype=torch.int32).cuda())
     assert torch.equal(kc.view(torch.uint8), before)
+
+
+def quantise_per_tensor(x):
+    """x as float8_e4m3fn with a per-tensor scale amax / 448 (FlashAttention 3's recipe)."""
+    scale = (x.float().abs().max() / 448.0).clamp(min=1e-12)
+    return (x.float() / scale).to(E4M3), scale.reshape(1)
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU kernels"))])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_lse_within_2e2_of_the_bf16_reference(device, causal):
+    # SPEC §6's fp8 rule against the 16-bit inputs before quantisation: |LSE - ref| within 2e-2
+    # on average over the rows, 6e-2 at the worst (e4m3 rounding alone reaches ~0.045). The fp8
+    # forward runs on the CPU backend (the GPU refuses fp8 q, k, v for now); an fp8 KV cache
+    # with bf16 queries on either.
+    q, k, v = make_qkv(2, 64, 96, 4, 2, 128, torch.bfloat16, seed=11)
+    from reference import attention_ref
+    _, ref_lse = attention_ref(q, k, v, causal=causal)
+    if device == "cpu":
+        (q8, qs), (k8, ks), (v8, vs) = (quantise_per_tensor(t) for t in (q, k, v))
+        _, lse = hipflash.flash_attn_func(q8, k8, v8, causal=causal, return_lse=True,
+                                          q_descale=qs, k_descale=ks, v_descale=vs)
+        err = (lse - ref_lse).abs()
+        assert err.mean() < 2e-2 and err.max() < 6e-2, (err.mean(), err.max())
+    (k8, ks), (v8, vs) = (quantise_per_tensor(t) for t in (k, v))
+    qd = q[:, :1].to(device)  # one query row: the decode kernel on the GPU
+    _, lse = hipflash.flash_attn_with_kvcache(qd, k8.to(device), v8.to(device), causal=causal,
+                                              return_lse=True, k_scale=ks.to(device),
+                                              v_scale=vs.to(device))
+    _, ref1 = attention_ref(q[:, :1], k, v, causal=causal)
+    err = (lse.cpu() - ref1).abs()
+    assert err.mean() < 2e-2 and err.max() < 6e-2, (err.mean(), err.max())
