@@ -134,6 +134,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens)
 
 
+def get_scheduler_metadata(*args, **kwargs):
+    """FlashAttention 3's scheduler precomputation for flash_attn_with_kvcache: hipflash plans
+    each call itself, so this returns None, which scheduler_metadata accepts (and ignores)."""
+    return None
+
+
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, return_lse=True):
     """Merges split results by their LSEs: out_partial (num_splits, batch, seqlen, nheads,
     headdim) or (num_splits, total, nheads, headdim), fp32; lse_partial (num_splits, batch,
