@@ -14,7 +14,8 @@ the check of FA3's own torch.ops schemas are deselected, with the reason in the 
 --fa3-sample N keeps one case in N (by a hash of its id: the same cases every run).
 At run time a case hipflash refuses (NotImplementedError: a feature it does not have) is
 reported as skipped with that message, so the counts read passed / failed / skipped by reason.
-The summary (and --fa3-report FILE, JSON) groups the outcomes by test and by skip reason.
+The summary (and --fa3-report FILE, JSON, rewritten after every case) groups the outcomes by
+test and by skip reason.
 """
 import collections
 import json
@@ -123,6 +124,18 @@ def pytest_runtest_makereport(item, call):
         if rep.outcome == "skipped":
             reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
             _skips[reason[:160]] += 1
+        _write_report(item.config)  # after every case: a run cut short keeps its counts
+
+
+def _write_report(config):
+    path = config.getoption("--fa3-report")
+    if not path:
+        return
+    total = sum(_outcomes.values(), collections.Counter())
+    with open(path, "w") as f:
+        json.dump({"by_test": {k: dict(v) for k, v in _outcomes.items()},
+                   "total": dict(total), "skipped_by_reason": dict(_skips),
+                   "deselected": dict(_deselected)}, f, indent=1)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -136,9 +149,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         w.line(f"  skipped {count}: {reason}")
     for reason, count in _deselected.items():
         w.line(f"  deselected {count}: {reason}")
-    path = config.getoption("--fa3-report")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"by_test": {k: dict(v) for k, v in _outcomes.items()},
-                       "total": dict(total), "skipped_by_reason": dict(_skips),
-                       "deselected": dict(_deselected)}, f, indent=1)
+    _write_report(config)
