@@ -94,6 +94,10 @@ void run_backward(const BwdParams& params, int device, Stream stream, Workspace 
 /// Launches the merge_attn_states kernel for `p` (validated, on GPU `device`) on `stream`.
 void run_merge(const MergeParams& p, int device, Stream stream);
 
+/// The sm version of the code the KV-cache append kernel runs on the current device (port::
+/// code_version; every GPU TU is built for one arch list): device_arch's Arch::fp8_cvt.
+int kvcache_append_code_version();
+
 /// Appends k_new / v_new ([B, S_new, Hkv, D], validated) to the cache `p` describes (k, v,
 /// strides, seqlens_k on the device, block table) on `stream`, before the forward.
 void run_kvcache_append(const FwdParams& p, const TensorRef& k_new, const TensorRef& v_new,

@@ -240,6 +240,15 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
       HIPFLASH_CHECK(idx[b] >= 0 && idx[b] < k_cache.sizes[0], "cache_batch_idx[", b, "] = ",
                      idx[b], " is not an entry of the cache (k_cache.shape[0] = ",
                      k_cache.sizes[0], ")");
+    // Two sequences appending to one entry would write the same rows (on the GPU in no order).
+    if (k_new != nullptr) {
+      std::vector<int32_t> sorted = idx;
+      std::sort(sorted.begin(), sorted.end());
+      const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+      HIPFLASH_CHECK(dup == sorted.end(), "cache_batch_idx names entry ",
+                     dup == sorted.end() ? 0 : *dup, " twice: sequences appending k and v need "
+                     "entries of their own");
+    }
   }
   // The forward's checks of q, out, lse and the options, against a view of the cache with the
   // right batch and q's dtype; a paged cache (no batch) and an fp8 one (another dtype) as

@@ -87,9 +87,13 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     if (fp8_kv) {
       // An fp8 KV cache: the decode kernel alone reads one (dequantised in registers by cvt,
       // sm_89 and newer).
-      if (arch.version < kFp8KvMinSm) {
-        sel.reason = "an fp8 (float8_e4m3fn) KV cache needs sm_89 or newer on NVIDIA GPUs (the "
-                     "kernels convert it with cvt.e4m3x2), got " + arch.name();
+      if (arch.version < kFp8KvMinSm || !arch.fp8_cvt) {
+        sel.reason = "an fp8 (float8_e4m3fn) KV cache needs sm_89+ machine code for the GPU (the "
+                     "kernels convert it with cvt.e4m3x2): " + arch.name() +
+                     (arch.version < kFp8KvMinSm ? std::string(" is older")
+                                                 : std::string(" runs this build's code for an "
+                                                               "older arch; rebuild with "
+                                                               "HIPFLASH_CUDA_ARCHS including it"));
         return sel;
       }
       if (p.query_rows > kDecodeMaxRows || !reads_fp8_kv_cache(KernelKind::decode)) {

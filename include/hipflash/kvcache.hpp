@@ -55,13 +55,15 @@ struct KvCacheOptions : FwdOptions {
   /// The scores are q.(k * k_scale), out is softmax . (v * v_scale) in q's dtype; appended rows
   /// are quantised in place as k / k_scale (v / v_scale), rounded to nearest even and saturated
   /// to +-448 (a NaN stays NaN). Refused with other cache dtypes. The CPU backend and, in decode
-  /// calls (up to 16 query rows per kv head), NVIDIA GPUs from sm_89.
+  /// calls (up to 16 query rows per kv head), NVIDIA GPUs running sm_89+ code of the build
+  /// (Arch::fp8_cvt).
   const TensorRef* k_scale = nullptr;
   const TensorRef* v_scale = nullptr;
   /// FlashAttention's cache_batch_idx: int32 [batch] on q's device, or nullptr. With a
   /// contiguous cache of any batch size (no block_table), sequence b reads and appends to cache
-  /// entry cache_batch_idx[b] (each in [0, k_cache.shape[0]); with repeated entries and new
-  /// rows, the last sequence's rows are the ones a repeated entry keeps).
+  /// entry cache_batch_idx[b] (each in [0, k_cache.shape[0]); an entry named twice is refused
+  /// when k / v are appended — but while a GPU stream captures a graph, whose entries are not
+  /// copied back: then it is the caller's error).
   const TensorRef* cache_batch_idx = nullptr;
   /// FlashAttention's cache_leftpad: int32 [batch] on q's device, or nullptr (0). Sequence b's
   /// keys start at row cache_leftpad[b] of its cache (each in [0, its cached length]): it

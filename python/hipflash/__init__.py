@@ -517,7 +517,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             k and v; optional float32 () or (1,) scales (None: 1). The scores are
             q . (k_cache * k_scale), out is softmax . (v_cache * v_scale) in q's dtype; k / v
             are appended as k / k_scale (v / v_scale) rounded to float8_e4m3fn, saturated to
-            +-448. On NVIDIA GPUs (sm_89 and newer) the decode kernel reads an fp8 cache in
+            +-448. On NVIDIA GPUs running sm_89+ code of the build (Hopper by default; others
+            with HIPFLASH_CUDA_ARCHS listing them) the decode kernel reads an fp8 cache in
             calls with up to 16 query rows per kv head (seqlen_q, or the GQA group with one
             query row); other GPU calls raise NotImplementedError before the append.
         cache_batch_idx: optional (batch_size,) int32 on q's device (FlashAttention's): with a
@@ -530,9 +531,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             windows aligned to those keys; k / v are still appended at cache_seqlens[b]. Paged
             caches with it run on CPU tensors only (a GPU call raises NotImplementedError).
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) on q's device
-            (FlashAttention's rotary embedding on append): the first rotary_dim (even, <=
-            headdim) dims of k are rotated at positions cache_seqlens[b] - cache_leftpad[b] + j
-            (rotary_seqlens[b] instead of cache_seqlens[b] when given) before the append, and
+            (FlashAttention's rotary embedding on append; k and v must be given): the first
+            rotary_dim (even, <= headdim) dims of k are rotated at positions cache_seqlens[b] + j
+            (the cache row, whatever cache_leftpad is; rotary_seqlens[b] instead of
+            cache_seqlens[b] when given) before the append, and
             those of q at the same base + i when causal or windowed, at the base alone
             otherwise; rotary_interleaved: pairs (0, 1), (2, 3), ... (GPT-J) or the two halves
             (GPT-NeoX). Computed in float32 and rounded to q's dtype by PyTorch ops before the
@@ -577,8 +579,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     if rotary_cos is not None or rotary_sin is not None:
-        q, k = _rotary.on_append(q, k, k_cache, block_table, cache_seqlens, cache_leftpad,
-                                 rotary_seqlens, rotary_cos, rotary_sin, bool(rotary_interleaved),
+        q, k = _rotary.on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens,
+                                 rotary_cos, rotary_sin, bool(rotary_interleaved),
                                  causal or left >= 0 or right >= 0)
     elif rotary_seqlens is not None:
         raise ValueError("rotary_seqlens needs rotary_cos and rotary_sin")

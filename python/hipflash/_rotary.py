@@ -26,11 +26,14 @@ def rotate(x, cos, sin, pos, interleaved):
     return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
-def on_append(q, k, k_cache, block_table, cache_seqlens, cache_leftpad, rotary_seqlens, cos, sin,
-              interleaved, q_per_row):
+def on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens, cos, sin, interleaved,
+              q_per_row):
     """(q, k) rotated for flash_attn_with_kvcache; validated first (ValueError), nothing written."""
     if cos is None or sin is None:
         raise ValueError("rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise ValueError("rotary_cos / rotary_sin rotate the new keys: k and v must be given "
+                         "(as FlashAttention requires)")
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a (seqlen_ro, rotary_dim / 2) tensor")
@@ -62,9 +65,7 @@ def on_append(q, k, k_cache, block_table, cache_seqlens, cache_leftpad, rotary_s
         raise ValueError(f"{name} must be an int32 tensor of shape ({batch},) with rotary")
     if base.device != q.device:
         raise ValueError(f"{name} must be on q's device ({q.device})")
-    base = base.long()
-    if cache_leftpad is not None and rotary_seqlens is None:
-        base = base - cache_leftpad.long()
+    base = base.long()  # FlashAttention's: the absolute cache row, whatever cache_leftpad is
     s_new = k.shape[1] if k is not None else 0
     rows = max(q.shape[1], s_new)
     if batch and rows:

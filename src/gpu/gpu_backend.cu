@@ -162,6 +162,12 @@ Arch device_arch(int device) {
   port::check(cudaGetDeviceProperties(&prop, device), "querying the GPU");
   a.version = prop.major * 10 + prop.minor;
   a.num_sms = prop.multiProcessorCount;
+  {
+    // The code this build runs here (the KV-cache append kernel stands for every TU: one arch
+    // list): sm_89+ machine code has the e4m3 conversions an fp8 KV cache needs.
+    ScopedDevice guard(device);
+    a.fp8_cvt = kvcache_append_code_version() >= kFp8KvMinSm;
+  }
 #endif
   if (int(cache.size()) <= device) cache.resize(size_t(device) + 1);
   cache[device] = a;

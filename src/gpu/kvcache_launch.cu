@@ -7,6 +7,8 @@
 
 namespace hipflash::gpu {
 
+int kvcache_append_code_version() { return port::code_version(kvcache::append_kernel); }
+
 void run_kvcache_append(const FwdParams& p, const TensorRef& k_new, const TensorRef& v_new,
                         int device, Stream stream_arg) {
   kvcache::AppendParams a;

@@ -297,16 +297,18 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
 }
 
 TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
-  // An fp8 (e4m3) cache: the decode kernel alone reads one (kernels.def: cache_fp8), on sm_89
-  // and newer (its cvt); never the head-group kernel; longer queries, older archs and AMD
-  // are refused with a reason.
+  // An fp8 (e4m3) cache: the decode kernel alone reads one (kernels.def: cache_fp8), where the
+  // device runs sm_89+ code of this build (its cvt); never the head-group kernel; longer
+  // queries, older archs or code and AMD are refused with a reason.
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   caps.decode_heads = HeadGroupDecode::always;
   EXPECT_TRUE(reads_fp8_kv_cache(KernelKind::decode));
   EXPECT_FALSE(reads_fp8_kv_cache(KernelKind::decode_heads));
   EXPECT_FALSE(reads_fp8_kv_cache(KernelKind::generic));
-  const Arch sm89{Arch::nvidia, 89, 128};
+  Arch sm89{Arch::nvidia, 89, 128}, sm90 = kSm90;
+  sm89.fp8_cvt = sm90.fp8_cvt = true;  // the device runs this build's sm_89+ code
+
   for (int d : {32, 64, 96, 128, 256})
     for (int64_t rows : {int64_t(1), int64_t(4), kDecodeMaxRows}) {
       Problem p = problem(DType::bf16, d);
@@ -314,7 +316,7 @@ TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
       p.kv_dtype = DType::e4m3;
       p.query_rows = rows;
       p.heads_kv = kDecodeHeadsPerBlock;
-      for (Arch a : {kSm90, sm89}) {
+      for (Arch a : {sm90, sm89}) {
         const Selection s = select_kernel(p, a, caps);
         EXPECT_EQ(s.kind, KernelKind::decode) << d << " " << rows << " " << s.reason;
         EXPECT_EQ(s.key.kv_dtype, DType::e4m3);
@@ -323,8 +325,13 @@ TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
       const Selection old = select_kernel(p, kSm80, caps);
       EXPECT_EQ(old.kind, KernelKind::unsupported);
       EXPECT_NE(old.reason.find("sm_89"), std::string::npos) << old.reason;
+      // An sm_90 device running code built for an older arch (no sm_90 in the build's list).
+      const Selection older_code = select_kernel(p, kSm90, caps);
+      EXPECT_EQ(older_code.kind, KernelKind::unsupported);
+      EXPECT_NE(older_code.reason.find("HIPFLASH_CUDA_ARCHS"), std::string::npos)
+          << older_code.reason;
       p.query_rows = kDecodeMaxRows + 1;
-      const Selection longer = select_kernel(p, kSm90, caps);
+      const Selection longer = select_kernel(p, sm90, caps);
       EXPECT_EQ(longer.kind, KernelKind::unsupported) << d;
       EXPECT_NE(longer.reason.find("decode kernel only"), std::string::npos) << longer.reason;
       const Selection amd = select_kernel(p, kGfx942, kHip);

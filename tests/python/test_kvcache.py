@@ -348,6 +348,8 @@ def test_bad_cache_leftpad_is_refused_and_nothing_is_written(device):
     (dict(cache_batch_idx=torch.tensor([0, 1])), ValueError, "int32"),
     (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32),
           block_table=torch.zeros(2, 3, dtype=torch.int32)), ValueError, "contiguous cache"),
+    (dict(cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32)), ValueError,
+     "names entry 1 twice"),
 ])
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_cache_batch_idx_is_refused_and_nothing_is_written(bad, error, match, device):
@@ -390,8 +392,9 @@ def rotary_reference(x, cos, sin, pos, interleaved):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("leftpad", [False, True], ids=["nopad", "leftpad"])
 def test_rotary_on_append(device, interleaved, causal, leftpad):
-    # FlashAttention's rotary_cos / rotary_sin: k rotated at cache_seqlens - leftpad + j before the
-    # append, q at that base + i (causal) or the base alone; against the float64 rotation.
+    # FlashAttention's rotary_cos / rotary_sin: k rotated at cache_seqlens + j (its cache row,
+    # leftpad or not) before the append, q at that base + i (causal) or the base alone; against
+    # the float64 rotation.
     import hipflash.compat.flash_attn as fa2
     import hipflash.compat.flash_attn_interface as fa3
     g = torch.Generator().manual_seed(21)
@@ -405,7 +408,7 @@ def test_rotary_on_append(device, interleaved, causal, leftpad):
     cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
     lens = torch.tensor([20, 41], dtype=torch.int32, device=device)
     pads = torch.tensor([5, 0], dtype=torch.int32, device=device) if leftpad else None
-    base = (lens - (pads if leftpad else 0)).long()
+    base = lens.long()
     pos_k = base[:, None] + torch.arange(s_new, device=device)
     pos_q = base[:, None] + (torch.arange(sq, device=device) if causal else 0 * torch.arange(sq, device=device))
     q_rot = rotary_reference(q, cos, sin, pos_q, interleaved)
@@ -425,7 +428,7 @@ def test_rotary_on_append(device, interleaved, causal, leftpad):
     assert (out.float() - want.float()).abs().max() < 2e-2
     assert (lse - want_lse).abs().max() < 1e-2
     # The compatibility modules pass it through (FA3's rotary_seqlens too: the same base here).
-    for mod, extra in ((fa2, {}), (fa3, {"rotary_seqlens": (base.int() if leftpad else None)})):
+    for mod, extra in ((fa2, {}), (fa3, {"rotary_seqlens": (lens if leftpad else None)})):
         got = mod.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k_new, v_new,
                                           cache_seqlens=lens, cache_leftpad=pads, causal=causal,
                                           rotary_cos=cos, rotary_sin=sin,
@@ -448,3 +451,6 @@ def test_bad_rotary_is_refused_and_nothing_is_written():
             hipflash.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new.clone(),
                                              cache_seqlens=7, **kw)
         assert not kc.any(), "the append ran before the refusal"
+    with pytest.raises(ValueError, match="k and v must be given"):  # as FlashAttention
+        hipflash.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=7, rotary_cos=cos,
+                                         rotary_sin=cos.clone())

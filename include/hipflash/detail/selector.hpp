@@ -33,6 +33,10 @@ struct Arch {
   enum Vendor : int { host = 0, nvidia = 1, amd = 2 } vendor = host;
   int version = 0;
   int num_sms = 1;  ///< multiprocessors / compute units (the split heuristic uses it)
+  /// NVIDIA: the code this build runs on the device is sm_89+ machine code (e4m3 conversions:
+  /// an fp8 KV cache); an sm_89 device running a build's sm_80 code, or a newer one JIT-compiling
+  /// its compute_80 PTX, has not (gpu::device_arch asks the driver).
+  bool fp8_cvt = false;
   std::string name() const;
 };
 

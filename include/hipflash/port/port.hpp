@@ -243,6 +243,23 @@ inline bool waits_for_prerequisite_grids(void (*kernel)(Params...)) {
 #endif
 }
 
+/// The sm version of the code `kernel` runs on the current device: min(PTX, machine code), so
+/// that PTX JIT-compiled for a newer GPU counts as the PTX's arch; 0 where unknown (AMD).
+template <class... Params>
+inline int code_version(void (*kernel)(Params...)) {
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+  cudaFuncAttributes a{};
+  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return a.ptxVersion < a.binaryVersion ? a.ptxVersion : a.binaryVersion;
+#else
+  (void)kernel;
+  return 0;
+#endif
+}
+
 /// How launch_kernel launches beyond the grid (NVIDIA sm_90+ devices; the caller knows the
 /// device): as a programmatic dependent of the work before it in the stream.
 struct LaunchOptions {
