@@ -107,40 +107,38 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
       }
   };
 
-  if constexpr (kFp8Kv) {
-#if defined(HIPFLASH_HAS_E4M3_CVT)
-    // e4m3 K / V: f16 operands, Q's rows scaled into f16's range (warp_keys.hpp).
-    float row_scale[2];
-    const float k_scale = p.k_descale.at(bi.b, bi.h_kv);
-    const Fp8KeyLanes<kKvRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
-    for (int i = 0; i < num_n; ++i) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // block i landed; every warp is done with block i - 1's stage
-      if (i == 0) {
+  // Per-kind key step: e4m3 K / V as f16 operands, Q's rows scaled into f16's range
+  // (warp_keys.hpp), or 16-bit K / V by ldmatrix (see gemm_qk / gemm_pv: rows are == lane % 8
+  // (mod 8) throughout).
+  float row_scale[2];  // fp8: 2^e of a row's Q times the K scale
+  const float k_scale = kFp8Kv ? p.k_descale.at(bi.b, bi.h_kv) : 1.f;
+  const auto key_lanes = [&] {
+    if constexpr (kFp8Kv)
+      return Fp8KeyLanes<kKvRowBytes>(lane, warp * Cfg::kWarpKeys);
+    else
+      return WarpKeyLanes<kKvRowBytes>(lane, warp * Cfg::kWarpKeys);
+  }();
+  for (int i = 0; i < num_n; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // block i landed; every warp is done with block i - 1's stage
+    if (i == 0) {
+      if constexpr (kFp8Kv) {
         load_q_f16<Cfg::kDSteps, kDT>(qf, row_scale, sQ, lane);
         row_scale[0] *= k_scale, row_scale[1] *= k_scale;
+      } else {
+        WarpQueryLanes<Cfg::kChunks * 16>(smem_addr(sQ), lane).load(qf);
       }
-      load_kv(i + kStages - 1);  // into the stage block i - 1 used
-      const uint32_t sK = smem_addr(sRing + (i % kStages) * kStageElems);
-      const int n = n_begin + i;
-      warp_keys_step_fp8<Cfg>(qf, sK, sK + Cfg::kSmemKV, lanes, row_scale, O, softmax,
-                              scale_log2, [&](float (&S)[2][4]) { score_mods(S, n); });
     }
-#endif  // HIPFLASH_HAS_E4M3_CVT
-  } else {
-    // ldmatrix lane roles (see gemm_qk / gemm_pv): rows are == lane % 8 (mod 8) throughout.
-    const WarpQueryLanes<Cfg::kChunks * 16> q_lanes(smem_addr(sQ), lane);
-    const WarpKeyLanes<kKvRowBytes> lanes(lane, warp * Cfg::kWarpKeys);
-    for (int i = 0; i < num_n; ++i) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // block i landed; every warp is done with block i - 1's stage
-      if (i == 0) q_lanes.load(qf);
-      load_kv(i + kStages - 1);  // into the stage block i - 1 used
-      const uint32_t sK = smem_addr(sRing + (i % kStages) * kStageElems);
-      const int n = n_begin + i;
-      warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, lanes, O, softmax, scale_log2,
-                               [&](float (&S)[2][4]) { score_mods(S, n); });
-    }
+    load_kv(i + kStages - 1);  // into the stage block i - 1 used
+    const uint32_t sK = smem_addr(sRing + (i % kStages) * kStageElems);
+    const int n = n_begin + i;
+    const auto mods = [&](float (&S)[2][4]) { score_mods(S, n); };
+    if constexpr (kFp8Kv)
+      warp_keys_step_fp8<Cfg>(qf, sK, sK + Cfg::kSmemKV, key_lanes, row_scale, O, softmax,
+                              scale_log2, mods);
+    else
+      warp_keys_step<Cfg, kDT>(qf, sK, sK + Cfg::kSmemKV * 2, key_lanes, O, softmax,
+                               scale_log2, mods);
   }
   softmax.finalize();
 
@@ -155,12 +153,10 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   for (int r = 0; r < 2; ++r) {
     const int row = warp * Cfg::kBlockM + g + 8 * r;
     if constexpr (kFp8Kv) {
-#if defined(HIPFLASH_HAS_E4M3_CVT)
 #pragma unroll
       for (int c = 0; c < Cfg::kDTiles / 2; ++c)  // 16-column chunks, d in fp8_o_columns' order
         *reinterpret_cast<float4*>(sO + row * kPitch + 16 * c + 4 * t) =
             fp8_o_columns<Cfg::kDTiles>(O, r, c);
-#endif  // HIPFLASH_HAS_E4M3_CVT
     } else {
 #pragma unroll
       for (int c = 0; c < 2 * Cfg::kDTiles; c += 2)

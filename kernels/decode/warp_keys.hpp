@@ -48,13 +48,27 @@ struct WarpKeyLanes {
         v_x(((lane / 16) ^ (lane % 8)) * 16) {}
 };
 
+/// The online-softmax update of a warp's scores S, and O rescaled by it. Once the running
+/// maxima settle (a few blocks into a long key range) every rescale factor is exactly 1: the
+/// warp skips its 4 * kDTiles multiplies — the loop is issue-bound — with the same O (NaN and 0
+/// factors still multiply; under fast math a multiply by 1 would flush a subnormal accumulator
+/// to 0, which the skip keeps: both are within rounding).
+template <int kDTiles>
+__device__ __forceinline__ void update_rows(float (&S)[2][4], float (&O)[2][2 * kDTiles],
+                                            common::RowSoftmax<2>& softmax, float scale_log2) {
+  float rescale[2];
+  softmax.update(S, scale_log2, rescale);
+  if (!port::all_lanes(rescale[0] == 1.f && rescale[1] == 1.f)) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < 2 * kDTiles; ++c) O[r][c] *= rescale[r];
+  }
+}
+
 /// One warp's 16 keys: S = Q K^T (qf: Q as the A operand; the K tile at shared address sK),
-/// mask(S) (the caller's: -inf where a key is not visible), the online-softmax update, then
-/// O += P V (the V tile at sV). Once the running maxima settle (a few blocks into a long key
-/// range) every rescale factor is exactly 1: the warp skips its 4 * kDTiles multiplies — the
-/// loop is issue-bound — with the same O (NaN and 0 factors still multiply; under fast math a
-/// multiply by 1 would flush a subnormal accumulator to 0, which the skip keeps: both are
-/// within rounding).
+/// mask(S) (the caller's: -inf where a key is not visible), the online-softmax update
+/// (update_rows), then O += P V (the V tile at sV).
 template <class Cfg, DType kDT, int kRowBytes, class Mask>
 __device__ __forceinline__ void warp_keys_step(const uint32_t (&qf)[Cfg::kDSteps][4], uint32_t sK,
                                                uint32_t sV, const WarpKeyLanes<kRowBytes>& lanes,
@@ -71,14 +85,7 @@ __device__ __forceinline__ void warp_keys_step(const uint32_t (&qf)[Cfg::kDSteps
     mma<kDT>(S[0][2], S[0][3], S[1][2], S[1][3], qf[ks], b[2], b[3]);
   }
   mask(S);
-  float rescale[2];
-  softmax.update(S, scale_log2, rescale);
-  if (!port::all_lanes(rescale[0] == 1.f && rescale[1] == 1.f)) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
-  }
+  update_rows<Cfg::kDTiles>(S, O, softmax, scale_log2);
   // The C fragment of the two 8-key score tiles is the A fragment of one 16-key step.
   const uint32_t a[4] = {pack2<kDT>(S[0][0], S[0][1]), pack2<kDT>(S[1][0], S[1][1]),
                          pack2<kDT>(S[0][2], S[0][3]), pack2<kDT>(S[1][2], S[1][3])};
@@ -114,18 +121,21 @@ inline constexpr bool kHasE4m3Cvt = true;
 inline constexpr bool kHasE4m3Cvt = false;
 #endif
 
-#if defined(HIPFLASH_HAS_E4M3_CVT)
-
 /// P's scale in the fp8 step's f16 P operand: P in [0, 1] times 2^15 keeps 2^-39 and up.
 inline constexpr float kFp8PScale = 32768.f;
 
 /// Four e4m3 bytes -> two f16x2 registers: bytes 0-1 -> lo, bytes 2-3 -> hi (exact; NaN stays
 /// NaN).
 __device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
+#if defined(HIPFLASH_HAS_E4M3_CVT)
   asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
       " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
       : "=r"(lo), "=r"(hi)
       : "r"(x));
+#else
+  lo = hi = x;
+  port::trap();  // never instantiated below sm_89 (fwd_decode_kernel's kHasE4m3Cvt)
+#endif
 }
 
 /// Two 16-bit values of one register as floats (low half first).
@@ -233,14 +243,7 @@ __device__ __forceinline__ void warp_keys_step_fp8(const uint32_t (&qf)[Cfg::kDS
 #pragma unroll
     for (int c = 0; c < 4; ++c) S[r][c] *= row_scale[r];
   mask(S);
-  float rescale[2];
-  softmax.update(S, scale_log2, rescale);
-  if (!port::all_lanes(rescale[0] == 1.f && rescale[1] == 1.f)) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
-  }
+  update_rows<Cfg::kDTiles>(S, O, softmax, scale_log2);
   const uint32_t a[4] = {
       common::pack2<kF16>(S[0][0] * kFp8PScale, S[0][1] * kFp8PScale),
       common::pack2<kF16>(S[1][0] * kFp8PScale, S[1][1] * kFp8PScale),
@@ -265,8 +268,6 @@ __device__ __forceinline__ void warp_keys_step_fp8(const uint32_t (&qf)[Cfg::kDS
     }
   }
 }
-
-#endif  // HIPFLASH_HAS_E4M3_CVT
 
 #endif  // HIPFLASH_HAS_MMA_SYNC
 

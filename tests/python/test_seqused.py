@@ -27,6 +27,22 @@ def used_rows(cu, used):
     return torch.cat([torch.arange(int(cu[b]), int(cu[b]) + int(u)) for b, u in enumerate(used)])
 
 
+def assert_used_equal_unused_empty(out, lse, want, want_lse, rq, uq, layout):
+    """The used rows (rq) bitwise the used sequences' call (want, want_lse); the other rows out 0
+    and LSE -inf, in either LSE layout."""
+    assert_bitwise_equal(out[rq], want, "used rows")
+    unused = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+    unused[rq] = False
+    assert (out[unused] == 0).all(), "unused rows: out 0"
+    if layout == "packed":
+        assert_bitwise_equal(lse[:, rq], want_lse, "used rows' lse")
+        assert torch.isneginf(lse[:, unused]).all(), "unused rows: lse -inf"
+    else:
+        for b, u in enumerate(uq.tolist()):
+            assert_bitwise_equal(lse[b, :, :u], want_lse[b, :, :u], f"sequence {b} lse")
+            assert torch.isneginf(lse[b, :, u:]).all()
+
+
 def case():
     lens_q, lens_k = [7, 0, 40, 5], [9, 6, 50, 5]
     used_q, used_k = [4, 0, 33, 5], [9, 2, 20, 0]
@@ -44,17 +60,7 @@ def test_used_rows_equal_the_used_sequences_alone(causal, layout):
     rq, rk = used_rows(cu_q, uq), used_rows(cu_k, uk)
     cq, ck = cu_of(uq.tolist()), cu_of(uk.tolist())
     want, want_lse = hipflash.flash_attn_varlen_func(q[rq], k[rk], v[rk], cq, ck, 33, 20, **kw)
-    assert_bitwise_equal(out[rq], want, "used rows")
-    unused = torch.ones(q.shape[0], dtype=torch.bool)
-    unused[rq] = False
-    assert (out[unused] == 0).all(), "unused rows: out 0"
-    if layout == "packed":
-        assert_bitwise_equal(lse[:, rq], want_lse, "used rows' lse")
-        assert torch.isneginf(lse[:, unused]).all(), "unused rows: lse -inf"
-    else:
-        for b, u in enumerate(uq.tolist()):
-            assert_bitwise_equal(lse[b, :, :u], want_lse[b, :, :u], f"sequence {b} lse")
-            assert torch.isneginf(lse[b, :, u:]).all()
+    assert_used_equal_unused_empty(out, lse, want, want_lse, rq, uq, layout)
     # and the used sequences against the reference (bottom-right on the used lengths)
     ref, ref_packed, ref_padded = varlen_attention_ref(q[rq], k[rk], v[rk], cq, ck, 33,
                                                        causal=causal)
@@ -127,17 +133,7 @@ def test_gpu_used_rows_equal_the_used_sequences_alone(causal, layout, num_splits
     rq, rk = used_rows(cu_q.cpu(), uq.cpu()).cuda(), used_rows(cu_k.cpu(), uk.cpu()).cuda()
     cq, ck = cu_of(uq.tolist()).cuda(), cu_of(uk.tolist()).cuda()
     want, want_lse = hipflash.flash_attn_varlen_func(q[rq], k[rk], v[rk], cq, ck, 33, 20, **kw)
-    assert_bitwise_equal(out[rq], want, "used rows")
-    unused = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
-    unused[rq] = False
-    assert (out[unused] == 0).all(), "unused rows: out 0"
-    if layout == "packed":
-        assert_bitwise_equal(lse[:, rq], want_lse, "used rows' lse")
-        assert torch.isneginf(lse[:, unused]).all(), "unused rows: lse -inf"
-    else:
-        for b, u in enumerate(uq.tolist()):
-            assert_bitwise_equal(lse[b, :, :u], want_lse[b, :, :u], f"sequence {b} lse")
-            assert torch.isneginf(lse[b, :, u:]).all()
+    assert_used_equal_unused_empty(out, lse, want, want_lse, rq, uq, layout)
     qc, kc, vc = (t.cpu() for t in (q[rq], k[rk], v[rk]))
     ref, ref_packed, ref_padded = varlen_attention_ref(qc, kc, vc, cq.cpu(), ck.cpu(), 33,
                                                        causal=causal)

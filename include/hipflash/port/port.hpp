@@ -225,24 +225,6 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-/// Whether `kernel`'s code on the current device calls griddepcontrol.wait where
-/// wait_prerequisite_grids() is written: built from sm_90+ code (an sm_80 build JIT-compiled
-/// for a newer GPU is not). Only then may it be launched programmatically.
-template <class... Params>
-inline bool waits_for_prerequisite_grids(void (*kernel)(Params...)) {
-#if defined(HIPFLASH_PLATFORM_NVIDIA)
-  cudaFuncAttributes a{};
-  if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return a.ptxVersion >= 90 && a.binaryVersion >= 90;
-#else
-  (void)kernel;
-  return false;
-#endif
-}
-
 /// The sm version of the code `kernel` runs on the current device: min(PTX, machine code), so
 /// that PTX JIT-compiled for a newer GPU counts as the PTX's arch; 0 where unknown (AMD).
 template <class... Params>
@@ -258,6 +240,14 @@ inline int code_version(void (*kernel)(Params...)) {
   (void)kernel;
   return 0;
 #endif
+}
+
+/// Whether `kernel`'s code on the current device calls griddepcontrol.wait where
+/// wait_prerequisite_grids() is written: built from sm_90+ code (an sm_80 build JIT-compiled
+/// for a newer GPU is not). Only then may it be launched programmatically.
+template <class... Params>
+inline bool waits_for_prerequisite_grids(void (*kernel)(Params...)) {
+  return code_version(kernel) >= 90;
 }
 
 /// How launch_kernel launches beyond the grid (NVIDIA sm_90+ devices; the caller knows the
