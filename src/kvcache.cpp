@@ -87,8 +87,8 @@ void point_at_pages(FwdParams& p, const TensorRef& block_table, int64_t page) {
   p.page_shift = power_of_two(page) ? log2_of(page) : 0;
 }
 
-/// The block-table entries sequence b uses for `keys` rows (the first ceil(keys / page)) must
-/// name pages of the cache; entries past them are never read.
+/// The entries of block-table row b that a sequence uses for `keys` rows (the first
+/// ceil(keys / page)) must name pages of the cache; entries past them are never read.
 void check_pages_used(const TensorRef& block_table, int64_t b, int64_t keys, int64_t page,
                       int64_t num_blocks) {
   const auto* row = static_cast<const int32_t*>(block_table.data) + b * block_table.strides[0];
@@ -134,7 +134,7 @@ void append_on_cpu(const FwdParams& p, const TensorRef& src, void* cache, int64_
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t start = p.seqlens_k[b];
     for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
-      const int32_t* table = p.block_table ? p.block_table + b * p.block_table_stride : nullptr;
+      const int32_t* table = p.block_table ? p.block_table_row(b) : nullptr;
       for (int64_t j = 0; j < src.sizes[1]; ++j) {
         const int64_t from = b * src.strides[0] + j * src.strides[1] + hk * src.strides[2];
         const int64_t r = start + j;  // any page size: a division per row
@@ -209,8 +209,10 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     check_index(*block_table, "block_table", 2, "[batch, max_blocks_per_seq]", q);
     page = k_cache.sizes[1];
     check_page_size(page, q, "k_cache.shape[1] with a block_table");
-    HIPFLASH_CHECK(block_table->sizes[0] == batch, "block_table must have one row per sequence ",
-                   "(batch = ", batch, "), got shape ", shape_str(*block_table));
+    // With cache_batch_idx, sequence b reads row cache_batch_idx[b] (FlashAttention 3's rule).
+    HIPFLASH_CHECK(opts.cache_batch_idx != nullptr || block_table->sizes[0] == batch,
+                   "block_table must have one row per sequence (batch = ", batch, "), got shape ",
+                   shape_str(*block_table));
     max_blocks = block_table->sizes[1];
     HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 62) / page, "block_table has too many columns");
     capacity = max_blocks * page;
@@ -218,17 +220,18 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     HIPFLASH_CHECK(k_cache.sizes[0] == batch, "k_cache must have the batch size of q (", batch,
                    ") without a block_table, got shape ", shape_str(k_cache));
   }
+  // cache_batch_idx: the entry of a contiguous cache, or the block-table row, sequence b uses.
   const TensorRef* batch_idx = opts.cache_batch_idx;
+  std::vector<int32_t> idx;  // its entries on the host (none while a stream captures)
+  const int64_t entries = paged ? block_table->sizes[0] : k_cache.sizes[0];
   if (batch_idx) {
-    HIPFLASH_CHECK(!paged, "cache_batch_idx indexes a contiguous cache: a paged cache's "
-                   "block_table already says where each sequence's rows are");
     check_index(*batch_idx, "cache_batch_idx", 1, "[batch]", q);
     HIPFLASH_CHECK(batch_idx->sizes[0] == batch, "cache_batch_idx must have one entry per "
                    "sequence (batch = ", batch, "), got shape ", shape_str(*batch_idx));
     // The entries, on the host: copied back from a GPU as cache_seqlens are (not while the
     // stream captures a graph, where an entry out of range is the caller's error, as for a
     // block table: docs/spec.md §7).
-    std::vector<int32_t> idx(size_t(batch), 0);
+    idx.assign(size_t(batch), 0);
     const bool on_gpu = q.loc.kind == Location::gpu;
     if (batch > 0 && !on_gpu)
       std::memcpy(idx.data(), batch_idx->data, size_t(batch) * sizeof(int32_t));
@@ -237,9 +240,10 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     else
       idx.clear();
     for (size_t b = 0; b < idx.size(); ++b)
-      HIPFLASH_CHECK(idx[b] >= 0 && idx[b] < k_cache.sizes[0], "cache_batch_idx[", b, "] = ",
-                     idx[b], " is not an entry of the cache (k_cache.shape[0] = ",
-                     k_cache.sizes[0], ")");
+      HIPFLASH_CHECK(idx[b] >= 0 && idx[b] < entries, "cache_batch_idx[", b, "] = ", idx[b],
+                     paged ? " is not a row of block_table (block_table.shape[0] = "
+                           : " is not an entry of the cache (k_cache.shape[0] = ",
+                     entries, ")");
     // Two sequences appending to one entry would write the same rows (on the GPU in no order).
     if (k_new != nullptr) {
       std::vector<int32_t> sorted = idx;
@@ -355,7 +359,9 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     HIPFLASH_CHECK(len + s_new <= capacity, "sequence ", b, " needs ", len, " cached + ", s_new,
                    " new keys but its cache holds ", capacity,
                    paged ? " (max_blocks_per_seq * page_size)" : " (k_cache.shape[1])");
-    if (paged && !gpu) check_pages_used(*block_table, b, len + s_new, page, k_cache.sizes[0]);
+    if (paged && !gpu)
+      check_pages_used(*block_table, batch_idx ? idx[size_t(b)] : b, len + s_new, page,
+                       k_cache.sizes[0]);
   }
 
   // ---- FwdParams over the cache, the append, the forward.

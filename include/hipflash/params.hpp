@@ -72,8 +72,9 @@ struct FwdParams {
   int64_t block_table_stride = 0;
   int page_shift = 0;     ///< log2(page_size) when it is a power of two (the GPU kernels')
   int64_t page_size = 0;  ///< rows a page (any size >= 1 on the CPU backend)
-  /// A contiguous KV cache's batch indirection (FlashAttention's cache_batch_idx), int32 [B] or
-  /// nullptr: sequence b reads and appends to cache entry cache_batch_idx[b] (CPU backend).
+  /// The KV cache's batch indirection (FlashAttention's cache_batch_idx), int32 [B] or nullptr:
+  /// sequence b reads and appends to cache entry cache_batch_idx[b] of a contiguous cache, or
+  /// through row cache_batch_idx[b] of block_table (block_table_row).
   const int32_t* __restrict__ cache_batch_idx = nullptr;
   /// FlashAttention's cache_leftpad, int32 [B] or nullptr: sequence b's keys are cache rows
   /// [cache_leftpad[b], seqlens_k[b] + seqlen_k_new) (SeqBounds::k_start; a contiguous cache on
@@ -127,6 +128,11 @@ struct FwdParams {
   /// Row of (split, b, h, row) in the split-K workspace ([splits, B, Hq, Sq(max)], padded rows).
   HIPFLASH_HD int64_t partial_row(int split, int64_t b, int64_t h, int64_t row) const {
     return ((int64_t(split) * batch + b) * heads_q + h) * seqlen_q + row;
+  }
+
+  /// Sequence b's row of the block table (row cache_batch_idx[b] where that is set).
+  HIPFLASH_HD const int32_t* block_table_row(int64_t b) const {
+    return block_table + (cache_batch_idx ? int64_t(cache_batch_idx[b]) : b) * block_table_stride;
   }
 
   /// The ALiBi slope of (batch b, query head h); 0 without ALiBi.

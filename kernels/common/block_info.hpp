@@ -232,7 +232,7 @@ struct BlockInfo : SeqBounds {
                                           int64_t page_stride, int64_t row_stride,
                                           int64_t head_stride) const {
     return {static_cast<const T*>(cache) + h_kv * head_stride,
-            p.block_table + b * p.block_table_stride, page_stride, row_stride, p.page_shift};
+            p.block_table_row(b), page_stride, row_stride, p.page_shift};
   }
 
   /// Whether key j is valid for query row i (both relative to this sequence).

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const HIPFLASH_GRID_CO
     // at the sequence's entry (FlashAttention's cache_batch_idx) of a contiguous cache.
     int64_t at;
     if (p.block_table != nullptr) {
-      const int64_t page = p.block_table[b * p.block_table_stride + (row >> p.page_shift)];
+      const int64_t page = p.block_table_row(b)[row >> p.page_shift];
       at = page * batch_stride + (row & ((int64_t(1) << p.page_shift) - 1)) * row_stride;
     } else {
       const int64_t entry = p.cache_batch_idx ? p.cache_batch_idx[b] : b;

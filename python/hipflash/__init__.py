@@ -523,8 +523,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             query row); other GPU calls raise NotImplementedError before the append.
         cache_batch_idx: optional (batch_size,) int32 on q's device (FlashAttention's): with a
             contiguous cache of any batch size, sequence b reads and appends to cache entry
-            cache_batch_idx[b] (CPU tensors and NVIDIA GPUs; on the GPU the entries are copied
-            back for their range check, as cache_seqlens are).
+            cache_batch_idx[b]; with a block_table of any number of rows, through row
+            cache_batch_idx[b] of it (FlashAttention 3's rule). CPU tensors and NVIDIA GPUs; on
+            the GPU the entries are copied back for their range check, as cache_seqlens are.
+            Appending, no entry may be named twice.
         cache_leftpad: optional (batch_size,) int32 on q's device (FlashAttention's): sequence
             b's keys start at row cache_leftpad[b] of its cache (in [0, cache_seqlens[b]]): it
             attends to rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1, causal and
@@ -537,8 +539,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             cache_seqlens[b] when given) before the append, and
             those of q at the same base + i when causal or windowed, at the base alone
             otherwise; rotary_interleaved: pairs (0, 1), (2, 3), ... (GPT-J) or the two halves
-            (GPT-NeoX). Computed in float32 and rounded to q's dtype by PyTorch ops before the
-            call (not fused into the kernels).
+            (GPT-NeoX). A position past rotary_cos's rows is not rotated (FlashAttention's
+            rotary kernel reads cos 1 and sin 0 there). Computed in float32 and rounded to q's
+            dtype by PyTorch ops before the call (not fused into the kernels).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE

@@ -12,10 +12,16 @@ def _positions(base, rows, per_row, device):
 
 
 def rotate(x, cos, sin, pos, interleaved):
-    """x [B, S, H, D] with its first 2 * cos.shape[1] dims rotated at positions pos [B, S]."""
+    """x [B, S, H, D] with its first 2 * cos.shape[1] dims rotated at positions pos [B, S]
+    (>= 0); a position past the table's rows is not rotated (cos 1, sin 0: FlashAttention's
+    rotary kernel masks those loads to these values)."""
     half = cos.shape[1]
-    c = cos.float()[pos][:, :, None, :]  # [B, S, 1, half]
-    s = sin.float()[pos][:, :, None, :]
+    inside = (pos < cos.shape[0])[:, :, None, None]
+    at = pos.clamp(max=max(cos.shape[0] - 1, 0))
+    c = cos.float()[at][:, :, None, :]  # [B, S, 1, half]
+    s = sin.float()[at][:, :, None, :]
+    c = torch.where(inside, c, torch.ones_like(c))
+    s = torch.where(inside, s, torch.zeros_like(s))
     xr = x[..., :2 * half].float()
     if interleaved:  # pairs (0, 1), (2, 3), ...
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
@@ -70,10 +76,8 @@ def on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens, cos, si
     rows = max(q.shape[1], s_new)
     if batch and rows:
         lo = int(base.min())
-        hi = int(base.max()) + rows - 1
-        if lo < 0 or hi >= cos.shape[0]:
-            raise ValueError(f"rotary positions reach [{lo}, {hi}] but rotary_cos has "
-                             f"{cos.shape[0]} rows (seqlen_ro)")
+        if lo < 0:
+            raise ValueError(f"rotary positions must be >= 0, got {name} down to {lo}")
     q = rotate(q, cos, sin, _positions(base, q.shape[1], q_per_row, q.device), interleaved)
     if k is not None:
         k = rotate(k, cos, sin, _positions(base, s_new, True, q.device), interleaved)

@@ -82,7 +82,7 @@ void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& 
   const auto* v = static_cast<const Elem*>(p.v);
   const int64_t pad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
   if (p.block_table && (p.page_size & (p.page_size - 1)) != 0) {
-    const int32_t* table = p.block_table + b * p.block_table_stride;
+    const int32_t* table = p.block_table_row(b);
     using R = AnyPagedRows<Elem>;
     fn(RowsFrom<R>{R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
                      p.page_size}, pad},
@@ -91,7 +91,7 @@ void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& 
     return;
   }
   if (p.block_table) {
-    const int32_t* table = p.block_table + b * p.block_table_stride;
+    const int32_t* table = p.block_table_row(b);
     using R = common::PagedRows<const Elem>;
     fn(RowsFrom<R>{R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
                      p.page_shift}, pad},

@@ -235,6 +235,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 def test_cache_batch_idx_reads_and_appends_the_named_entries(device, sq):
     # FlashAttention's cache_batch_idx: a contiguous cache of 3 entries, 2 sequences reading
     # entries 2 and 0 — bitwise the call on a cache of those entries; the appends land there.
+    # (A paged cache: test_cache_batch_idx_picks_block_table_rows.)
     import hipflash.compat.flash_attn as fa2
     import hipflash.compat.flash_attn_interface as fa3
     torch.manual_seed(6)
@@ -260,6 +261,41 @@ def test_cache_batch_idx_reads_and_appends_the_named_entries(device, sq):
         got = mod.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new,
                                           cache_seqlens=lens, cache_batch_idx=idx, causal=True)
         assert_bitwise_equal(got, want, mod.__name__)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sq", [3, 40], ids=["decode", "generic"])
+def test_cache_batch_idx_picks_block_table_rows(device, sq):
+    # FlashAttention 3's cache_batch_idx with a page table: sequence b reads and appends through
+    # row cache_batch_idx[b] of a table with more rows than sequences — bitwise the call with
+    # those rows gathered; the appends land in those rows' pages.
+    import hipflash.compat.flash_attn_interface as fa3
+    g = torch.Generator().manual_seed(8)
+    bf16, page = torch.bfloat16, 16
+    q = torch.randn(2, sq, 4, 64, generator=g).to(bf16).to(device)
+    k_pages = torch.randn(15, page, 2, 64, generator=g).to(bf16).to(device)
+    v_pages = torch.randn(15, page, 2, 64, generator=g).to(bf16).to(device)
+    k_new = torch.randn(2, 2, 2, 64, generator=g).to(bf16).to(device)
+    v_new = torch.randn(2, 2, 2, 64, generator=g).to(bf16).to(device)
+    table = torch.randperm(15, generator=g).to(torch.int32).reshape(3, 5).to(device)
+    lens = torch.tensor([17, 50], dtype=torch.int32, device=device)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    kw = dict(cache_seqlens=lens, causal=True, return_lse=True)
+    kc, vc = k_pages.clone(), v_pages.clone()
+    out, lse = hipflash.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, block_table=table,
+                                                cache_batch_idx=idx, **kw)
+    ks, vs = k_pages.clone(), v_pages.clone()
+    want, want_lse = hipflash.flash_attn_with_kvcache(q, ks, vs, k_new, v_new,
+                                                      block_table=table[idx.long()], **kw)
+    assert_bitwise_equal(out, want, "out")
+    assert_bitwise_equal(lse, want_lse, "lse")
+    assert_bitwise_equal(kc, ks, "k pages after the append")
+    assert_bitwise_equal(vc, vs, "v pages after the append")
+    assert not torch.equal(kc, k_pages), "nothing was appended"
+    got = fa3.flash_attn_with_kvcache(q, k_pages.clone(), v_pages.clone(), k_new, v_new,
+                                      cache_seqlens=lens, cache_batch_idx=idx, page_table=table,
+                                      causal=True)
+    assert_bitwise_equal(got, want, "flash_attn_interface")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -346,8 +382,9 @@ def test_bad_cache_leftpad_is_refused_and_nothing_is_written(device):
      r"cache_batch_idx\[0\] = 3 is not an entry of the cache"),
     (dict(cache_batch_idx=torch.tensor([0], dtype=torch.int32)), ValueError, "one entry per"),
     (dict(cache_batch_idx=torch.tensor([0, 1])), ValueError, "int32"),
-    (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32),
-          block_table=torch.zeros(2, 3, dtype=torch.int32)), ValueError, "contiguous cache"),
+    (dict(cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32),
+          block_table=torch.zeros(2, 3, dtype=torch.int32)), ValueError,
+     r"cache_batch_idx\[0\] = 2 is not a row of block_table"),
     (dict(cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32)), ValueError,
      "names entry 1 twice"),
 ])
@@ -394,7 +431,8 @@ def rotary_reference(x, cos, sin, pos, interleaved):
 def test_rotary_on_append(device, interleaved, causal, leftpad):
     # FlashAttention's rotary_cos / rotary_sin: k rotated at cache_seqlens + j (its cache row,
     # leftpad or not) before the append, q at that base + i (causal) or the base alone; against
-    # the float64 rotation.
+    # the float64 rotation. The table has 42 rows: sequence 1's positions 42 and 43 are past it,
+    # not rotated (FlashAttention's cos 1 / sin 0 there).
     import hipflash.compat.flash_attn as fa2
     import hipflash.compat.flash_attn_interface as fa3
     g = torch.Generator().manual_seed(21)
@@ -405,14 +443,16 @@ def test_rotary_on_append(device, interleaved, causal, leftpad):
     k_new = torch.randn(2, s_new, 2, d, generator=g).to(bf16).to(device)
     v_new = torch.randn(2, s_new, 2, d, generator=g).to(bf16).to(device)
     angles = torch.rand(80, rd // 2, generator=g, dtype=torch.float64) * 6.3
-    cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
+    angles[42:] = 0  # the reference's table: cos 1, sin 0 past the 42 rows the call gets
+    cos_ref, sin_ref = angles.cos().float().to(device), angles.sin().float().to(device)
+    cos, sin = cos_ref[:42], sin_ref[:42]
     lens = torch.tensor([20, 41], dtype=torch.int32, device=device)
     pads = torch.tensor([5, 0], dtype=torch.int32, device=device) if leftpad else None
     base = lens.long()
     pos_k = base[:, None] + torch.arange(s_new, device=device)
     pos_q = base[:, None] + (torch.arange(sq, device=device) if causal else 0 * torch.arange(sq, device=device))
-    q_rot = rotary_reference(q, cos, sin, pos_q, interleaved)
-    k_rot = rotary_reference(k_new, cos, sin, pos_k, interleaved)
+    q_rot = rotary_reference(q, cos_ref, sin_ref, pos_q, interleaved)
+    k_rot = rotary_reference(k_new, cos_ref, sin_ref, pos_k, interleaved)
     kw = dict(cache_seqlens=lens, cache_leftpad=pads, causal=causal, return_lse=True)
     k1, v1 = kc.clone(), vc.clone()
     out, lse = hipflash.flash_attn_with_kvcache(q, k1, v1, k_new, v_new, rotary_cos=cos,
@@ -445,7 +485,8 @@ def test_bad_rotary_is_refused_and_nothing_is_written():
                       (dict(rotary_cos=cos, rotary_sin=torch.ones(8, 8)), "one shape"),
                       (dict(rotary_cos=torch.ones(8, 40), rotary_sin=torch.ones(8, 40)),
                        "rotary_dim"),
-                      (dict(rotary_cos=cos, rotary_sin=cos.clone()), r"reach \[7, 8\]"),
+                      (dict(rotary_cos=cos, rotary_sin=cos.clone(),
+                            rotary_seqlens=torch.tensor([-1], dtype=torch.int32)), ">= 0"),
                       (dict(rotary_seqlens=torch.zeros(1, dtype=torch.int32)), "needs rotary_cos")):
         with pytest.raises(ValueError, match=match):
             hipflash.flash_attn_with_kvcache(q, kc, kc.clone(), k_new, k_new.clone(),

@@ -102,7 +102,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             pack_gqa=None, sm_margin=0, return_softmax_lse=False):
     """Attention against a KV cache (contiguous, or paged with page_table) after appending
     k / v in place at cache_seqlens. Varlen queries (cu_seqlens_q) attend to a paged cache
-    without appending (hipflash's chunked prefill)."""
+    without appending (hipflash's chunked prefill). rotary_seqlens without rotary_cos is
+    ignored, as FlashAttention 3 does."""
+    if rotary_cos is None and rotary_sin is None:
+        rotary_seqlens = None
     _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None)
     if cu_seqlens_q is not None:
