@@ -57,8 +57,10 @@ class Inputs:
             self.q.append(_randn(qs, dt, device, gen))
             self.k.append(_randn(ks, dt, device, gen))
             self.v.append(_randn(ks, dt, device, gen))
-            if c.extra.get("e4m3_kv"):  # K/V an fp8 cache holds exactly (HipflashFp8Kv)
-                for x in (self.k[-1], self.v[-1]):
+            if c.extra.get("e4m3_kv") or c.extra.get("e4m3_qkv"):
+                # K/V (and Q) an fp8 cache / fp8 call holds exactly (HipflashFp8Kv, HipflashFp8)
+                exact = (self.k[-1], self.v[-1]) + ((self.q[-1],) if c.extra.get("e4m3_qkv") else ())
+                for x in exact:
                     x.copy_((x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn).to(dt)
                             .mul_(1.0 / E4M3_KV_INV_SCALE))
         self.cu_q = self.cu_k = None
@@ -98,6 +100,7 @@ class Backend:
     layout = "bshd"      # "bshd" or "bhsd"
     devices = ("cuda",)
     kv_fraction = 1.0    # bytes of K/V it reads over the cell's (0.5: an fp8 cache)
+    fp8 = False          # judged by SPEC §6's fp8 rule (e4m3 probabilities: attn_ref.check)
 
     def available(self, device):
         """(ok, reason) for the whole run; checked once."""
@@ -343,6 +346,37 @@ class HipflashFp8Kv(Hipflash):
 
         def extract(res):
             return res[0], normalize_lse(res[1], cell.B, cell.Hq, cell.Sq)
+        return run, extract
+
+
+class HipflashFp8(Hipflash):
+    """hipflash.flash_attn_func on float8_e4m3fn copies of the cell's q, k, v with descales
+    1/16 each (FlashAttention 3's fp8 forward; out bf16, no LSE, as "hipflash"): the cell's
+    inputs are e4m3 values times 1/16 (Inputs, cell.extra["e4m3_qkv"]), so the copies are exact
+    and the reference is the cell's. Judged by SPEC §6's fp8 rule: its probabilities are e4m3,
+    so the yardstick is the reference computed so (attn_ref.reference's out_lp8)."""
+    kinds = ("dense",)
+    fp8 = True
+
+    def __init__(self, hipflash_path=None):
+        super().__init__(False, hipflash_path)
+        self.name = "hipflash-fp8"
+
+    def prepare(self, cell, inp):
+        hf = import_hipflash(self.path)
+        if not cell.extra.get("e4m3_qkv"):
+            raise Unavailable("the cell's q, k, v are not e4m3 values (suite fwd-fp8)")
+        q8, k8, v8 = ([(x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn) for x in xs]
+                      for xs in (inp.q, inp.k, inp.v))
+        d = torch.tensor([1.0 / E4M3_KV_INV_SCALE], device=inp.q[0].device)
+
+        def run(i, out=None):
+            return hf.flash_attn_func(q8[i], k8[i], v8[i], softmax_scale=cell.scale,
+                                      causal=cell.causal, out=out, q_descale=d, k_descale=d,
+                                      v_descale=d)
+
+        def extract(res):
+            return res, None
         return run, extract
 
 
@@ -610,7 +644,7 @@ def make_backends(hipflash_path=None):
     """Every backend by name."""
     bs = [Hipflash(False, hipflash_path), Hipflash(True, hipflash_path),
           HipflashPaged(16, hipflash_path), HipflashPaged(256, hipflash_path),
-          HipflashFp8Kv(hipflash_path),
+          HipflashFp8Kv(hipflash_path), HipflashFp8(hipflash_path),
           HipflashBhsd(hipflash_path), CudnnSdpaGqaBshd(), TorchFlash(),
           TorchCudnn(True), TorchCudnn(False), TorchEfficient(True), TorchEfficient(False),
           Flex(), FA2Native(), CudnnSdpaGqa(), EfficientVarlen(), TorchSdpa(), TorchMath()]

@@ -49,7 +49,7 @@ from attn_cells import DTYPES, HOST, build_suite  # noqa: E402
 from attn_env import collect_meta  # noqa: E402
 from attn_run import _err, base_row, run_cell, run_merge_suite  # noqa: E402
 from attn_timing import (BUDGETS, HOST_LOOPS, MATMUL_N, Timer, _warm_gpu,  # noqa: E402
-                         matmul_rate)
+                         matmul_rate, scaled_mm_rate)
 
 
 # ---- Main ------------------------------------------------------------------------------------
@@ -67,7 +67,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="quick",
                     choices=["quick", "full", "fa-grid", "head-dims", "dev", "decode", "varlen",
-                             "lse-overhead", HOST, "serving", "decode-fp8", "tiny", "merge",
+                             "lse-overhead", HOST, "serving", "decode-fp8", "fwd-fp8", "tiny",
+                             "merge",
                              "train"])
     ap.add_argument("--out", default=None, help="results directory (default bench/results/SUITE)")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
@@ -193,6 +194,13 @@ def main(argv=None):
                               "random inputs, timed as the cells are, in their rounds, before them)")
         except Exception as e:  # the run goes on without the rate; the report says it lacks it
             meta["matmul"] = f"not measured ({_err(e)})"
+    if device == "cuda" and any(c.suite == "fwd-fp8" for c in cells):
+        try:
+            meta["scaled_mm_tflops"] = round(scaled_mm_rate(timer), 1)
+            meta["scaled_mm"] = (f"{meta['scaled_mm_tflops']:.1f} TFLOP/s (torch._scaled_mm, "
+                                 f"e4m3 x e4m3 -> bf16, {MATMUL_N}^3, timed as the cells are)")
+        except Exception as e:
+            meta["scaled_mm"] = f"not measured ({_err(e)})"
     if any(c.suite == HOST or c.suite in rep.WALL_CLOCK_SUITES for c in cells):
         repeats, n, ncalls = HOST_LOOPS[device]
         sync = "torch.cuda.synchronize()" if device == "cuda" else "nothing (CPU)"
@@ -235,7 +243,7 @@ def main(argv=None):
     rep.write_json(meta, rows, os.path.join(out_dir, "results.json"))
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(rep.render_markdown(meta, rows, images))
-    print(rep.terminal_report(rows))
+    print(rep.terminal_report(rows, meta))
     print(f"\nwrote {out_dir}/results.csv, results.md, results.json"
           + (", " + ", ".join(images.values()) if images else f" ({why})"))
     print(f"wall time {meta['wall_s']} s")

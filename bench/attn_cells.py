@@ -30,6 +30,7 @@ HOST_OVERHEAD = HF + ["fa2-native", "torch-cudnn-nolse", "torch-cudnn"]
 SERVING = ["hipflash+lse", "hipflash-paged16", "hipflash-paged256", "fa2-native"]
 # The fp8 KV cache against the 16-bit one (issue 43): the same K/V values, both with the LSE.
 DECODE_FP8 = ["hipflash+lse", "hipflash-fp8kv"]
+FWD_FP8 = ["hipflash", "hipflash-fp8", "torch-cudnn"]  # bf16 hipflash and cuDNN beside it
 HOST = rep.HOST  # the suite whose cells also get the host timing (Timer.host)
 
 
@@ -217,6 +218,12 @@ def build_suite(name, dtype, flex, decode_dim=128):
                        "decode-fp8", D=decode_dim)
         for c in cells:
             c.extra["e4m3_kv"] = True
+        return cells
+    if name == "fwd-fp8":  # run on its own: fp8 q, k, v on the FA grid, cells of e4m3 values
+        cells = fa_grid([512, 1024, 2048, 4096, 8192, 16384], [64, 128], [False, True], dtype,
+                        FWD_FP8, "fwd-fp8")
+        for c in cells:
+            c.extra["e4m3_qkv"] = True
         return cells
     if name == "varlen":
         return full_varlen

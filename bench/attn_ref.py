@@ -76,10 +76,13 @@ def _softmax_rows(s):
 
 
 @torch.no_grad()
-def reference(q, k, v, scale, causal=False, window=(-1, -1), budget_bytes=1 << 30):
+def reference(q, k, v, scale, causal=False, window=(-1, -1), budget_bytes=1 << 30, fp8=False):
     """Dense reference. q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D].
 
-    Returns (out32 [B, Sq, Hq, D] fp32, lse32 [B, Hq, Sq] fp32, out_lp [B, Sq, Hq, D] q.dtype).
+    Returns (out32 [B, Sq, Hq, D] fp32, lse32 [B, Hq, Sq] fp32, out_lp [B, Sq, Hq, D] q.dtype),
+    and with fp8 out_lp8 (bf16) fourth: the fp8 kernels' low-precision path — fp32 scores,
+    probabilities exp(s - rowmax) times 2^8 rounded to e4m3 for P V, the fp32 row sum —, the
+    yardstick of an fp8 call (SPEC §6).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -90,6 +93,7 @@ def reference(q, k, v, scale, causal=False, window=(-1, -1), budget_bytes=1 << 3
     out32 = torch.empty(B, Sq, Hq, D, dtype=torch.float32, device=dev)
     out_lp = torch.empty(B, Sq, Hq, D, dtype=q.dtype, device=dev)
     lse32 = torch.empty(B, Hq, Sq, dtype=torch.float32, device=dev)
+    out_lp8 = torch.empty(B, Sq, Hq, D, dtype=torch.bfloat16, device=dev) if fp8 else None
     rows = g * Sq
     # Scratch per chunk: fp32 scores + probabilities for both paths, about 4 [Hkv, rc, Sk] fp32.
     rc = max(1, min(rows, budget_bytes // max(1, Hkv * max(Sk, 1) * 4 * 4)))
@@ -102,6 +106,7 @@ def reference(q, k, v, scale, causal=False, window=(-1, -1), budget_bytes=1 << 3
         o32 = torch.empty(Hkv, rows, D, dtype=torch.float32, device=dev)
         olp = torch.empty(Hkv, rows, D, dtype=q.dtype, device=dev)
         l32 = torch.empty(Hkv, rows, dtype=torch.float32, device=dev)
+        olp8 = torch.empty(Hkv, rows, D, dtype=torch.bfloat16, device=dev) if fp8 else None
         for r0 in range(0, rows, rc):
             r1 = min(rows, r0 + rc)
             qc = qb[:, r0:r1]
@@ -114,6 +119,13 @@ def reference(q, k, v, scale, causal=False, window=(-1, -1), budget_bytes=1 << 3
             if mask is not None:
                 s.masked_fill_(~mask, float("-inf"))
             lse, p = _softmax_rows(s)
+            if fp8:  # exp(s - m) = p exp(lse - m), m the row max
+                m = s.amax(-1, keepdim=True)
+                pm = p * torch.nan_to_num(torch.exp(lse[..., None] - m), nan=0.0)
+                p8 = (pm * 256).to(torch.float8_e4m3fn).float() / 256
+                olp8[:, r0:r1] = (torch.matmul(p8, vb32) / pm.sum(-1, keepdim=True)
+                                  .clamp(min=1e-30)).to(torch.bfloat16)
+                del m, pm, p8
             del s
             l32[:, r0:r1] = lse
             o32[:, r0:r1] = torch.matmul(p, vb32)
@@ -129,7 +141,9 @@ def reference(q, k, v, scale, causal=False, window=(-1, -1), budget_bytes=1 << 3
         out32[b] = o32.reshape(Hq, Sq, D).permute(1, 0, 2)
         out_lp[b] = olp.reshape(Hq, Sq, D).permute(1, 0, 2)
         lse32[b] = l32.reshape(Hq, Sq)
-    return out32, lse32, out_lp
+        if fp8:
+            out_lp8[b] = olp8.reshape(Hq, Sq, D).permute(1, 0, 2)
+    return (out32, lse32, out_lp, out_lp8) if fp8 else (out32, lse32, out_lp)
 
 
 @torch.no_grad()
@@ -203,13 +217,16 @@ def normalize_varlen_lse(lse, heads, cu_q):
     return None
 
 
-def check(out, lse, ref, lse_expected=True):
+def check(out, lse, ref, lse_expected=True, fp8=False):
     """Judge one backend's result against the reference (SPEC §6).
 
     out: the backend's output already in the reference's layout; lse: normalised (or None).
+    fp8: the yardstick is the fp8 low-precision path (ref's fourth entry, reference(fp8=True)).
     Returns a dict: ok (bool), check ('PASS'/'FAIL'), err_out, tol_out, err_lse, note.
     """
-    out32, lse32, out_lp = ref
+    out32, lse32, out_lp = ref[:3]
+    if fp8:
+        out_lp = ref[3]
     res = {"ok": False, "check": "FAIL", "err_out": float("nan"), "tol_out": float("nan"),
            "err_lse": float("nan"), "note": ""}
     if out is None:

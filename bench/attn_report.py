@@ -27,6 +27,8 @@ SUITE_TITLES = {
     "serving": "Decode from a KV cache: contiguous vs paged (Sq = 1, GQA 32/8, D = 128, LSE)",
     "decode-fp8": "Decode from an fp8 (e4m3) KV cache against a 16-bit one (Sq = 1, GQA 32/8, "
                   "D = 128, LSE)",
+    "fwd-fp8": "fp8 forward (float8_e4m3fn q, k, v) against bf16 on the FlashAttention grid "
+               "(B*S = 16k, H*D = 2048)",
     "varlen": "Varlen (mixed sequence lengths)",
     "lse-overhead": "LSE overhead (same kernel family, LSE on vs off)",
     HOST: "Host overhead per call",
@@ -68,8 +70,16 @@ SUITE_NOTES = {
                   "reads (the fp8 cache: half), so tokens/s fp8 / 16-bit is twice the GB/s "
                   "ratio, and the GB/s ratio is the fp8 kernel's share of the 16-bit one's "
                   "bandwidth.",
+    "fwd-fp8": "hipflash (bf16) and torch-cudnn (bf16, the best peer of the FA grid) read the "
+               "cell's q, k, v in bf16; hipflash-fp8 reads the same values as float8_e4m3fn "
+               "(`flash_attn_func` with q_descale = k_descale = v_descale = 1/16, the cell's "
+               "inputs being e4m3 values times 1/16), out bf16, no LSE — each checked against "
+               "the same reference, hipflash-fp8 by SPEC §6's fp8 rule (its yardstick the "
+               "reference with e4m3 probabilities). TFLOP/s count the same FLOPs for all; "
+               "fp8/hipflash is the speed-up of the fp8 call, and %fp8 mm its rate over the "
+               "run's `torch._scaled_mm` fp8 GEMM rate (*fp8 matmul rate* above).",
 }
-SUITE_ORDER = ["fa-grid", "head-dims", "decode", "serving", "decode-fp8", "varlen",
+SUITE_ORDER = ["fa-grid", "head-dims", "decode", "serving", "decode-fp8", "fwd-fp8", "varlen",
                "lse-overhead", HOST, "tiny"]
 SUITE_METRIC = {"decode": "gbps", "serving": "gbps", "decode-fp8": "gbps",
                 HOST: "b2b_us"}  # everything else: tflops
@@ -83,7 +93,8 @@ HF, HF_LSE = "hipflash", "hipflash+lse"
 # own entry point (the target), or torch-math in the CPU test of the runner.
 HOST_REF = ("fa2-native", "torch-math")
 XLABELS = {"fa-grid": "Sequence length", "head-dims": "Sequence length", "decode": "KV length (Sk)",
-           "serving": "KV length (Sk)", "decode-fp8": "KV length (Sk)", "tiny": ""}
+           "serving": "KV length (Sk)", "decode-fp8": "KV length (Sk)",
+           "fwd-fp8": "Sequence length", "tiny": ""}
 
 # Fixed colours, so a backend looks the same in every figure.
 COLORS = {
@@ -92,7 +103,8 @@ COLORS = {
     "torch-efficient-nolse": "#c5b0d5", "flex": "#8c564b", "fa2-native": "#17becf",
     "cudnn-sdpa-gqa": "#bcbd22", "efficient-varlen": "#e377c2", "torch-sdpa": "#7f7f7f",
     "torch-math": "#aec7e8", "hipflash-paged16": "#ff7f0e", "hipflash-paged256": "#ffbb78",
-    "hipflash+lse-bhsd": "#c49c94", "cudnn-sdpa-gqa-bshd": "#dbdb8d",
+    "hipflash+lse-bhsd": "#c49c94", "cudnn-sdpa-gqa-bshd": "#dbdb8d", "hipflash-fp8": "#8b0000",
+    "hipflash-fp8kv": "#8b0000",
 }
 
 
@@ -334,7 +346,10 @@ def wall_clock_table(rows, suite):
     return header, body, foot
 
 
-def suite_table(rows, suite):
+FP8 = "hipflash-fp8"
+
+
+def suite_table(rows, suite, meta=None):
     """(header, body rows, footer rows) of one suite's table, as strings."""
     if suite == HOST:
         return host_table(rows)
@@ -374,7 +389,13 @@ def suite_table(rows, suite):
     if has_hf:
         header += ["hipflash/best", "hf+lse/best lse peer"]
     header += [f"{b[len('hipflash-'):]}/contiguous" for b in paged]
+    # fwd-fp8: the fp8 call against bf16 hipflash, and its share of the run's fp8 GEMM rate
+    fp8 = FP8 in names and HF in names
+    mm8 = (meta or {}).get("scaled_mm_tflops") if fp8 else None
+    if fp8:
+        header += ["fp8/hipflash"] + (["%fp8 mm"] if mm8 else [])
     body, r_hf, r_lse, r_paged = [], [], [], {b: [] for b in paged}
+    r_fp8, r_fp8_2k = [], []
     for cid, bb in cells:
         line = [_cell_label(bb)] + [_cell_text(bb.get(b), metric) for b in names]
         bp, bname = best_peer(bb, metric)
@@ -388,6 +409,15 @@ def suite_table(rows, suite):
             a, c = value(bb.get(b), metric), value(bb.get(HF_LSE), metric)
             r_paged[b].append(a / c if a and c else None)
             line.append(_fmt_ratio(r_paged[b][-1]))
+        if fp8:
+            a, c = value(bb.get(FP8), metric), value(bb.get(HF), metric)
+            r = a / c if a and c else None
+            r_fp8.append(r)
+            if (bb.get(FP8) or {}).get("Sq", 0) >= 2048:
+                r_fp8_2k.append(r)
+            line.append(_fmt_ratio(r))
+            if mm8:
+                line.append(f"{100 * a / mm8:.0f}%" if a else "-")
         body.append(line)
     foot = []
     if has_hf:
@@ -396,7 +426,11 @@ def suite_table(rows, suite):
         n2 = sum(1 for x in r_lse if x)
         foot.append(["geomean"] + [""] * (len(names) + 1) +
                     [f"{_fmt_ratio(g1)} ({n1})", f"{_fmt_ratio(g2)} ({n2})"] +
-                    [_fmt_ratio(geomean(r_paged[b])) for b in paged])
+                    [_fmt_ratio(geomean(r_paged[b])) for b in paged] +
+                    ([_fmt_ratio(geomean(r_fp8))] if fp8 else []) + ([""] if mm8 else []))
+        if fp8:
+            foot.append(["geomean S >= 2k"] + [""] * (len(names) + 3) +
+                        [_fmt_ratio(geomean(r_fp8_2k))] + ([""] if mm8 else []))
     header[0] = f"cell  [{unit}]"
     return header, body, foot
 
@@ -424,11 +458,11 @@ def _md(header, body, foot):
     return "\n".join(lines)
 
 
-def terminal_report(rows):
+def terminal_report(rows, meta=None):
     out = []
     for s in suites_in(rows):
         out.append(f"\n== {suite_title(rows, s)} ==")
-        out.append(_plain(*suite_table(rows, s)))
+        out.append(_plain(*suite_table(rows, s, meta)))
     problems = _problem_lines(rows)
     if problems:
         out.append("\nFAIL / n/a:")
@@ -489,7 +523,7 @@ def meta_lines(meta):
             ("cudnn", "cuDNN"), ("triton", "Triton"), ("hipflash", "hipflash build"),
             ("commit", "Commit"), ("date", "Date (UTC)"), ("suite", "Suite"),
             ("dtype", "dtype"), ("timing", "Timing"), ("host_timing", "Host timing"),
-            ("matmul", "bf16 matmul rate"),
+            ("matmul", "bf16 matmul rate"), ("scaled_mm", "fp8 matmul rate"),
             ("wall_s", "Run time (s)")]
     lines = []
     for k, name in keys:
@@ -517,7 +551,7 @@ def render_markdown(meta, rows, images, image_prefix="", heading="#"):
         md += [f"{heading}# {suite_title(rows, s)}", ""]
         if s in SUITE_NOTES:
             md += [SUITE_NOTES[s], ""]
-        md += [_md(*suite_table(rows, s)), ""]
+        md += [_md(*suite_table(rows, s, meta)), ""]
         wall = wall_clock_table(rows, s) if s in WALL_CLOCK_SUITES else None
         if wall:
             md += ["Wall clock per call, as a user makes it (`Timer.host`: back to back = calls "

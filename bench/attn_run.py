@@ -93,7 +93,8 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
                                    cell.causal, budget_bytes=_ref_budget(device))
         else:
             ref = reference(inp.q[0], inp.k[0], inp.v[0], cell.scale, cell.causal,
-                            budget_bytes=_ref_budget(device))
+                            budget_bytes=_ref_budget(device),
+                            fp8=any(backends[n].fp8 for n in todo))
     except Exception as e:
         fatal = e if (device == "cuda" and is_fatal_cuda_error(e)) else None
         for n in todo:
@@ -115,7 +116,7 @@ def run_cell(cell, backends, avail, timer, device, l2_bytes, mem_cap, log):
             if device == "cuda":
                 torch.cuda.synchronize()
             out, lse = extract(res)
-            chk = check(out, lse, ref, lse_expected=b.lse)
+            chk = check(out, lse, ref, lse_expected=b.lse, fp8=b.fp8)
             if not b.peer:
                 row["kernel"] = b.kernel_name()
                 if chk["ok"]:

@@ -197,6 +197,24 @@ def matmul_rate(timer):
     return 2.0 * n ** 3 / (st["time_ms"] * 1e-3) / 1e12
 
 
+def scaled_mm_rate(timer):
+    """The fp8 (e4m3) matrix-product rate of this GPU in this run, through torch._scaled_mm
+    (per-tensor scales 1, bf16 out; B column-major, as it requires), measured as matmul_rate."""
+    n = MATMUL_N
+    one = torch.ones((), device="cuda")
+
+    def fp8(x):
+        return x.to(torch.float8_e4m3fn)
+    sets = [(fp8(torch.randn(n, n, device="cuda")), fp8(torch.randn(n, n, device="cuda")).t())
+            for _ in range(2)]
+    st = timer.time_in_rounds(
+        lambda i: torch._scaled_mm(*sets[i], scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        len(sets))
+    del sets
+    torch.cuda.empty_cache()
+    return 2.0 * n ** 3 / (st["time_ms"] * 1e-3) / 1e12
+
+
 def _warm_gpu(ms=600.0):
     """Bring the clocks up before the first cell (about half a second of bf16 matmuls)."""
     a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)

@@ -333,10 +333,9 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
     check_workspace_size(plan.num_splits);
     return plan;
   }
-  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3,
-                    "float8_e4m3fn inputs run on the CPU backend only: the GPU kernels do not "
-                    "read fp8 q, k and v yet (an fp8 KV cache with bfloat16 or float16 queries "
-                    "runs on NVIDIA GPUs in decode calls)");
+  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3 || p.alibi_slopes == nullptr,
+                    "alibi_slopes with float8_e4m3fn q, k and v run on the CPU backend only: the "
+                    "GPU's fp8 kernel does not add ALiBi biases");
   HIPFLASH_CHECK_AS(not_implemented,
                     p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
                     "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "

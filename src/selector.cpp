@@ -42,7 +42,8 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
                  " is not supported; supported head dims are " + supported_head_dims();
     return sel;
   }
-  if (p.dtype != DType::f16 && p.dtype != DType::bf16) {
+  const bool fp8 = p.dtype == DType::e4m3;  // fp8 q, k and v (out bf16)
+  if (p.dtype != DType::f16 && p.dtype != DType::bf16 && !fp8) {
     sel.reason = std::string("dtype ") + std::string(dtype_name(p.dtype)) + " is not supported";
     return sel;
   }
@@ -69,6 +70,24 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
   const auto serves = [&](KernelKind k) {
     return hd <= max_head_dim(k) && (!p.kv_cache || reads_kv_cache(k));
   };
+  if (fp8) {
+    // fp8 q, k and v: the warp-specialised Hopper kernel's fp8 tiles (fp8 wgmma, V transposed
+    // in shared memory), for the dense calls it takes; nothing else reads them yet.
+    if (arch.vendor == Arch::nvidia && arch.version == 90 && caps.sm90_ws &&
+        hd <= fp8_max_head_dim(KernelKind::sm90_ws) && !p.varlen && !p.kv_cache &&
+        p.tma_compatible) {
+      sel.kind = KernelKind::sm90_ws;
+    } else {
+      sel.reason = "float8_e4m3fn q, k and v run on the CPU backend and, on the GPU, on the "
+                   "sm90_ws kernel only: Hopper (sm_90, this build with sm_90a), head dims up "
+                   "to " + std::to_string(fp8_max_head_dim(KernelKind::sm90_ws)) +
+                   ", dense tensors a TMA tensor map can describe (this call: " + arch.name() +
+                   ", head dim " + std::to_string(p.head_dim) +
+                   (p.varlen ? ", varlen" : "") + (p.kv_cache ? ", a KV cache" : "") +
+                   (!p.tma_compatible && !p.varlen ? ", strides TMA cannot describe" : "") + ")";
+    }
+    return sel;
+  }
   if (arch.vendor == Arch::nvidia) {
     if (arch.version < 80) {
       sel.reason = arch.name() + " is not supported: the generic kernel needs sm_80 or newer";

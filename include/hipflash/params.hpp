@@ -149,6 +149,7 @@ struct FwdParams {
   /// those rows fit the decode kernels' block.
   bool packs_gqa_decode() const {
     return seqlen_q == 1 && !has_window() && !is_varlen() && heads_q > heads_kv &&
+           dtype != DType::e4m3 &&  // fp8 q, k and v: the sm90_ws kernel, rows as they are
            ((alibi_slopes == nullptr && kv_dtype != DType::e4m3) ||
             heads_q / heads_kv <= kDecodeMaxRows);
   }

@@ -144,8 +144,11 @@ struct RowSoftmax {
   }
 
   /// scores[r][c] holds raw q·k (or -inf when masked). Turns them into probabilities
-  /// 2^(x - m), updates (m, l) and returns the factor rescaling each row's accumulator.
-  template <int kCols>
+  /// 2^(x - m + kExpOffset), updates (m, l) and returns the factor rescaling each row's
+  /// accumulator. kExpOffset (the fp8 forward's 8, FlashAttention 3's max offset) puts the
+  /// probabilities in (0, 2^kExpOffset], where e4m3 keeps them from underflowing; l then
+  /// carries the factor 2^kExpOffset too, which the caller takes out before finalize().
+  template <int kCols, int kExpOffset = 0>
   __device__ __forceinline__ void update(float (&scores)[kRows][kCols], float scale_log2,
                                          float (&rescale)[kRows]) {
 #pragma unroll
@@ -157,7 +160,7 @@ struct RowSoftmax {
       const float m_new = fmaxf(m[r], mx * scale_log2);  // scale > 0 (validated)
       rescale[r] = SoftmaxState::rescale(m[r], m_new);
       m[r] = m_new;
-      const float m_use = SoftmaxState::safe_max(m_new);
+      const float m_use = SoftmaxState::safe_max(m_new) - float(kExpOffset);
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {

@@ -83,6 +83,7 @@ struct Smem {
   __device__ __forceinline__ uint32_t q(int s) const { return base + s * Cfg::kSmemQ; }
   __device__ __forceinline__ uint32_t k(int s) const { return base + Cfg::kOffK + s * Cfg::kSmemKV; }
   __device__ __forceinline__ uint32_t v(int s) const { return base + Cfg::kOffV + s * Cfg::kSmemKV; }
+  __device__ __forceinline__ uint32_t vt(int s) const { return base + Cfg::kOffVt + s * Cfg::kSmemKV; }
   __device__ __forceinline__ uint32_t o() const { return base + Cfg::kOffO; }  ///< staged output
   __device__ __forceinline__ uint32_t lse() const { return base + Cfg::kOffLse; }
   __device__ __forceinline__ Mbarrier bar(int i) const { return {base + Cfg::kOffBars + 8u * i}; }
@@ -93,9 +94,19 @@ struct Smem {
   __device__ __forceinline__ Mbarrier k_empty(int s) const { return bar(2 * kQ + kS + s); }
   __device__ __forceinline__ Mbarrier v_full(int s) const { return bar(2 * kQ + 2 * kS + s); }
   __device__ __forceinline__ Mbarrier v_empty(int s) const { return bar(2 * kQ + 3 * kS + s); }
+  __device__ __forceinline__ Mbarrier vt_full(int s) const { return bar(2 * kQ + 4 * kS + s); }
+  __device__ __forceinline__ Mbarrier vt_empty(int s) const { return bar(2 * kQ + 5 * kS + s); }
+  /// The stage of V the consumers read (P V's B operand): V, or fp8's Vt; the barrier saying it
+  /// is ready and the one they free it on.
+  __device__ __forceinline__ uint32_t pv_operand(int s) const { return Cfg::kFp8 ? vt(s) : v(s); }
+  __device__ __forceinline__ Mbarrier pv_full(int s) const { return Cfg::kFp8 ? vt_full(s) : v_full(s); }
+  __device__ __forceinline__ Mbarrier pv_empty(int s) const {
+    return Cfg::kFp8 ? vt_empty(s) : v_empty(s);
+  }
 
   /// One thread: Q / stage "full" barriers take the producer's one arrival (plus bytes); the
-  /// "empty" ones one arrival per consumer warp.
+  /// "empty" ones one arrival per consumer warp. fp8: V's "empty" and Vt's "full" one arrival
+  /// per transposing warp, Vt's "empty" one per consumer warp.
   __device__ __forceinline__ void init() const {
     constexpr uint32_t kConsumerWarps = Cfg::kConsumerThreads / 32;
     for (int s = 0; s < Cfg::kQStages; ++s) {
@@ -106,7 +117,11 @@ struct Smem {
       k_full(s).init(1);
       v_full(s).init(1);
       k_empty(s).init(kConsumerWarps);
-      v_empty(s).init(kConsumerWarps);
+      v_empty(s).init(Cfg::kFp8 ? Cfg::kTransposers : kConsumerWarps);
+      if constexpr (Cfg::kFp8) {
+        vt_full(s).init(Cfg::kTransposers);
+        vt_empty(s).init(kConsumerWarps);
+      }
     }
   }
 };
@@ -137,7 +152,8 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   sm.q_full(qs).arrive_expect_tx(Cfg::kSmemQ);
 #pragma unroll
   for (int c = 0; c < Cfg::kPanels; ++c)
-    tma::load_4d(sm.q(qs) + c * Cfg::kBlockM * 128, &maps.q, sm.q_full(qs), 64 * c, m0, h, b);
+    tma::load_4d(sm.q(qs) + c * Cfg::kBlockM * Cfg::kRowBytes, &maps.q, sm.q_full(qs),
+                 Cfg::kPanelElems * c, m0, h, b);
   ++q_pos.it;
 
   // The key block at `row` of K (kV false) or V into the next free stage of its ring.
@@ -150,8 +166,8 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
     full.arrive_expect_tx(Cfg::kSmemKV);
 #pragma unroll
     for (int c = 0; c < Cfg::kPanels; ++c)
-      tma::load_4d((kV ? sm.v(s) : sm.k(s)) + c * Cfg::kBlockN * 128, kV ? &maps.v : &maps.k, full,
-                   64 * c, row, h_kv, b);
+      tma::load_4d((kV ? sm.v(s) : sm.k(s)) + c * Cfg::kBlockN * Cfg::kRowBytes,
+                   kV ? &maps.v : &maps.k, full, Cfg::kPanelElems * c, row, h_kv, b);
     ++pos.it;
   };
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
@@ -161,13 +177,87 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   }
 }
 
+/// fp8: one stage of V ([kBN keys x kHD] bytes, kRowBytes-wide swizzled panels as the TMA
+/// lands it) transposed into Vt ([kHD x kBN], 128-key-byte panels, 128-byte swizzle: P V's
+/// K-major B operand) by `kWarps` warps, warp `w` of them. Vt's slot 4t + i of each 16-key group
+/// holds key 2t + (i & 1) + 8 (i >> 1) of it (consumer::pack_p_fp8's order). A thread moves
+/// 4 x 4 byte blocks: four 32-bit loads (keys k0, k0 + 1, k0 + 8, k0 + 9; head-dim bytes
+/// 4u .. 4u + 3), a byte transpose (eight prmt), four 32-bit stores (head-dim rows 4u ..
+/// 4u + 3; slots 4w .. 4w + 3). Lane (x = lane / 4, t = lane % 4) takes slot word w = 4x + t
+/// and head-dim word u = 4 ((x ^ d1) mod kU / 4) + (t ^ d2) at step (d1, d2), so that at hd128
+/// the 32 loads and the 32 stores of a step each hit 32 banks.
+template <class Cfg>
+__device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id, int lane) {
+  constexpr int kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim, kRB = Cfg::kRowBytes;
+  constexpr int kU = kHD / 4;             // head-dim words a key row
+  constexpr int kD1 = kU / 4 < 8 ? kU / 4 : 8 * (kU / 32);  // (x ^ d1) covers every u / 4
+  constexpr int kSteps = (kBN / 128) * kD1 * 4;
+  const int x = lane / 4, t = lane % 4;
+  for (int step = w_id; step < kSteps; step += Cfg::kTransposers) {
+    const int d2 = step % 4, d1 = step / 4 % kD1, kp = step / (4 * kD1);  // kp: 128-key panel
+    const int w = 4 * x + t;                             // slot word in the panel
+    const int u = 4 * ((x ^ d1) % (kU / 4)) + (t ^ d2);  // head-dim word
+    const int k0 = kp * 128 + 16 * x + 2 * t;            // slots 4w .. 4w + 3: keys k0 + 0, 1, 8, 9
+    const int col = 4 * u;                               // the head-dim byte of u
+    const uint32_t v_panel = sV + (col / kRB) * kBN * kRB;
+    const auto v_at = [&](int k) {
+      const int c = col % kRB;
+      const int sw = kRB == 128 ? k % 8 : (k / 2) % 4;  // the TMA's 128- / 64-byte swizzle
+      return v_panel + k * kRB + (((c / 16) ^ sw) * 16) + c % 16;
+    };
+    uint32_t a0, a1, a2, a3;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a0) : "r"(v_at(k0)));
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a1) : "r"(v_at(k0 + 1)));
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a2) : "r"(v_at(k0 + 8)));
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a3) : "r"(v_at(k0 + 9)));
+    // Byte j of out_j's word i is byte j of a_i: a 4 x 4 transpose.
+    const uint32_t lo01 = __byte_perm(a0, a1, 0x5140), hi01 = __byte_perm(a0, a1, 0x7362);
+    const uint32_t lo23 = __byte_perm(a2, a3, 0x5140), hi23 = __byte_perm(a2, a3, 0x7362);
+    const uint32_t out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int d = col + j;  // Vt row
+      const uint32_t at = sVt + kp * kHD * 128 + d * 128 + ((w / 4) ^ (d % 8)) * 16 + (w % 4) * 4;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(out[j]));
+    }
+  }
+}
+
+/// fp8: a transposing warp's part of a tile: every key block's V stage, once landed and its Vt
+/// stage free, into Vt (transpose_v); then Vt's stage to the consumers (the writes made
+/// visible to the tensor cores' async proxy first) and V's back to the producer.
+template <class Traits>
+__device__ __forceinline__ void transpose_tile(const FwdParams& p, const Smem<TileOf<Traits>>& sm,
+                                               int64_t tile, const common::TileDivisors& div,
+                                               RingPos<TileOf<Traits>::kStages>& pos, int w_id,
+                                               int lane) {
+  using Cfg = TileOf<Traits>;
+  using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
+  const Info bi(p, tile, div, Traits::kMasked);
+  if (bi.m_block * Cfg::kBlockM >= bi.len_q) return;  // (never: dense only; as produce())
+  for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
+    const int s = pos.stage();
+    sm.v_full(s).wait(pos.parity());
+    sm.vt_empty(s).wait(pos.parity() ^ 1u);
+    transpose_v<Cfg>(sm.v(s), sm.vt(s), w_id, lane);
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+      sm.vt_full(s).arrive();
+      sm.v_empty(s).arrive();
+    }
+    ++pos.it;
+  }
+}
+
 /// A consumer warpgroup's registers for one tile: the output accumulator, the probabilities
 /// (P V's A operand) and the rows' softmax state; with two Q stages (Consumer::kCarry) they
 /// also carry a tile's last P V and epilogue into the next tile: `tile` is that tile, -1 none.
-template <int kHD, int kBN>
+template <int kHD, int kBN, int kPSteps>
 struct Accumulators {
   float O[kHD / 2];
-  uint32_t P[kBN / 16][4];
+  uint32_t P[kPSteps][4];  ///< kBN / 16 (16-bit P) or kBN / 32 (fp8) key steps
   common::RowSoftmax<2> softmax;
   int64_t tile = -1;
 };
@@ -178,18 +268,23 @@ struct Accumulators {
 template <class Traits>
 struct Consumer {
   using Cfg = TileOf<Traits>;
-  using T = typename common::Element<Traits::kDType>::type;
+  using T = common::element_t<Traits::kOutDType>;  // the staged output's element
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   using Ring = RingPos<Cfg::kStages>;
   using QRing = RingPos<Cfg::kQStages>;
   static constexpr int kHD = Cfg::kHeadDim, kBN = Cfg::kBlockN, kBM = Cfg::kBlockM;
   static constexpr int kThreads = Cfg::kConsumerThreads;
   static constexpr DType kDT = Traits::kDType;
+  static constexpr bool kFp8 = Cfg::kFp8;
+  using Acc = Accumulators<kHD, kBN, kFp8 ? kBN / 32 : kBN / 16>;
+  /// fp8's probabilities are 2^8 times the softmax's (common::RowSoftmax's kExpOffset), taken
+  /// out of O and l in the epilogue.
+  static constexpr int kExpOffset = kFp8 ? 8 : 0;
   /// With two Q stages the next tile's Q has landed by the time this tile's last P V is due, so
   /// that P V is issued in one turn with the next tile's first Q K^T (else it has a turn of its
   /// own), and the tile's epilogue runs after that turn, under the other consumers' GEMMs.
   static constexpr bool kCarry = Cfg::kQStages > 1;
-  static_assert(sizeof(T) == Cfg::kElemBytes, "the tile's element size");
+  static_assert(sizeof(T) == Cfg::kOutBytes, "the staged output's element size");
   static_assert(Cfg::kConsumers <= kEpilogue - kTurn, "the turn barriers end before kEpilogue");
 
   const FwdParams& p;
@@ -240,7 +335,22 @@ struct Consumer {
   }
   /// S = Q K^T of this warpgroup's rows of the Q tile in stage qs.
   __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], int qs, uint32_t sK) const {
-    consumer::issue_qk<kDT, kBM, kBN, kHD>(S, sm.q(qs) + place.wg * 64 * 128, sK);
+    consumer::issue_qk<kDT, kBM, kBN, kHD, Cfg::kRowBytes>(
+        S, sm.q(qs) + place.wg * 64 * Cfg::kRowBytes, sK);
+  }
+  /// O += P V from stage vs of V (fp8: of Vt).
+  __device__ __forceinline__ void issue_pv(Acc& c, int vs) const {
+    if constexpr (kFp8)
+      consumer::issue_pv_fp8<kBN, kHD>(c.O, c.P, sm.vt(vs));
+    else
+      consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
+  }
+  /// The probabilities as P V's A operand.
+  __device__ __forceinline__ static void pack(const float (&S)[kBN / 2], Acc& c) {
+    if constexpr (kFp8)
+      consumer::pack_p_fp8<kBN>(S, c.P);
+    else
+      consumer::pack_p<kDT, kBN>(S, c.P);
   }
   /// S(n) done: K's stage back to the producer, and after the tile's last Q K^T q_read().
   __device__ __forceinline__ void qk_done(float (&S)[kBN / 2], bool last_qk, int qs) const {
@@ -259,7 +369,7 @@ struct Consumer {
   /// P V done: O readable, V's stage back to the producer.
   __device__ __forceinline__ void pv_done(float (&O)[kHD / 2], int vs) const {
     wgmma::fence_operands(O);
-    release(sm.v_empty(vs));
+    release(sm.pv_empty(vs));
     ++v_pos.it;
   }
   /// The lean consumers' mask: this warpgroup's 64 rows' RowMask, solved once per tile (the
@@ -280,17 +390,25 @@ struct Consumer {
                                                common::RowSoftmax<2>& softmax,
                                                float (&S)[kBN / 2], int n,
                                                float (&rescale)[2]) const {
-    const common::ScoreCap cap(p);  // the softcap and ALiBi, when the call has them
+    common::ScoreCap cap(p);  // the softcap and ALiBi, when the call has them
+    float scale_log2 = cap.scale_log2(p);
+    if constexpr (kFp8) {  // the scores of the descaled q and k (no ALiBi: the selector's rule)
+      const float qk = p.q_descale.at(bi.b, bi.h_kv) * p.k_descale.at(bi.b, bi.h_kv);
+      if (cap.on())
+        cap.scale *= qk;
+      else
+        scale_log2 *= qk;
+    }
     cap.apply(S);
     const int64_t m0 = m0_of(bi);
     common::ScoreBias<>{p, bi.b, bi.h}
         .apply(S, [&](int h) { return row_of(m0, h); }, bi.diag, int64_t(n) * kBN + 2 * place.t);
     if constexpr (kLean) {
-      consumer::softmax_step<kBN>(lean, softmax, cap.scale_log2(p), S, n, place.t, rescale);
+      consumer::softmax_step<kBN, kExpOffset>(lean, softmax, scale_log2, S, n, place.t, rescale);
     } else {
       const auto rows = [&](int h) { return row_of(m0, h); };
-      consumer::softmax_step<Traits, kBN>(p, bi, softmax, cap.scale_log2(p), S, n, rows,
-                                          place.t, rescale);
+      consumer::softmax_step<Traits, kBN, kExpOffset>(p, bi, softmax, scale_log2, S, n, rows,
+                                                      place.t, rescale);
     }
   }
 
@@ -328,7 +446,7 @@ struct Consumer {
     if (stager == 0) {
 #pragma unroll
       for (int panel = 0; panel < Cfg::kPanels; ++panel)
-        tma::store_4d(&maps.o, sm.o() + (panel * kBM + first) * 64 * Cfg::kElemBytes, panel * 64,
+        tma::store_4d(&maps.o, sm.o() + (panel * kBM + first) * 64 * Cfg::kOutBytes, panel * 64,
                       int(m0), int(bi.h), int(bi.b));
       tma::commit_group();
     }
@@ -377,18 +495,27 @@ struct Consumer {
     }
     if constexpr (!Cfg::kOwnStaging) release(sm.q_empty(0));
   }
-  __device__ __forceinline__ void epilogue(const Info& bi, const float (&O)[kHD / 2],
+  /// fp8 first takes the probabilities' 2^8 out of O and l, and applies v_descale to O.
+  __device__ __forceinline__ void epilogue(const Info& bi, float (&O)[kHD / 2],
                                            common::RowSoftmax<2>& softmax) const {
+    if constexpr (kFp8) {
+      constexpr float kUnscale = 1.f / float(1 << kExpOffset);
+      const float o_scale = p.v_descale.at(bi.b, bi.h_kv) * kUnscale;
+#pragma unroll
+      for (int i = 0; i < kHD / 2; ++i) O[i] *= o_scale;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) softmax.l[r] *= kUnscale;
+    }
     stage(bi, O, softmax);
     store(bi);
   }
 
   /// The tile's last P V, in a turn of its own, and waited for.
-  __device__ __forceinline__ void last_pv(Accumulators<kHD, kBN>& c) const {
+  __device__ __forceinline__ void last_pv(Acc& c) const {
     const int vs = v_pos.stage();
-    sm.v_full(vs).wait(v_pos.parity());
+    sm.pv_full(vs).wait(v_pos.parity());
     turn_begin();
-    consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
+    issue_pv(c, vs);
     turn_end();
     wgmma::wait<0>();
     pv_done(c.O, vs);
@@ -396,7 +523,7 @@ struct Consumer {
 
   /// The carried tile finished, if one is: its last P V, then its epilogue. After the last
   /// tile and before a tile without key blocks.
-  __device__ __forceinline__ void flush(Accumulators<kHD, kBN>& c) const {
+  __device__ __forceinline__ void flush(Acc& c) const {
     if (!kCarry || c.tile < 0) return;  // (without kCarry no tile is ever left pending)
     last_pv(c);
     epilogue(info(c.tile), c.O, c.softmax);
@@ -408,14 +535,14 @@ struct Consumer {
   /// cores. Each block's Q K^T is issued unconditionally, so S needs no zeroing against an
   /// undefined path (which serialises the wgmmas, C7515). The last P V runs alone, or with
   /// kCarry in the next tile's first turn. `acc` is the caller's where something is carried.
-  __device__ __forceinline__ void run(int64_t tile, Accumulators<kHD, kBN>& acc) const {
+  __device__ __forceinline__ void run(int64_t tile, Acc& acc) const {
     const Info bi = info(tile);
     const int64_t m0 = m0_of(bi);
     if (m0 >= bi.len_q) return;  // (never: dense calls only, no padded LSE rows to write)
     const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
     const LeanMask lean = lean_mask_of(bi);
-    Accumulators<kHD, kBN> local;
-    Accumulators<kHD, kBN>& c = kCarry ? acc : local;
+    Acc local;
+    Acc& c = kCarry ? acc : local;
     if (n_hi < n_lo) {  // no key block: Q is not read at all; out 0, LSE -inf
       flush(c);
       q_read(wait_q());
@@ -437,11 +564,11 @@ struct Consumer {
       sm.k_full(k_pos.stage()).wait(k_pos.parity());
       if constexpr (kCarried) {
         vs = v_pos.stage();
-        sm.v_full(vs).wait(v_pos.parity());
+        sm.pv_full(vs).wait(v_pos.parity());
       }
       turn_begin();
       issue_qk(S, qs, sm.k(k_pos.stage()));
-      if constexpr (kCarried) consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
+      if constexpr (kCarried) issue_pv(c, vs);
       turn_end();
       wgmma::wait<kCarried ? 1 : 0>();  // S ready; the carried P V may still run
       qk_done(S, n_hi == n_lo, qs);
@@ -451,7 +578,7 @@ struct Consumer {
         softmax_step(bi, lean, fresh, S, n_hi, unused);
         wgmma::wait<0>();  // the carried P V done: P and O free, V's stage back
         pv_done(c.O, vs);
-        consumer::pack_p<kDT, kBN>(S, c.P);
+        pack(S, c);
         epilogue(info(c.tile), c.O, c.softmax);
         c.tile = -1;
         c.softmax = fresh;
@@ -461,7 +588,7 @@ struct Consumer {
       if constexpr (!kCarried) {
         if constexpr (kCarry) c.softmax = common::RowSoftmax<2>();  // the last tile's, else
         softmax_step(bi, lean, c.softmax, S, n_hi, unused);
-        consumer::pack_p<kDT, kBN>(S, c.P);
+        pack(S, c);
       }
     };
     if (kCarry && c.tile >= 0)  // the same on every consumer thread: they walk the same tiles
@@ -472,10 +599,10 @@ struct Consumer {
       float S[kBN / 2];
       const int ks = k_pos.stage(), vs = v_pos.stage();
       sm.k_full(ks).wait(k_pos.parity());
-      sm.v_full(vs).wait(v_pos.parity());
+      sm.pv_full(vs).wait(v_pos.parity());
       turn_begin();
       issue_qk(S, qs, sm.k(ks));
-      consumer::issue_pv<kDT, kBN, kHD>(c.O, c.P, sm.v(vs));
+      issue_pv(c, vs);
       turn_end();
       wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
       qk_done(S, n - 1 == n_lo, qs);
@@ -484,7 +611,7 @@ struct Consumer {
       wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
       pv_done(c.O, vs);
       consumer::rescale_o<kHD>(c.O, rescale);
-      consumer::pack_p<kDT, kBN>(S, c.P);
+      pack(S, c);
     }
     if constexpr (kCarry) {
       c.tile = tile;  // its last P V goes with the next tile's first Q K^T
@@ -526,17 +653,25 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
   RingPos<Cfg::kStages> k_pos, v_pos;
   if (threadIdx.x >= Cfg::kConsumerThreads) {  // the producer warpgroup
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (warp == Cfg::kConsumerThreads / 32 && lane == 0)
-      Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-        produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos);
-      });
+    const int producer_warp = warp - Cfg::kConsumerThreads / 32;
+    if (producer_warp == 0) {
+      if (lane == 0)
+        Scheduler<Traits>::run(tiles, [&](int64_t tile) {
+          produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos);
+        });
+    } else if constexpr (Cfg::kFp8) {  // the next kTransposers warps: V into Vt
+      if (producer_warp <= Cfg::kTransposers)
+        Scheduler<Traits>::run(tiles, [&](int64_t tile) {
+          transpose_tile<Traits>(p, sm, tile, div, v_pos, producer_warp - 1, lane);
+        });
+    }
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
     // The first turn is consumer 0's: the last consumer hands it over once.
     if constexpr (Cfg::kConsumers > 1)
       if (warp / 4 == Cfg::kConsumers - 1) named_arrive<256>(kTurn);
     using C = Consumer<Traits>;
-    Accumulators<C::kHD, C::kBN> carried;  // read only with C::kCarry
+    typename C::Acc carried;  // read only with C::kCarry
     Scheduler<Traits>::run(tiles, [&](int64_t tile) {
       C{p, sm, div, maps, q_pos, k_pos, v_pos}.run(tile, carried);
     });

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hipflash/types.hpp"
+
 namespace hipflash::sm90_ws {
 
 /// kConsumers warpgroups of 64 query rows each, kBlockN keys per K/V stage, kStages stages of
@@ -18,8 +20,15 @@ namespace hipflash::sm90_ws {
 /// own: masked hd64 the three consumers of unmasked calls, unmasked hd128 176-key blocks (half
 /// again as much GEMM per softmax step; their K / V ring leaves no room to stage the output
 /// apart from Q, which short rows pay for).
-template <int kHeadDim, bool kMasked, bool kLongRows>
+/// fp8 (e4m3 q, k, v; hd64 and hd128): two consumers, 128-key blocks, two stages of K, V and
+/// V transposed (Vt) each — 144 KiB at hd128 with the bf16 output staged apart.
+template <int kHeadDim, bool kMasked, bool kLongRows, bool kFp8 = false>
 struct TileConfig;
+template <int kHeadDim, bool kMasked>
+struct TileConfig<kHeadDim, kMasked, false, true> {
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the fp8 tiles: head dims 64 and 128");
+  static constexpr int kConsumers = 2, kBlockN = 128, kStages = 2;
+};
 template <bool kMasked, bool kLongRows>
 struct TileConfig<64, kMasked, kLongRows> {
   static constexpr int kConsumers = kMasked && !kLongRows ? 2 : 3;
@@ -42,10 +51,17 @@ struct TileConfig<256, kMasked, kLongRows> {
 /// *warp* like one with a producer warpgroup, so the warpgroup costs nothing). One block per
 /// SM: blocks of one consumer, two to an SM, lost 1.5% geomean at masked hd64 (causal 1k -5%;
 /// docs/design-decisions.md#sm90_ws-forward-kernel).
-template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false>
-struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
-  using Base = TileConfig<kHeadDim_, kMasked_, kLongRows_>;
+///
+/// fp8 (kFp8): q, k and v are e4m3, out bf16. Rows of Q, K and V are kRowBytes wide (128, or
+/// 64 with the 64-byte swizzle at hd64); V also lands transposed in a ring of its own (Vt, 128
+/// key bytes a head-dim row: fp8 wgmma reads both operands K-major), written by the producer
+/// warpgroup's three other warps (kTransposers), which take 48 registers each of the
+/// consumers' share (232).
+template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false, bool kFp8_ = false>
+struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_> {
+  using Base = TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_>;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kFp8 = kFp8_;
   static constexpr int kConsumers = Base::kConsumers;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = Base::kBlockN;
@@ -54,39 +70,48 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
   static constexpr int kThreads = kConsumerThreads + 128;
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kMinBlocks = 1;  ///< blocks resident per SM
-  // 128 x 24 + 256 x 240 = 64,512 and 128 x 32 + 384 x 160 = 65,536 of the 65,536 registers.
-  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : 24;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  static constexpr int kElemBytes = 2;                 ///< bf16 / f16 inputs and outputs
-  static constexpr int kPanels = kHeadDim / 64;        ///< 128-byte-wide panels of a tile
-  static constexpr int kChunks = kHeadDim / 8;         ///< 16-byte chunks per row
+  // 128 x 24 + 256 x 240 = 64,512, 128 x 32 + 384 x 160 = 65,536 and (fp8) 128 x 48 +
+  // 256 x 232 = 65,536 of the 65,536 registers.
+  static constexpr int kProducerRegs = kFp8 ? 48 : kConsumers == 3 ? 32 : 24;
+  static constexpr int kConsumerRegs = kFp8 ? 232 : kConsumers == 2 ? 240 : 160;
+  static constexpr int kTransposers = kFp8 ? 3 : 0;    ///< producer warps transposing V
+  static constexpr int kElemBytes = kFp8 ? 1 : 2;      ///< q, k and v
+  static constexpr int kOutBytes = 2;                  ///< out: bf16 / f16
+  static constexpr int kRowBytes = kHeadDim * kElemBytes < 128 ? kHeadDim * kElemBytes : 128;
+  static constexpr int kPanelElems = kRowBytes / kElemBytes;  ///< elements a panel row
+  static constexpr int kPanels = kHeadDim / kPanelElems;      ///< kRowBytes-wide panels a tile
+  static constexpr int kChunks = kHeadDim / 8;         ///< 16-byte chunks per output row
   static constexpr uint32_t kSmemQ = kBlockM * kHeadDim * kElemBytes;
-  static constexpr uint32_t kSmemKV = kBlockN * kHeadDim * kElemBytes;  ///< one K or V stage
-  /// The K and V rings; the tail with q_stages Q stages: LSE staging, the barriers (Q full /
-  /// empty per Q stage, then full / empty per K stage and per V stage) and the slack that
-  /// aligns the base to 1024 bytes.
-  static constexpr uint32_t kSmemKVRings = 2 * kStages * kSmemKV;
+  static constexpr uint32_t kSmemKV = kBlockN * kHeadDim * kElemBytes;  ///< one K, V or Vt stage
+  static constexpr uint32_t kSmemO = kBlockM * kHeadDim * kOutBytes;    ///< the staged output
+  /// The K and V (and Vt) rings; the tail with q_stages Q stages: LSE staging, the barriers (Q
+  /// full / empty per Q stage, then full / empty per K stage, per V stage and per Vt stage)
+  /// and the slack that aligns the base to 1024 bytes.
+  static constexpr int kRings = kFp8 ? 3 : 2;
+  static constexpr uint32_t kSmemKVRings = kRings * kStages * kSmemKV;
   static constexpr uint32_t tail_bytes(int q_stages) {
-    return kBlockM * 4 + (2 * q_stages + 4 * kStages) * 8 + 1024;
+    return kBlockM * 4 + (2 * q_stages + 2 * kRings * kStages) * 8 + 1024;
   }
-  /// The output tile (Q's shape) is staged in a buffer of its own where it fits (hd64, hd128
-  /// with 128-key blocks), so that Q is free — and the next tile's Q loading — once the last
-  /// Q K^T is done; else (hd256, hd128's 176-key long-row tile) over Q.
-  static constexpr bool kOwnStaging = 2 * kSmemQ + kSmemKVRings + tail_bytes(1) <= 227 * 1024;
+  /// The output tile is staged in a buffer of its own where it fits (hd64, hd128 with 128-key
+  /// blocks, fp8), so that Q is free — and the next tile's Q loading — once the last Q K^T is
+  /// done; else (hd256, hd128's 176-key long-row tile) over Q.
+  static constexpr bool kOwnStaging = kSmemQ + kSmemO + kSmemKVRings + tail_bytes(1) <= 227 * 1024;
+  static_assert(kOwnStaging || kSmemO <= kSmemQ, "the output staged over Q fits there");
   /// Q tiles in flight: one. With two (where they fit: hd64, hd128), the next tile's Q lands
   /// while this tile runs and a tile's last P V shares its turn with the next tile's first
   /// Q K^T; measured slower on the H200 (docs/design-decisions.md#sm90_ws-forward-kernel), kept
   /// as a parameter of the ring and the consumers.
   static constexpr int kQStages = 1;
-  static constexpr int kNumBars = 2 * kQStages + 4 * kStages;
+  static constexpr int kNumBars = 2 * kQStages + 2 * kRings * kStages;
   static constexpr uint32_t kSmemTail = tail_bytes(kQStages);
-  // Shared-memory map (from the 1024-byte-aligned base): Q stages | K stages | V stages | [O] |
-  // LSE | bars.
+  // Shared-memory map (from the 1024-byte-aligned base): Q stages | K stages | V stages |
+  // [Vt stages] | [O] | LSE | bars.
   static constexpr uint32_t kOffK = kQStages * kSmemQ;
   static constexpr uint32_t kOffV = kOffK + kStages * kSmemKV;
-  static constexpr uint32_t kEndKV = kOffV + kStages * kSmemKV;
+  static constexpr uint32_t kOffVt = kOffV + kStages * kSmemKV;
+  static constexpr uint32_t kEndKV = kOffK + kSmemKVRings;
   static constexpr uint32_t kOffO = kOwnStaging ? kEndKV : 0;
-  static constexpr uint32_t kOffLse = kOwnStaging ? kEndKV + kSmemQ : kEndKV;
+  static constexpr uint32_t kOffLse = kOwnStaging ? kEndKV + kSmemO : kEndKV;
   static constexpr uint32_t kOffBars = kOffLse + kBlockM * 4;
   static constexpr int kSmemBytes = int(kOffLse + kSmemTail);
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
@@ -94,7 +119,8 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_> {
                 "kMinBlocks blocks' shared memory (and the 1 KiB each reserves) on one SM");
   static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0,
                 "every Q, K and V stage starts 1024-byte aligned (the 128-byte swizzle's period)");
-  static_assert(kHeadDim % 64 == 0, "whole 128-byte panels");
+  static_assert(kHeadDim % 64 == 0, "whole panels");
+  static_assert(!kFp8 || kBlockN % 128 == 0, "fp8: whole 128-key panels of Vt");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a wgmma N and whole 16-key steps");
   static_assert((kBlockN * 128) % 1024 == 0, "panels keep the 1024-byte swizzle alignment");
 };
@@ -137,11 +163,12 @@ inline constexpr bool kLongRowsOf<Traits, std::void_t<decltype(Traits::kLongRows
     Traits::kLongRows;
 /// The tile a kernel of these traits runs.
 template <class Traits>
-using TileOf = Tile<Traits::kHeadDim, Traits::kMasked, kLongRowsOf<Traits>>;
+using TileOf = Tile<Traits::kHeadDim, Traits::kMasked, kLongRowsOf<Traits>,
+                    Traits::kDType == DType::e4m3>;
 /// Whether these traits have a long-row variant (the instantiations long_row_tile can pick).
 template <class Traits>
 inline constexpr bool kHasLongRowTile =
     ((Traits::kHeadDim == 64 && Traits::kMasked) || (Traits::kHeadDim == 128 && !Traits::kMasked)) &&
-    !Traits::kSplit && !kLongRowsOf<Traits>;
+    !Traits::kSplit && !kLongRowsOf<Traits> && Traits::kDType != DType::e4m3;
 
 }  // namespace hipflash::sm90_ws

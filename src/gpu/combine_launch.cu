@@ -48,7 +48,7 @@ static void launch(const FwdParams& p, port::stream_t stream, CombineShape shape
 
 void launch_combine(const FwdParams& p, int padded_head_dim, port::stream_t stream,
                     CombineShape shape) {
-  HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
+  HIPFLASH_DTYPE_SWITCH(p.out_dtype, kDT, [&] {  // bf16 for fp8 inputs
     HIPFLASH_HEADDIM_SWITCH(padded_head_dim, kPadded, [&] {
       HIPFLASH_BOOL_SWITCH(p.return_lse, kReturnLse, [&] {
         launch<common::element_t<kDT>, kPadded, kReturnLse>(p, stream, shape);

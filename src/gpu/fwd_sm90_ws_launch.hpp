@@ -29,18 +29,23 @@ struct Sm90WsLaunch {
     HIPFLASH_CHECK(tiles <= 0x7fffffff, "problem too large for the sm90_ws kernel: ", tiles,
                    " work tiles (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
     sm90_ws::TmaMaps maps;
+    // Boxes of [rows x one panel row] (128 bytes; 64 for fp8 at hd64).
+    constexpr int kCols = Tile::kPanelElems;
     maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                              p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tile::kBlockM);
+                              p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tile::kBlockM,
+                              kCols);
     maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                              p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tile::kBlockN);
+                              p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tile::kBlockN,
+                              kCols);
     maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                              p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN);
+                              p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN,
+                              kCols);
     // hd64 (hd128 with its hook): out's map for the TMA store (a warpgroup's 64 rows a box),
     // where one describes it; else the consumers store the rows themselves (o_ok 0).
     if (sm90_ws::kOutByTma<Traits::kHeadDim> && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
-        tma_strides_ok(dtype_size(p.dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
+        tma_strides_ok(dtype_size(p.out_dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
                        p.o_head_stride, p.batch, p.o_batch_stride)) {
-      maps.o = tma_host::encode(p.out, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+      maps.o = tma_host::encode(p.out, p.out_dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
                                 p.o_row_stride, p.o_head_stride, p.o_batch_stride, 64);
       maps.o_ok = 1;
     }

@@ -245,7 +245,8 @@ void check_vector_alignment(const void* ptr, int64_t batch_stride, int64_t row_s
 
 void check_operand_alignment(const FwdParams& p) {
   const int64_t kv_bytes = dtype_size(p.kv_dtype);
-  check_vector_alignment(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, "q", 2);
+  check_vector_alignment(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, "q",
+                         dtype_size(p.dtype));
   check_vector_alignment(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, "k", kv_bytes);
   check_vector_alignment(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, "v", kv_bytes);
   check_vector_alignment(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride, "out", 2);
@@ -263,12 +264,14 @@ template <class Traits>
 bool launch_registered(KernelKind kind, const FwdParams& p, port::stream_t stream) {
   constexpr int kHD = Traits::kHeadDim;
   constexpr bool kFp8Kv = Traits::kKvDType != Traits::kDType;
+  constexpr bool kFp8 = Traits::kDType == DType::e4m3;  // fp8 q, k and v
   switch (kind) {
 #define HIPFLASH_HEAD_DIM(padded, also)
-#define HIPFLASH_KERNEL(kind, launcher, build, max_hd, kv_cache, summary)                  \
+#define HIPFLASH_KERNEL(kind, launcher, build, max_hd, kv_cache, fp8_hd, summary)          \
   case KernelKind::kind:                                                                    \
     if constexpr (built_here(KernelBuild::build) && kHD <= max_hd &&                        \
-                  (!kFp8Kv || KvCacheReads::kv_cache == KvCacheReads::cache_fp8)) {         \
+                  (!kFp8Kv || KvCacheReads::kv_cache == KvCacheReads::cache_fp8) &&         \
+                  (!kFp8 || kHD <= fp8_hd)) {                                               \
       launch_##launcher##_fwd<Traits>(p, stream);                                           \
       return true;                                                                          \
     }                                                                                       \
@@ -306,7 +309,7 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
                            " is not built for " + HIPFLASH_GPU_NAME + " at head dim " +
                            std::to_string(hd));
   };
-  HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
+  HIPFLASH_INPUT_DTYPE_SWITCH(p.dtype, kDT, [&] {
     HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
       HIPFLASH_BOOL_SWITCH(p.num_splits > 1, kSplit, [&] {
         HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {

@@ -296,6 +296,53 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
   }
 }
 
+TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperOnly) {
+  // fp8 q, k and v (e4m3): the sm90_ws kernel's fp8 tiles (kernels.def: fp8_head_dim 128), for
+  // dense TMA-describable calls on Hopper, short query blocks included; everything else —
+  // hd256, varlen, odd strides, a KV cache, other archs, builds without it — refused with why.
+  BuildCaps caps = kCuda;
+  caps.sm90 = caps.sm90_ws = true;
+  EXPECT_EQ(fp8_max_head_dim(KernelKind::sm90_ws), 128);
+  EXPECT_EQ(fp8_max_head_dim(KernelKind::generic), 0);
+  auto fp8 = [](int d) {
+    Problem p = problem(DType::e4m3, d);
+    p.kv_dtype = DType::e4m3;
+    p.tma_compatible = true;
+    return p;
+  };
+  for (int d : {32, 64, 96, 128})
+    for (int64_t rows : {int64_t(1), int64_t(4096)})
+      for (bool masked : {false, true}) {
+        Problem p = fp8(d);
+        p.query_rows = rows;
+        p.masked = masked;
+        const Selection s = select_kernel(p, kSm90, caps);
+        EXPECT_EQ(s.kind, KernelKind::sm90_ws) << d << " " << rows << " " << s.reason;
+        EXPECT_EQ(s.key.name().rfind("fp8_hd", 0), 0u) << s.key.name();
+      }
+  auto refused = [&](const Problem& p, const Arch& a, const BuildCaps& c, const char* why) {
+    const Selection s = select_kernel(p, a, c);
+    EXPECT_EQ(s.kind, KernelKind::unsupported) << why;
+    EXPECT_NE(s.reason.find("float8_e4m3fn q, k and v"), std::string::npos) << s.reason;
+  };
+  refused(fp8(256), kSm90, caps, "hd256");
+  Problem varlen = fp8(128);
+  varlen.varlen = true;
+  refused(varlen, kSm90, caps, "varlen");
+  Problem odd = fp8(128);
+  odd.tma_compatible = false;
+  refused(odd, kSm90, caps, "strides");
+  Problem cache = fp8(128);
+  cache.kv_cache = true;
+  refused(cache, kSm90, caps, "a KV cache");
+  refused(fp8(128), kSm80, caps, "sm_80");
+  BuildCaps no_ws = caps;
+  no_ws.sm90_ws = false;
+  refused(fp8(128), kSm90, no_ws, "no sm90_ws kernels");
+  EXPECT_EQ(select_kernel(fp8(128), kGfx942, kHip).kind, KernelKind::unsupported);
+  EXPECT_EQ(select_kernel(fp8(128), kHost, kCuda).kind, KernelKind::cpu_reference);
+}
+
 TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
   // An fp8 (e4m3) cache: the decode kernel alone reads one (kernels.def: cache_fp8), where the
   // device runs sm_89+ code of this build (its cvt); never the head-group kernel; longer

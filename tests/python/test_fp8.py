@@ -1,7 +1,9 @@
 """fp8 (FlashAttention 3's): float8_e4m3fn q, k, v with fp32 descale factors, per tensor or per
 (batch, kv head); the scores are q.k * q_descale * k_descale * softmax_scale, out (bfloat16) is
 softmax . v * v_descale, the LSE that of the descaled scores. The CPU backend dequantises (the
-reference); GPU calls raise NotImplementedError before anything is written. An fp8 KV cache
+reference); on the GPU the sm90_ws kernel runs them on Hopper (fp8 wgmma, the probabilities in
+e4m3: judged against a reference that rounds them so, SPEC §6), other GPU calls raise
+NotImplementedError before anything is written. An fp8 KV cache
 (vLLM's kv_cache_dtype="fp8") runs on the CPU backend and, in decode calls, on NVIDIA GPUs from
 sm_89 (the GPU cases at the end). Needs a PyTorch with torch.float8_e4m3fn (2.1+)."""
 import pytest
@@ -112,15 +114,140 @@ def test_bad_calls_are_refused_and_nothing_is_written(breaks, error, match):
     assert torch.isnan(out).all()
 
 
+def fp8_gpu():
+    """(ok, why): whether this GPU runs fp8 q, k and v (Hopper with the sm90_ws kernels)."""
+    if not GPU or E4M3 is None:
+        return False, "needs a GPU visible to torch, a hipflash with GPU kernels and float8_e4m3fn"
+    q = torch.zeros(1, 1, 1, 64, dtype=E4M3, device="cuda")
+    try:
+        hipflash.flash_attn_func(q, q, q)
+    except NotImplementedError as e:
+        return False, f"this GPU does not run fp8 q, k and v: {e}"
+    return True, ""
+
+
+FP8_GPU, FP8_GPU_WHY = fp8_gpu()
+needs_fp8_gpu = pytest.mark.skipif(not FP8_GPU, reason=FP8_GPU_WHY)
+
+
+def fp8_reference(qf, kf, vf, causal=False, window_size=(-1, -1), softcap=0.0):
+    """(ref32 out, fp8 lowp out, ref32 lse) of dequantised fp32 q, k, v: the low-precision one
+    computes as the fp8 kernel does — fp32 scores, each probability exp(s - max) times 2^8
+    rounded to e4m3 for P V, the row sum in fp32, out rounded to bf16 — the yardstick of SPEC
+    §6's rule for the GPU's fp8 calls."""
+    from reference import attention_ref, valid_mask
+    out32, lse = attention_ref(qf, kf, vf, causal=causal, window_size=window_size,
+                               softcap=softcap)
+    b, sq, hq, d = qf.shape
+    sk, hkv = kf.shape[1], kf.shape[2]
+    g = hq // hkv
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf.reshape(b, sq, hkv, g, d), kf) / d ** 0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~valid_mask(sq, sk, causal, window_size, qf.device), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    p8 = (p * 256).to(E4M3).float() / 256
+    out = torch.einsum("bhgqk,bkhd->bqhgd", p8, vf) / p.sum(-1).permute(0, 3, 1, 2)[..., None]
+    out = torch.nan_to_num(out, nan=0.0).reshape(b, sq, hq, d).to(BF16).float()
+    return out32, out, lse
+
+
+def check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, what, **kw):
+    """SPEC §6 for a GPU fp8 call: out against ref32 of the dequantised inputs within twice the
+    fp8 low-precision reference's error (+1e-5), the LSE within 1e-3, -inf where it is."""
+    from reference import check_lse
+    hq = q.shape[2]
+    qf, kf, vf = (dequantised(t.cpu(), s.cpu(), hq) for t, s in ((q, qd), (k, kd), (v, vd)))
+    out32, out_lp, lse_ref = fp8_reference(qf, kf, vf, **kw)
+    assert out.dtype == BF16 and not torch.isnan(out).any(), what
+    err = (out.float().cpu() - out32).abs().max().item()
+    tol = 2 * (out_lp - out32).abs().max().item() + 1e-5
+    assert err <= tol, f"{what}: max|out - ref| = {err:.3e} > tolerance {tol:.3e}"
+    if lse is not None:
+        check_lse(lse.cpu(), lse_ref, what)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 200, 333, 4, 2), (1, 1, 130, 8, 1), (1, 640, 640, 2, 2),
+                                   (3, 77, 1000, 6, 3)], ids=["odd", "decode", "square", "gqa3"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_kv_head"])
+def test_gpu_fp8_forward_matches_the_reference(d, causal, shape, per_head):
+    b, sq, sk, hq, hkv = shape
+    q, k, v = (t.cuda() for t in fp8_case(b, sq, sk, hq, hkv, d, seed=sq + d))
+    qd, kd, vd = (t.cuda() for t in descales(b, hkv, per_head))
+    out = torch.full((b, sq, hq, d), float("nan"), dtype=BF16, device="cuda")
+    _, lse = hipflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, out=out,
+                                      q_descale=qd, k_descale=kd, v_descale=vd)
+    check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, f"d{d} {shape}", causal=causal)
+    again = hipflash.flash_attn_func(q, k, v, causal=causal, q_descale=qd, k_descale=kd,
+                                     v_descale=vd)
+    assert_bitwise_equal(again, out, "without the LSE, and run again")
+    assert hipflash.last_kernel_name().startswith("fwd_sm90_ws_fp8_"), hipflash.last_kernel_name()
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_gpu_fp8_forward_splits(d, num_splits):
+    q, k, v = (t.cuda() for t in fp8_case(2, 96, 1500, 4, 2, d, seed=7))
+    qd, kd, vd = (t.cuda() for t in descales(2, 2, True))
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=True, return_lse=True,
+                                        num_splits=num_splits, q_descale=qd, k_descale=kd,
+                                        v_descale=vd)
+    check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, f"splits {num_splits}", causal=True)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("mod", ["window", "softcap", "no_descale"])
+def test_gpu_fp8_forward_options(mod):
+    q, k, v = (t.cuda() for t in fp8_case(2, 300, 700, 4, 4, 128, seed=9))
+    qd, kd, vd = (t.cuda() for t in descales(2, 4, False))
+    kw, ref_kw = {}, {}
+    if mod == "window":
+        kw = ref_kw = dict(window_size=(100, 20))
+    elif mod == "softcap":
+        kw = ref_kw = dict(softcap=3.0)
+    else:
+        qd = kd = vd = torch.ones(1, device="cuda")
+    desc = {} if mod == "no_descale" else dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True, **kw, **desc)
+    check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, mod, **ref_kw)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_gpu_fp8_forward_nan_reaches_its_rows(where):
+    # A NaN byte (0x7f) in one row of q, k or v: out NaN wherever the CPU backend has it —
+    # exactly there for q and k; for v also in rows whose mask hides that key but whose key
+    # block holds it (P = 0 times NaN in the tensor-core product: SPEC §3's documented case).
+    q, k, v = fp8_case(1, 200, 300, 2, 2, 128, seed=4)
+    t = dict(q=q, k=k, v=v)[where]
+    t.view(torch.uint8)[0, 150, 1, 7] = 0x7F
+    out = hipflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=True)
+    want = hipflash.flash_attn_func(q, k, v, causal=True)  # the CPU backend
+    got_nan, want_nan = torch.isnan(out.cpu()), torch.isnan(want)
+    assert want_nan.any() and not (want_nan & ~got_nan).any()
+    if where != "v":
+        assert torch.equal(got_nan, want_nan)
+
+
 @needs_fp8
 @pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
                     f"kernels (this build: {hipflash.build_info()!r})")
-def test_the_gpu_refuses_it_before_writing():
+def test_the_gpu_refuses_what_it_does_not_run_before_writing():
+    # varlen fp8 (everywhere) and ALiBi with fp8 (the GPU): refused, nothing written.
     q, k, v = (t.cuda() for t in fp8_case(1, 8, 8, 2, 2, 64))
     out = torch.full((1, 8, 2, 64), float("nan"), dtype=BF16, device="cuda")
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn inputs run on the CPU backend"):
-        hipflash.flash_attn_func(q, k, v, out=out, q_descale=torch.ones(1, device="cuda"))
+    with pytest.raises(NotImplementedError, match="alibi_slopes with float8_e4m3fn"):
+        hipflash.flash_attn_func(q, k, v, out=out, alibi_slopes=torch.ones(2, device="cuda"))
     assert torch.isnan(out).all()
+    if not FP8_GPU:  # any other GPU refuses every fp8 call
+        with pytest.raises(NotImplementedError, match="float8_e4m3fn q, k and v run on the CPU"):
+            hipflash.flash_attn_func(q, k, v, out=out, q_descale=torch.ones(1, device="cuda"))
+        assert torch.isnan(out).all()
 
 
 def test_cache_scales_need_an_fp8_cache():

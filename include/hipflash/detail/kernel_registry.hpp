@@ -11,7 +11,7 @@ namespace hipflash {
 enum class KernelKind : int {
   cpu_reference,  ///< the CPU backend
 #define HIPFLASH_HEAD_DIM(padded, also)
-#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, kv_cache, summary) kind,
+#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, kv_cache, fp8_head_dim, summary) kind,
 #include "hipflash/detail/kernels.def"
 #undef HIPFLASH_KERNEL
 #undef HIPFLASH_HEAD_DIM
@@ -33,11 +33,12 @@ struct Kernel {
   KernelBuild build;
   int max_head_dim;  ///< the largest padded head dim it has a tile for
   KvCacheReads kv_cache;  ///< the KV caches its loaders read
+  int fp8_head_dim;       ///< the largest padded head dim of its fp8 forward (0: none)
 };
 inline constexpr Kernel kKernels[] = {
 #define HIPFLASH_HEAD_DIM(padded, also)
-#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, kv_cache, summary) \
-  {KernelKind::kind, #kind, KernelBuild::build, max_head_dim, KvCacheReads::kv_cache},
+#define HIPFLASH_KERNEL(kind, launcher, build, max_head_dim, kv_cache, fp8_head_dim, summary) \
+  {KernelKind::kind, #kind, KernelBuild::build, max_head_dim, KvCacheReads::kv_cache, fp8_head_dim},
 #include "hipflash/detail/kernels.def"
 #undef HIPFLASH_KERNEL
 #undef HIPFLASH_HEAD_DIM
@@ -104,6 +105,14 @@ constexpr bool reads_fp8_kv_cache(KernelKind k) {
   for (const auto& e : registry::kKernels)
     if (e.kind == k) return e.kv_cache == KvCacheReads::cache_fp8;
   return k == KernelKind::cpu_reference;
+}
+
+/// The largest padded head dim a kernel runs the fp8 forward (float8_e4m3fn q, k, v) at; 0: none.
+constexpr int fp8_max_head_dim(KernelKind k) {
+  for (const auto& e : registry::kKernels)
+    if (e.kind == k) return e.fp8_head_dim;
+  return k == KernelKind::cpu_reference ? registry::kHeadDims[registry::kNumHeadDims - 1].padded
+                                        : 0;
 }
 
 /// "32, 64, 96, 128, 256": the head dims a call may have, for error messages.

@@ -17,9 +17,10 @@ namespace hipflash {
 template <DType kDType_, int kHeadDim_, bool kReturnLse_, bool kMasked_, bool kSplit_,
           DType kKvDType_ = kDType_>
 struct FwdTraits {
-  static constexpr DType kDType = kDType_;     ///< q and out
+  static constexpr DType kDType = kDType_;     ///< q (and out, but for e4m3)
   static constexpr DType kKvDType = kKvDType_; ///< k and v
-  static constexpr DType kOutDType = kDType_;  ///< out (and the P operand's rounding)
+  /// out: q's dtype, bf16 for fp8 (e4m3) q, k and v (FlashAttention 3's)
+  static constexpr DType kOutDType = kDType_ == DType::e4m3 ? DType::bf16 : kDType_;
   static constexpr int kHeadDim = kHeadDim_;  ///< padded head dim of the instantiation
   static constexpr bool kReturnLse = kReturnLse_ || kSplit_;
   static constexpr bool kMasked = kMasked_;
@@ -47,8 +48,11 @@ struct KernelKey {
 
   /// Self-describing name, e.g. "bf16_hd128_causal_lse" (STYLE.md, "Habits worth taking" 12).
   std::string name() const {
-    std::string s = dtype == DType::bf16 ? "bf16" : dtype == DType::f16 ? "fp16" : "unsupported";
-    if (kv_dtype == DType::e4m3) s += "_kvfp8";
+    std::string s = dtype == DType::bf16   ? "bf16"
+                    : dtype == DType::f16  ? "fp16"
+                    : dtype == DType::e4m3 ? "fp8"
+                                           : "unsupported";
+    if (kv_dtype == DType::e4m3 && dtype != DType::e4m3) s += "_kvfp8";  // a cache of its own
     s += "_hd" + std::to_string(head_dim);
     if (masked) s += "_masked";
     if (split) s += "_splitk";

@@ -62,3 +62,13 @@ auto head_dim_switch(int head_dim, F&& f)
     throw ::hipflash::dtype_error(::hipflash::detail::concat(                                 \
         "dtype ", ::hipflash::dtype_name(dt), " is not supported; expected float16 or bfloat16")); \
   }()
+
+/// The same with float8_e4m3fn (the forward's input dtypes: fp8 q, k and v).
+#define HIPFLASH_INPUT_DTYPE_SWITCH(dt, DT, ...)                                               \
+  [&] {                                                                                       \
+    if ((dt) == ::hipflash::DType::e4m3) {                                                    \
+      constexpr ::hipflash::DType DT = ::hipflash::DType::e4m3;                               \
+      return __VA_ARGS__();                                                                   \
+    }                                                                                         \
+    return HIPFLASH_DTYPE_SWITCH(dt, DT, __VA_ARGS__);                                        \
+  }()

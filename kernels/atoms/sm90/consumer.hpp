@@ -60,19 +60,62 @@ struct LeanThreadPlace {
   __device__ __forceinline__ static int g() { return thread_index() % 32 / 4; }
 };
 
-/// S = Q K^T of this warpgroup's 64 rows (Q at sQ_wg, rows kBM * 128 bytes a panel apart)
-/// against kBN keys (K at sK), over head-dim steps of 16: panel ks / 4, 32 bytes a step inside
-/// the line. Issued and committed, not waited for.
-template <DType kDT, int kBM, int kBN, int kHD>
+/// S = Q K^T of this warpgroup's 64 rows (Q at sQ_wg, rows kBM * kRowBytes bytes a panel
+/// apart) against kBN keys (K at sK), over head-dim steps of 32 bytes (16 elements of 16 bits,
+/// 32 of fp8): panel 32 ks / kRowBytes, the step's place inside the row after it. Issued and
+/// committed, not waited for.
+template <DType kDT, int kBM, int kBN, int kHD, int kRowBytes = 128>
 __device__ __forceinline__ void issue_qk(float (&S)[kBN / 2], uint32_t sQ_wg, uint32_t sK) {
+  constexpr int kSteps = kHD * (kDT == DType::e4m3 ? 1 : 2) / 32;
   wgmma::fence();
 #pragma unroll
-  for (int ks = 0; ks < kHD / 16; ++ks) {
-    const uint32_t step = (ks % 4) * 32;
-    wgmma::Op<kDT, kBN>::ss(S, wgmma::desc_k_major(sQ_wg + (ks / 4) * kBM * 128 + step),
-                            wgmma::desc_k_major(sK + (ks / 4) * kBN * 128 + step), ks > 0);
+  for (int ks = 0; ks < kSteps; ++ks) {
+    const uint32_t panel = ks * 32 / kRowBytes, step = ks * 32 % kRowBytes;
+    wgmma::Op<kDT, kBN>::ss(
+        S, wgmma::desc_k_major_rows<kRowBytes>(sQ_wg + panel * kBM * kRowBytes + step),
+        wgmma::desc_k_major_rows<kRowBytes>(sK + panel * kBN * kRowBytes + step), ks > 0);
   }
   wgmma::commit();
+}
+
+/// fp8: O += P V over key steps of 32 with V transposed (Vt: head-dim rows of 128 key bytes a
+/// panel, 128-byte swizzle, panels kHD * 128 bytes apart; keys in the order pack_p_fp8 leaves
+/// P's, sm90_ws::transpose_v). Issued and committed, not waited for.
+template <int kBN, int kHD>
+__device__ __forceinline__ void issue_pv_fp8(float (&O)[kHD / 2], const uint32_t (&P)[kBN / 32][4],
+                                             uint32_t sVt) {
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < kBN / 32; ++kk)
+    wgmma::Op<DType::e4m3, kHD>::rs(
+        O, P[kk], wgmma::desc_k_major(sVt + (kk / 4) * kHD * 128 + (kk % 4) * 32), 1);
+  wgmma::commit();
+}
+
+/// Four floats -> one register of four e4m3 bytes (a first, lowest), rounded to nearest even
+/// and saturated to +-448 (NaN stays NaN).
+__device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+  return uint32_t(lo) | uint32_t(hi) << 16;
+}
+
+/// fp8 probabilities -> P V's A fragments, without moving a value between lanes: the A
+/// fragment of a 32-key step holds, per row, four consecutive k slots 4t .. 4t + 3 (and
+/// 16 + 4t ..), while the thread's scores of those 32 keys are keys 2t, 2t + 1, 8 + 2t, 9 + 2t
+/// (and 16 + ..). Slot 4t + i is taken to be key 2t + (i & 1) + 8 (i >> 1) — V's rows are put
+/// in that order when it is transposed (sm90_ws::transpose_v) — so that each register is four
+/// of the thread's own scores.
+template <int kBN>
+__device__ __forceinline__ void pack_p_fp8(const float (&S)[kBN / 2], uint32_t (&P)[kBN / 32][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kBN / 32; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // j: row h = j % 2, keys 16 (j / 2) ..
+      const int e = 16 * kk + 8 * (j / 2) + 2 * (j % 2);
+      P[kk][j] = pack4_e4m3(S[e], S[e + 1], S[e + 4], S[e + 5]);
+    }
 }
 
 /// O += P V over key steps of 16 (2048 bytes of V rows a step; panels kBN * 128 bytes apart).
@@ -90,7 +133,7 @@ __device__ __forceinline__ void issue_pv(float (&O)[kHD / 2], const uint32_t (&P
 /// The scores S of key block n -> the masked online-softmax step (the mask's per-element test
 /// in the blocks that need one); S is left holding the probabilities, `rescale` O's factor per
 /// row. A Mask has needs_mask(n) and key_range(h, n, lo, hi) (common::RowMask's).
-template <int kBN, class Mask>
+template <int kBN, int kExpOffset = 0, class Mask>
 __device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftmax<2>& softmax,
                                              float scale_log2, float (&S)[kBN / 2], int n, int t,
                                              float (&rescale)[2]) {
@@ -125,7 +168,7 @@ __device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftma
     else
       apply(std::true_type{});
   }
-  softmax.update(sc, scale_log2, rescale);
+  softmax.template update<kBN / 4, kExpOffset>(sc, scale_log2, rescale);
 #pragma unroll
   for (int i = 0; i < kBN / 8; ++i)
 #pragma unroll
@@ -136,7 +179,7 @@ __device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftma
 }
 
 /// The same step with BlockInfo's mask evaluated per key block for the rows row_of(0 / 1).
-template <class Traits, int kBN, class Info, class RowOf>
+template <class Traits, int kBN, int kExpOffset = 0, class Info, class RowOf>
 __device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
                                              common::RowSoftmax<2>& softmax, float scale_log2,
                                              float (&S)[kBN / 2], int n, const RowOf& row_of,
@@ -150,7 +193,7 @@ __device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
       bi.key_range(p, row_of(h), int64_t(n) * kBN, Traits::kMasked, lo, hi);
     }
   };
-  softmax_step<kBN>(InfoMask{p, bi, row_of}, softmax, scale_log2, S, n, t, rescale);
+  softmax_step<kBN, kExpOffset>(InfoMask{p, bi, row_of}, softmax, scale_log2, S, n, t, rescale);
 }
 
 /// Probabilities -> P V's A fragments: the C fragment of two 8-key score tiles (wgmma order

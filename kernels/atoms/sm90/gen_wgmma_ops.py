@@ -7,6 +7,9 @@ written by hand. Run: python3 kernels/atoms/sm90/gen_wgmma_ops.py > kernels/atom
 
 NS = (64, 80, 96, 128, 176, 192, 256)
 DTYPES = (("bf16", "DType::bf16"), ("f16", "DType::f16"))
+# e4m3 (m64nNk32): both operands K-major (fp8 wgmma has no transpose), the N the fp8 forward
+# uses (its key blocks and head dims).
+FP8_NS = (64, 128, 256)
 
 
 def regs(first, count):
@@ -26,6 +29,8 @@ def emit():
     w("//   ss<kDType, N>(d, desc_a, desc_b, scale_d)      A and B from shared memory (K-major)")
     w("//   rs<kDType, N>(d, a[4], desc_b, scale_d)        A from registers, B MN-major (transposed)")
     w("//   ss_tt<kDType, N>(d, desc_a, desc_b, scale_d)   A and B from shared memory, both MN-major")
+    w("// wgmma.mma_async m64nNk32 e4m3 x e4m3, fp32 accumulate (the fp8 forward), both K-major:")
+    w("//   ss<DType::e4m3, N>(d, desc_a, desc_b, scale_d), rs<DType::e4m3, N>(d, a[4], desc_b, scale_d)")
     w("// scale_d == 0 overwrites d (d = A B), otherwise accumulates (d += A B).")
     w("#pragma once")
     w("")
@@ -77,6 +82,32 @@ def emit():
             w('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));')
             w("  }")
             w("};")
+    for n in FP8_NS:
+        nd = n // 2
+        w("")
+        w("template <>")
+        w(f"struct Op<DType::e4m3, {n}> {{")
+        w(f"  __device__ __forceinline__ static void ss(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b,")
+        w("                                            int scale_d) {")
+        w("    asm volatile(")
+        w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nd + 2) + ', 0;\\n"')
+        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "')
+        w(f'        "{{{regs(0, nd)}}}, "')
+        w(f'        "%{nd}, %{nd + 1}, p, 1, 1;\\n}}\\n"')
+        w(f"        : {outputs(nd)}")
+        w('        : "l"(desc_a), "l"(desc_b), "r"(scale_d));')
+        w("  }")
+        w(f"  __device__ __forceinline__ static void rs(float (&d)[{nd}], const uint32_t (&a)[4],")
+        w("                                            uint64_t desc_b, int scale_d) {")
+        w("    asm volatile(")
+        w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nd + 5) + ', 0;\\n"')
+        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "')
+        w(f'        "{{{regs(0, nd)}}}, "')
+        w(f'        "{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1;\\n}}\\n"')
+        w(f"        : {outputs(nd)}")
+        w('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));')
+        w("  }")
+        w("};")
     w("")
     w("#endif  // HIPFLASH_HAS_WGMMA")
     w("")

@@ -24,15 +24,24 @@ __host__ __device__ __forceinline__ uint32_t sw128_offset(int row, int chunk) {
 namespace wgmma {
 
 /// Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading- and
-/// stride-dimension byte offsets (all >> 4), layout 1 = 128-byte swizzle in bits 62-63.
-__device__ __forceinline__ uint64_t make_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+/// stride-dimension byte offsets (all >> 4), the swizzle in bits 62-63 (1: 128-byte, 2: 64-byte).
+__device__ __forceinline__ uint64_t make_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo,
+                                              uint32_t swizzle = 1) {
   return uint64_t((smem_addr & 0x3FFFF) >> 4) | uint64_t((lbo & 0x3FFFF) >> 4) << 16 |
-         uint64_t((sbo & 0x3FFFF) >> 4) << 32 | uint64_t(1) << 62;
+         uint64_t((sbo & 0x3FFFF) >> 4) << 32 | uint64_t(swizzle) << 62;
 }
 
 /// K-major operand (Q or K: the reduction dim is contiguous): rows at 128 B, 8-row groups at
 /// 1024 B; the 16-wide k-step lies inside one 128-byte line (LBO unused).
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t addr) { return make_desc(addr, 16, 1024); }
+
+/// The same for rows of kRowBytes (128, or 64 with the 64-byte swizzle: fp8 at head dim 64):
+/// 8-row groups 8 kRowBytes apart.
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t desc_k_major_rows(uint32_t addr) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "128- or 64-byte swizzled rows");
+  return make_desc(addr, 16, 8 * kRowBytes, kRowBytes == 128 ? 1 : 2);
+}
 
 /// MN-major operand (V in P V: the output dim is contiguous): 64-wide panels `panel_bytes`
 /// apart (LBO), 8-key groups at 1024 B (SBO).
