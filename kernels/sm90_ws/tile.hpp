@@ -55,7 +55,7 @@ struct TileConfig<256, kMasked, kLongRows> {
 /// fp8 (kFp8): q, k and v are e4m3, out bf16. Rows of Q, K and V are kRowBytes wide (128, or
 /// 64 with the 64-byte swizzle at hd64); V also lands transposed in a ring of its own (Vt, 128
 /// key bytes a head-dim row: fp8 wgmma reads both operands K-major), written by the producer
-/// warpgroup's three other warps (kTransposers), which take 48 registers each of the
+/// warpgroup's three other warps (kTransposers), which keep 40 registers each of the
 /// consumers' share (232).
 template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false, bool kFp8_ = false>
 struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_> {
@@ -70,10 +70,16 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_> {
   static constexpr int kThreads = kConsumerThreads + 128;
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static constexpr int kMinBlocks = 1;  ///< blocks resident per SM
-  // 128 x 24 + 256 x 240 = 64,512, 128 x 32 + 384 x 160 = 65,536 and (fp8) 128 x 48 +
-  // 256 x 232 = 65,536 of the 65,536 registers.
-  static constexpr int kProducerRegs = kFp8 ? 48 : kConsumers == 3 ? 32 : 24;
+  // What the block holds from its launch (65,536 / threads, rounded down to 8, each): 168 x 384
+  // = 128 x 24 + 256 x 240 = 64,512 (and fp8: 128 x 40 + 256 x 232), 128 x 512 = 128 x 32 +
+  // 384 x 160 = 65,536. More than that (fp8 at 48 / 232 asked for 65,536) waits on registers
+  // no block frees: it hung whenever another kernel's blocks (the split's combine, launched
+  // early) took the multiprocessor's last 1,024.
+  static constexpr int kProducerRegs = kFp8 ? 40 : kConsumers == 3 ? 32 : 24;
   static constexpr int kConsumerRegs = kFp8 ? 232 : kConsumers == 2 ? 240 : 160;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "setmaxnreg moves the block's own registers: no more than it launched with");
   static constexpr int kTransposers = kFp8 ? 3 : 0;    ///< producer warps transposing V
   static constexpr int kElemBytes = kFp8 ? 1 : 2;      ///< q, k and v
   static constexpr int kOutBytes = 2;                  ///< out: bf16 / f16
