@@ -192,8 +192,13 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
   constexpr int kU = kHD / 4;             // head-dim words a key row
   constexpr int kD1 = kU / 4 < 8 ? kU / 4 : 8 * (kU / 32);  // (x ^ d1) covers every u / 4
   constexpr int kSteps = (kBN / 128) * kD1 * 4;
+  constexpr int kPerWarp = (kSteps + Cfg::kTransposers - 1) / Cfg::kTransposers;
   const int x = lane / 4, t = lane % 4;
-  for (int step = w_id; step < kSteps; step += Cfg::kTransposers) {
+  // Unrolled, so that one step's loads are in flight under another's permutes and stores.
+#pragma unroll 4
+  for (int i = 0; i < kPerWarp; ++i) {
+    const int step = w_id + i * Cfg::kTransposers;
+    if (kSteps % Cfg::kTransposers != 0 && step >= kSteps) break;
     const int d2 = step % 4, d1 = step / 4 % kD1, kp = step / (4 * kD1);  // kp: 128-key panel
     const int w = 4 * x + t;                             // slot word in the panel
     const int u = 4 * ((x ^ d1) % (kU / 4)) + (t ^ d2);  // head-dim word
@@ -599,9 +604,12 @@ struct Consumer {
       float S[kBN / 2];
       const int ks = k_pos.stage(), vs = v_pos.stage();
       sm.k_full(ks).wait(k_pos.parity());
-      sm.pv_full(vs).wait(v_pos.parity());
+      if constexpr (!kFp8) sm.pv_full(vs).wait(v_pos.parity());
       turn_begin();
       issue_qk(S, qs, sm.k(ks));
+      // fp8: Vt(n) comes through the transposing warps, a step behind V: Q K^T(n - 1) goes
+      // first, whatever they still have to do.
+      if constexpr (kFp8) sm.pv_full(vs).wait(v_pos.parity());
       issue_pv(c, vs);
       turn_end();
       wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run

@@ -20,14 +20,15 @@ namespace hipflash::sm90_ws {
 /// own: masked hd64 the three consumers of unmasked calls, unmasked hd128 176-key blocks (half
 /// again as much GEMM per softmax step; their K / V ring leaves no room to stage the output
 /// apart from Q, which short rows pay for).
-/// fp8 (e4m3 q, k, v; hd64 and hd128): two consumers, 128-key blocks, two stages of K, V and
-/// V transposed (Vt) each — 144 KiB at hd128 with the bf16 output staged apart.
+/// fp8 (e4m3 q, k, v; hd64 and hd128): two consumers, 128-key blocks, three stages of K, V
+/// and V transposed (Vt) each — 193 KiB at hd128 with the bf16 output staged apart: the
+/// transposing warps put a step between V's landing and P V, which a third stage absorbs.
 template <int kHeadDim, bool kMasked, bool kLongRows, bool kFp8 = false>
 struct TileConfig;
 template <int kHeadDim, bool kMasked>
 struct TileConfig<kHeadDim, kMasked, false, true> {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the fp8 tiles: head dims 64 and 128");
-  static constexpr int kConsumers = 2, kBlockN = 128, kStages = 2;
+  static constexpr int kConsumers = 2, kBlockN = 128, kStages = 3;
 };
 template <bool kMasked, bool kLongRows>
 struct TileConfig<64, kMasked, kLongRows> {
