@@ -178,54 +178,50 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 }
 
 /// fp8: one stage of V ([kBN keys x kHD] bytes, kRowBytes-wide swizzled panels as the TMA
-/// lands it) transposed into Vt ([kHD x kBN], 128-key-byte panels, 128-byte swizzle: P V's
-/// K-major B operand) by `kWarps` warps, warp `w` of them. Vt's slot 4t + i of each 16-key group
-/// holds key 2t + (i & 1) + 8 (i >> 1) of it (consumer::pack_p_fp8's order). A thread moves
-/// 4 x 4 byte blocks: four 32-bit loads (keys k0, k0 + 1, k0 + 8, k0 + 9; head-dim bytes
-/// 4u .. 4u + 3), a byte transpose (eight prmt), four 32-bit stores (head-dim rows 4u ..
-/// 4u + 3; slots 4w .. 4w + 3). Lane (x = lane / 4, t = lane % 4) takes slot word w = 4x + t
-/// and head-dim word u = 4 ((x ^ d1) mod kU / 4) + (t ^ d2) at step (d1, d2), so that at hd128
-/// the 32 loads and the 32 stores of a step each hit 32 banks.
+/// lands it) transposed into Vt ([kHD x kBN], 128-key-byte rows, 128-byte swizzle: P V's
+/// K-major B operand) by the kTransposers warps, warp `w_id` of them. Vt's slot 4t + i of each
+/// 16-key group holds key 2t + (i & 1) + 8 (i >> 1) of it (consumer::pack_p_fp8's order).
+/// A step moves 16 keys x 32 head-dim bytes: one ldmatrix.x4.trans reads them as four 8 x 8
+/// matrices of 16-bit pairs (keys 0-7 and 8-15 of two 16-byte head-dim chunks), which leaves
+/// each lane (g = lane / 4, t = lane % 4) keys 2t, 2t + 1 (and 8 + 2t, 9 + 2t) of head-dim
+/// bytes 2g, 2g + 1 of each chunk; two prmt a chunk make the words of Vt rows 2g and 2g + 1,
+/// slots 4t .. 4t + 3, and one stmatrix.x4 writes the four 8-row matrices (a matrix takes the
+/// even rows of its chunk for g < 4 and the odd ones above, so that its eight rows fall in
+/// eight different 16-byte bank groups under the swizzle). The measured alternative, 32-bit
+/// loads and stores a 4 x 4 byte block, issued as many instructions again as the consumers and
+/// held the kernel at 0.73x bf16 (docs/design-decisions.md#fp8-forward).
 template <class Cfg>
 __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id, int lane) {
   constexpr int kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim, kRB = Cfg::kRowBytes;
-  constexpr int kU = kHD / 4;             // head-dim words a key row
-  constexpr int kD1 = kU / 4 < 8 ? kU / 4 : 8 * (kU / 32);  // (x ^ d1) covers every u / 4
-  constexpr int kSteps = (kBN / 128) * kD1 * 4;
+  static_assert(kBN == 128, "Vt: one 128-key-byte row a head-dim row");
+  constexpr int kSteps = (kBN / 16) * (kHD / 32);  // (16-key group, 32-byte head-dim pair)
   constexpr int kPerWarp = (kSteps + Cfg::kTransposers - 1) / Cfg::kTransposers;
-  const int x = lane / 4, t = lane % 4;
-  // Unrolled, so that one step's loads are in flight under another's permutes and stores.
+  const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
+  const bool upper = lane / 4 >= 4;      // g >= 4: this lane's rows of a matrix are the odd ones
 #pragma unroll 4
   for (int i = 0; i < kPerWarp; ++i) {
     const int step = w_id + i * Cfg::kTransposers;
     if (kSteps % Cfg::kTransposers != 0 && step >= kSteps) break;
-    const int d2 = step % 4, d1 = step / 4 % kD1, kp = step / (4 * kD1);  // kp: 128-key panel
-    const int w = 4 * x + t;                             // slot word in the panel
-    const int u = 4 * ((x ^ d1) % (kU / 4)) + (t ^ d2);  // head-dim word
-    const int k0 = kp * 128 + 16 * x + 2 * t;            // slots 4w .. 4w + 3: keys k0 + 0, 1, 8, 9
-    const int col = 4 * u;                               // the head-dim byte of u
-    const uint32_t v_panel = sV + (col / kRB) * kBN * kRB;
-    const auto v_at = [&](int k) {
-      const int c = col % kRB;
-      const int sw = kRB == 128 ? k % 8 : (k / 2) % 4;  // the TMA's 128- / 64-byte swizzle
-      return v_panel + k * kRB + (((c / 16) ^ sw) * 16) + c % 16;
-    };
-    uint32_t a0, a1, a2, a3;
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a0) : "r"(v_at(k0)));
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a1) : "r"(v_at(k0 + 1)));
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a2) : "r"(v_at(k0 + 8)));
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(a3) : "r"(v_at(k0 + 9)));
-    // Byte j of out_j's word i is byte j of a_i: a 4 x 4 transpose.
-    const uint32_t lo01 = __byte_perm(a0, a1, 0x5140), hi01 = __byte_perm(a0, a1, 0x7362);
-    const uint32_t lo23 = __byte_perm(a2, a3, 0x5140), hi23 = __byte_perm(a2, a3, 0x7362);
-    const uint32_t out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int d = col + j;  // Vt row
-      const uint32_t at = sVt + kp * kHD * 128 + d * 128 + ((w / 4) ^ (d % 8)) * 16 + (w % 4) * 4;
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(out[j]));
-    }
+    const int k16 = step % (kBN / 16), pair = step / (kBN / 16);
+    // ldmatrix rows: matrix m is keys 16 k16 + 8 (m & 1) + r of head-dim chunk 2 pair + m / 2.
+    const int key = 16 * k16 + 8 * (m & 1) + r, chunk = 2 * pair + m / 2;
+    const int pc = chunk % (kRB / 16);                 // the chunk inside its panel row
+    const int sw = kRB == 128 ? key % 8 : (key / 2) % 4;  // the TMA's 128- / 64-byte swizzle
+    uint32_t v[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(sV + (chunk / (kRB / 16)) * kBN * kRB + key * kRB + ((pc ^ sw) * 16)));
+    // Vt rows 16 chunk + 2g (even) and + 1 (odd), slots 4t .. 4t + 3 of group k16.
+    const uint32_t even0 = __byte_perm(v[0], v[1], 0x6420), odd0 = __byte_perm(v[0], v[1], 0x7531);
+    const uint32_t even1 = __byte_perm(v[2], v[3], 0x6420), odd1 = __byte_perm(v[2], v[3], 0x7531);
+    // stmatrix rows: matrix m is chunk 2 pair + m / 2's rows 2r + (r >= 4) (m even) or
+    // 2r + (r < 4) (m odd); its data, this lane's row g of it.
+    const int row = 16 * chunk + 2 * r + ((m & 1) ^ (r >= 4 ? 1 : 0));
+    const uint32_t at = sVt + row * 128 + ((k16 ^ (row % 8)) * 16);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n"
+                 ::"r"(at), "r"(upper ? odd0 : even0), "r"(upper ? even0 : odd0),
+                 "r"(upper ? odd1 : even1), "r"(upper ? even1 : odd1)
+                 : "memory");
   }
 }
 
