@@ -10,6 +10,7 @@ python3 bench/make_report.py \
   bench/results/h200-2026-12-02b/decode \
   bench/results/h200-2026-12-02/serving \
   bench/results/h200-2026-12-04e/decode-fp8 \
+  bench/results/h200-2026-12-04f/fwd-fp8 \
   --allow-partial \
   --append bench/results/h200-2026-12-04e/train \
   --append bench/results/h200-2026-12-04/merge \
