@@ -197,7 +197,10 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
   constexpr int kSteps = (kBN / 16) * (kHD / 32);  // (16-key group, 32-byte head-dim pair)
   constexpr int kPerWarp = (kSteps + Cfg::kTransposers - 1) / Cfg::kTransposers;
   const int m = lane / 8, r = lane % 8;  // the matrix and row this lane addresses
-  const bool upper = lane / 4 >= 4;      // g >= 4: this lane's rows of a matrix are the odd ones
+  // g >= 4: this lane's row of an even matrix is an odd Vt row (and of an odd one an even row):
+  // the byte selections of the odd and even words, swapped there.
+  const bool upper = lane / 4 >= 4;
+  const uint32_t sel_a = upper ? 0x7531 : 0x6420, sel_b = upper ? 0x6420 : 0x7531;
 #pragma unroll 4
   for (int i = 0; i < kPerWarp; ++i) {
     const int step = w_id + i * Cfg::kTransposers;
@@ -211,16 +214,16 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                  : "r"(sV + (chunk / (kRB / 16)) * kBN * kRB + key * kRB + ((pc ^ sw) * 16)));
-    // Vt rows 16 chunk + 2g (even) and + 1 (odd), slots 4t .. 4t + 3 of group k16.
-    const uint32_t even0 = __byte_perm(v[0], v[1], 0x6420), odd0 = __byte_perm(v[0], v[1], 0x7531);
-    const uint32_t even1 = __byte_perm(v[2], v[3], 0x6420), odd1 = __byte_perm(v[2], v[3], 0x7531);
+    // Vt rows 16 chunk + 2g (0x6420: the even bytes) and + 1 (0x7531), slots 4t .. 4t + 3 of
+    // group k16: the words of matrices 0 .. 3 as this lane holds them.
+    const uint32_t w0 = __byte_perm(v[0], v[1], sel_a), w1 = __byte_perm(v[0], v[1], sel_b);
+    const uint32_t w2 = __byte_perm(v[2], v[3], sel_a), w3 = __byte_perm(v[2], v[3], sel_b);
     // stmatrix rows: matrix m is chunk 2 pair + m / 2's rows 2r + (r >= 4) (m even) or
     // 2r + (r < 4) (m odd); its data, this lane's row g of it.
     const int row = 16 * chunk + 2 * r + ((m & 1) ^ (r >= 4 ? 1 : 0));
     const uint32_t at = sVt + row * 128 + ((k16 ^ (row % 8)) * 16);
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n"
-                 ::"r"(at), "r"(upper ? odd0 : even0), "r"(upper ? even0 : odd0),
-                 "r"(upper ? odd1 : even1), "r"(upper ? even1 : odd1)
+                 ::"r"(at), "r"(w0), "r"(w1), "r"(w2), "r"(w3)
                  : "memory");
   }
 }

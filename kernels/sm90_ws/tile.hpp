@@ -20,15 +20,17 @@ namespace hipflash::sm90_ws {
 /// own: masked hd64 the three consumers of unmasked calls, unmasked hd128 176-key blocks (half
 /// again as much GEMM per softmax step; their K / V ring leaves no room to stage the output
 /// apart from Q, which short rows pay for).
-/// fp8 (e4m3 q, k, v; hd64 and hd128): two consumers, 128-key blocks, three stages of K, V
-/// and V transposed (Vt) each — 193 KiB at hd128 with the bf16 output staged apart: the
-/// transposing warps put a step between V's landing and P V, which a third stage absorbs.
+/// fp8 (e4m3 q, k, v; hd64 and hd128): 128-key blocks, three stages of K, V and V
+/// transposed (Vt) each — 193 KiB at hd128 with the bf16 output staged apart: the transposing
+/// warps put a step between V's landing and P V, which a third stage absorbs. Two consumers;
+/// unmasked hd64 three, as its 16-bit tile (half as much GEMM a softmax step).
 template <int kHeadDim, bool kMasked, bool kLongRows, bool kFp8 = false>
 struct TileConfig;
 template <int kHeadDim, bool kMasked>
 struct TileConfig<kHeadDim, kMasked, false, true> {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the fp8 tiles: head dims 64 and 128");
-  static constexpr int kConsumers = 2, kBlockN = 128, kStages = 3;
+  static constexpr int kConsumers = kHeadDim == 64 && !kMasked ? 3 : 2;
+  static constexpr int kBlockN = 128, kStages = 3;
 };
 template <bool kMasked, bool kLongRows>
 struct TileConfig<64, kMasked, kLongRows> {
@@ -76,8 +78,8 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_> {
   // 384 x 160 = 65,536. More than that (fp8 at 48 / 232 asked for 65,536) waits on registers
   // no block frees: it hung whenever another kernel's blocks (the split's combine, launched
   // early) took the multiprocessor's last 1,024.
-  static constexpr int kProducerRegs = kFp8 ? 40 : kConsumers == 3 ? 32 : 24;
-  static constexpr int kConsumerRegs = kFp8 ? 232 : kConsumers == 2 ? 240 : 160;
+  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : kFp8 ? 40 : 24;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kFp8 ? 232 : 240;
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg moves the block's own registers: no more than it launched with");
