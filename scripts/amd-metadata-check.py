@@ -22,6 +22,8 @@ It prints one row per (arch, kernel) and exits nonzero if
     to the trapping stub, or to scalar code) — except an architecture-specific schedule
     (ARCH_SPECIFIC: the gfx950 dualwave kernel) on the other archs, where it must be the stub;
     on its own arch it must also reach the occupancy its design needs (2 waves per SIMD);
+  - a kernel of fp8 q, k and v (FwdTraits of DType e4m3) has no fp8 MFMA (v_mfma_*_fp8_fp8) on
+    an arch with them (FP8_ARCHS), or is not the trapping stub (no MFMA) on one without;
   - a kernel uses scratch or spills: .private_segment_fixed_size > 0, a nonzero spill count, or
     a dynamic stack.
 
@@ -88,6 +90,7 @@ DYNAMIC_LDS = [
 # instructions do not exist, never selected there), so MFMA code is required on their arch only,
 # and the stub must be one elsewhere. With the occupancy their design needs there.
 ARCH_SPECIFIC = {"fwd_dualwave_": ("gfx950", 2)}  # kernel name prefix: (arch, min waves/SIMD)
+FP8_ARCHS = ("gfx940", "gfx941", "gfx942", "gfx950")  # the archs with fp8 MFMA
 
 failures = []
 
@@ -131,14 +134,15 @@ def parse_metadata(notes):
     return kernels
 
 
-def mfma_per_symbol(disasm):
+def mfma_per_symbol(disasm, only=""):
+    """v_mfma instructions per kernel symbol (those whose mnemonic contains `only`)."""
     counts, cur = {}, None
     for line in disasm.splitlines():
         m = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
         if m:
             cur = m.group(1)
             counts.setdefault(cur, 0)
-        elif cur is not None and "v_mfma" in line:
+        elif cur is not None and re.search(r"\bv_mfma\w*" + re.escape(only), line):
             counts[cur] += 1
     return counts
 
@@ -290,7 +294,9 @@ def main():
                 run([tools["clang-offload-bundler"], "-unbundle", "-type=o", f"-input={fatbin}",
                      f"-targets={target}", f"-output={co}"])
                 kernels = parse_metadata(run([tools["llvm-readelf"], "--notes", co]))
-                mfma = mfma_per_symbol(run([tools["llvm-objdump"], "-d", co]))
+                disasm = run([tools["llvm-objdump"], "-d", co])
+                mfma = mfma_per_symbol(disasm)
+                mfma_fp8 = mfma_per_symbol(disasm, "fp8_fp8")
                 if forward and not kernels:
                     fail(f"{tu}: no kernels for {arch}")
                 for missing in sorted(stubs - {k.get(".name") for k in kernels}):
@@ -301,7 +307,8 @@ def main():
                         fail(f"{tu}: {arch}: kernel {k.get('.name', '?')} has no "
                              f"{' '.join(missing)} in its metadata")
                         continue
-                    rows.append((arch, tu, forward, k, mfma.get(k[".name"], 0)))
+                    rows.append((arch, tu, forward, k, mfma.get(k[".name"], 0),
+                                 mfma_fp8.get(k[".name"], 0)))
 
         # Names, and the dynamic LDS each kernel is launched with.
         names = sorted({r[3][".name"] for r in rows})
@@ -324,7 +331,7 @@ def main():
     table = []
     unknown_lds = set()
     rows.sort(key=lambda r: (r[0], r[1], short_name(demangled[r[3][".name"]], dtypes)))
-    for arch, tu, forward, k, n_mfma in rows:
+    for arch, tu, forward, k, n_mfma, n_fp8 in rows:
         name = k[".name"]
         g = lambda key: int(k.get(key, 0))  # noqa: E731
         vgpr, agpr, sgpr = g(".vgpr_count"), g(".agpr_count"), g(".sgpr_count")
@@ -344,11 +351,18 @@ def main():
             fail(f"{arch} {short}: scratch {scratch} bytes, {g('.vgpr_spill_count')} VGPR and "
                  f"{g('.sgpr_spill_count')} SGPR spills, dynamic stack {dyn_stack}")
         only = next((v for k_, v in ARCH_SPECIFIC.items() if short.startswith(k_)), None)
-        if only and arch != only[0]:
+        fp8 = forward and "_e4m3_" in tu  # the fp8 instantiation TUs (fwd_<kernel>_e4m3_hd<D>)
+        if fp8 and arch not in FP8_ARCHS:
+            if n_mfma != 0:
+                fail(f"{arch} {short}: {n_mfma} v_mfma instructions in what must be the stub of "
+                     "an arch without fp8 MFMA")
+        elif only and arch != only[0]:
             if n_mfma != 0:
                 fail(f"{arch} {short}: {n_mfma} v_mfma instructions in what must be the {only[0]}-only stub")
         elif forward and n_mfma == 0:
             fail(f"{arch} {short} ({tu}): no v_mfma instruction")
+        elif fp8 and n_fp8 == 0:
+            fail(f"{arch} {short} ({tu}): fp8 q, k, v but no fp8 MFMA (v_mfma_*_fp8_fp8)")
         elif only and waves < only[1]:
             fail(f"{arch} {short}: {waves} waves per SIMD ({limiter}), the design needs {only[1]}")
         table.append((arch, short, str(vgpr - agpr), str(agpr), str(sgpr), str(scratch), lds_txt,
@@ -375,7 +389,7 @@ def main():
         return 1
     print(f"amd-metadata-check: {build.name} (clang {ver}): {len(archs)} archs "
           f"({', '.join(archs)}) x {len(table) // len(archs)} kernels ({n_fwd // len(archs)} "
-          f"forward, from {n_fwd_tus} TUs): every forward kernel has MFMA code, none uses "
+          f"forward, from {n_fwd_tus} TUs): every forward kernel has MFMA code (fp8 ones fp8 MFMA), none uses "
           f"scratch or spills")
     return 0
 

@@ -71,18 +71,25 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     return hd <= max_head_dim(k) && (!p.kv_cache || reads_kv_cache(k));
   };
   if (fp8) {
-    // fp8 q, k and v: the warp-specialised Hopper kernel's fp8 tiles (fp8 wgmma, V transposed
-    // in shared memory), for the dense calls it takes; nothing else reads them yet.
+    // fp8 q, k and v: on NVIDIA the warp-specialised Hopper kernel's fp8 tiles (fp8 wgmma, V
+    // transposed in shared memory) for the dense calls it takes; on AMD the generic kernel's
+    // MFMA fp8 body (gfx94x, gfx950; compile-checked only).
+    const bool amd_fp8 = arch.version == 0x940 || arch.version == 0x941 ||
+                         arch.version == 0x942 || arch.version == 0x950;
     if (arch.vendor == Arch::nvidia && arch.version == 90 && caps.sm90_ws &&
         hd <= fp8_max_head_dim(KernelKind::sm90_ws) && !p.varlen && !p.kv_cache &&
         p.tma_compatible) {
       sel.kind = KernelKind::sm90_ws;
+    } else if (arch.vendor == Arch::amd && amd_fp8 &&
+               hd <= fp8_max_head_dim(KernelKind::generic) && !p.varlen && !p.kv_cache) {
+      sel.kind = KernelKind::generic;
     } else {
-      sel.reason = "float8_e4m3fn q, k and v run on the CPU backend and, on the GPU, on the "
-                   "sm90_ws kernel only: Hopper (sm_90, this build with sm_90a), head dims up "
-                   "to " + std::to_string(fp8_max_head_dim(KernelKind::sm90_ws)) +
-                   ", dense tensors a TMA tensor map can describe (this call: " + arch.name() +
-                   ", head dim " + std::to_string(p.head_dim) +
+      sel.reason = "float8_e4m3fn q, k and v run on the CPU backend and, on the GPU, on NVIDIA "
+                   "Hopper's sm90_ws kernel (sm_90, this build with sm_90a; head dims up to " +
+                   std::to_string(fp8_max_head_dim(KernelKind::sm90_ws)) +
+                   ", dense tensors a TMA tensor map can describe) or AMD gfx94x / gfx950's "
+                   "generic kernel (dense calls; compile-checked only) (this call: " +
+                   arch.name() + ", head dim " + std::to_string(p.head_dim) +
                    (p.varlen ? ", varlen" : "") + (p.kv_cache ? ", a KV cache" : "") +
                    (!p.tma_compatible && !p.varlen ? ", strides TMA cannot describe" : "") + ")";
     }

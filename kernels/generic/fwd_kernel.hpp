@@ -6,7 +6,8 @@
 // adds the LSE store, kMasked the causal/window mask, kSplit writes fp32 partials for the
 // combine kernel. The body is per matrix-core atom:
 //   fwd_block_sm80.hpp  NVIDIA mma.sync (sm_80+)      — runs on the H200
-//   fwd_block_cdna.hpp  AMD MFMA (gfx90a/gfx94x/gfx950) — compile-checked only
+//   fwd_block_cdna.hpp  AMD MFMA (gfx90a/gfx94x/gfx950; fp8 q, k, v on gfx94x/gfx950) —
+//                       compile-checked only
 // A target with neither compiles to a trapping stub.
 #pragma once
 
@@ -28,10 +29,16 @@ template <class Traits, bool kPaged = false>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads)
     fwd_generic_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
-  Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
+  if constexpr (Traits::kDType == DType::e4m3)
+    port::trap();  // fp8 q, k, v run on the sm90_ws kernel on NVIDIA (the selector's rule)
+  else
+    Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
 #elif defined(HIPFLASH_HAS_MFMA)
   static_assert(!kPaged, "the CDNA body reads contiguous K/V only");
-  Scheduler::run([&](int64_t tile) { cdna::fwd_block<Traits>(p, tile, num_m_blocks); });
+  if constexpr (Traits::kDType == DType::e4m3)
+    Scheduler::run([&](int64_t tile) { cdna::fwd_block_fp8<Traits>(p, tile, num_m_blocks); });
+  else
+    Scheduler::run([&](int64_t tile) { cdna::fwd_block<Traits>(p, tile, num_m_blocks); });
 #else
   port::trap();  // no matrix-core atom for this target
 #endif  // atom

@@ -296,14 +296,16 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
   }
 }
 
-TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperOnly) {
+TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
   // fp8 q, k and v (e4m3): the sm90_ws kernel's fp8 tiles (kernels.def: fp8_head_dim 128), for
-  // dense TMA-describable calls on Hopper, short query blocks included; everything else —
-  // hd256, varlen, odd strides, a KV cache, other archs, builds without it — refused with why.
+  // dense TMA-describable calls on Hopper, short query blocks included; on AMD gfx94x / gfx950
+  // the generic kernel's MFMA fp8 body (fp8_head_dim 256); everything else — hd256 on NVIDIA,
+  // varlen, odd strides, a KV cache, other archs, builds without it — refused with why.
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   EXPECT_EQ(fp8_max_head_dim(KernelKind::sm90_ws), 128);
-  EXPECT_EQ(fp8_max_head_dim(KernelKind::generic), 0);
+  EXPECT_EQ(fp8_max_head_dim(KernelKind::generic), 256);
+  EXPECT_EQ(fp8_max_head_dim(KernelKind::decode), 0);
   auto fp8 = [](int d) {
     Problem p = problem(DType::e4m3, d);
     p.kv_dtype = DType::e4m3;
@@ -339,7 +341,15 @@ TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperOnly) {
   BuildCaps no_ws = caps;
   no_ws.sm90_ws = false;
   refused(fp8(128), kSm90, no_ws, "no sm90_ws kernels");
-  EXPECT_EQ(select_kernel(fp8(128), kGfx942, kHip).kind, KernelKind::unsupported);
+  for (int d : {64, 128, 256})
+    for (Arch a : {kGfx942, kGfx950}) {
+      const Selection s = select_kernel(fp8(d), a, kHip);
+      EXPECT_EQ(s.kind, KernelKind::generic) << a.name() << " " << d << " " << s.reason;
+    }
+  refused(fp8(128), kGfx90a, kHip, "gfx90a: no fp8 MFMA");
+  Problem amd_varlen = fp8(128);
+  amd_varlen.varlen = true;
+  refused(amd_varlen, kGfx942, kHip, "AMD varlen");
   EXPECT_EQ(select_kernel(fp8(128), kHost, kCuda).kind, KernelKind::cpu_reference);
 }
 

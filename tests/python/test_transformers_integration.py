@@ -1,7 +1,8 @@
 """hipflash.integrations.transformers: the attention function against the reference of SPEC §3 in
 transformers' calling convention (left-padded batches through the varlen path, generation steps
 against a cache, sliding windows, GQA) — on the CPU in CI — and, where transformers is installed,
-a tiny random Llama through from_pretrained's attn_implementation against SDPA."""
+tiny random Llama, Mistral, Qwen 2 and Gemma 2 models through attn_implementation against
+transformers' eager attention."""
 import importlib.util
 
 import pytest
@@ -129,23 +130,41 @@ def test_register_refuses_names_transformers_reserves():
         hf.register("hipflash")
 
 
+# Model families with what each adds: Mistral a sliding window, Qwen 2 biased projections,
+# Gemma 2 alternating sliding / global layers, logit softcapping and a head dim of its own.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"sliding_window": 16, "attn_logit_softcapping": 50.0, "head_dim": 64,
+                "query_pre_attn_scalar": 64, "final_logit_softcapping": None}),
+}
+
+
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed here (it is on "
                     "the GPU machine: scripts/gpu-check test runs this)")
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("device", DEVICES)
-def test_tiny_llama_matches_sdpa(device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def test_tiny_models_match_eager(device, family):
+    # A tiny random model of each family through attn_implementation against transformers' own
+    # eager attention (the one every feature of these families runs on: Gemma 2's softcap too),
+    # on a left-padded batch longer than the sliding windows, then greedy generation.
+    import transformers
+    cfg_name, model_name, extra = FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {model_name}")
+    config_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     name = hf.register()
     assert name == hf.NAME
-    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = config_cls(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     **extra)
     torch.manual_seed(0)
-    ref_model = LlamaForCausalLM(cfg).to(device, torch.bfloat16).eval()
-    ours = LlamaForCausalLM._from_config(cfg, attn_implementation=name)
+    ref_model = model_cls._from_config(cfg, attn_implementation="eager").to(device, torch.bfloat16)
+    ours = model_cls._from_config(cfg, attn_implementation=name)
     ours.load_state_dict(ref_model.state_dict())
-    ours = ours.to(device, torch.bfloat16).eval()
-    ref_model.set_attn_implementation("sdpa") if hasattr(ref_model, "set_attn_implementation") \
-        else None
+    ours, ref_model = ours.to(device, torch.bfloat16).eval(), ref_model.eval()
     ids = torch.randint(0, 128, (2, 24), device=device)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding
@@ -153,7 +172,7 @@ def test_tiny_llama_matches_sdpa(device):
         a = ours(input_ids=ids, attention_mask=mask).logits
         b = ref_model(input_ids=ids, attention_mask=mask).logits
     valid = mask.bool()
-    assert (a[valid].float() - b[valid].float()).abs().max().item() < 0.1
+    assert (a[valid].float() - b[valid].float()).abs().max().item() < 0.1, family
     gen_a = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     gen_b = ref_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert gen_a.shape == gen_b.shape
