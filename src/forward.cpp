@@ -335,7 +335,7 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
   }
   HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3 || p.alibi_slopes == nullptr,
                     "alibi_slopes with float8_e4m3fn q, k and v run on the CPU backend only: the "
-                    "GPU's fp8 kernel does not add ALiBi biases");
+                    "GPU's fp8 kernels do not add ALiBi biases");
   HIPFLASH_CHECK_AS(not_implemented,
                     p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
                     "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "

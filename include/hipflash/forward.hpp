@@ -38,8 +38,10 @@ struct FwdOptions {
   /// fp8 (FlashAttention 3's): with float8_e4m3fn q, k and v (and a bfloat16 out), fp32 descale
   /// factors, each [] / [1] (the tensor's) or [batch, heads_kv] (a query head takes its kv
   /// head's): the scores are (q.k) * q_descale * k_descale * softmax_scale — the LSE is theirs —
-  /// and out = softmax . v * v_descale. nullptr: 1. Refused for other dtypes. The CPU backend
-  /// only, for now (it dequantises: the reference): a GPU call raises not_implemented.
+  /// and out = softmax . v * v_descale. nullptr: 1. Refused for other dtypes. Descales must be
+  /// positive and finite (FlashAttention 3's; not checked on the GPU, where they are device
+  /// values). The CPU backend dequantises (the reference); on GPUs the sm90_ws kernel (Hopper)
+  /// or the generic kernel (AMD gfx94x / gfx950, compile-checked only) — SPEC §3.
   const TensorRef* q_descale = nullptr;
   const TensorRef* k_descale = nullptr;
   const TensorRef* v_descale = nullptr;

@@ -43,7 +43,8 @@ using ::hipflash::atom::sm90::TensorMap;
 template <int kHeadDim>
 inline constexpr bool kOutByTma =
     kHeadDim == 64;
-/// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x 64]; at
+/// The tensor maps of q, k and v: 4-d (head dim, row, head, batch), boxes of [rows x one
+/// panel row] (128 bytes; 64 for fp8 at hd64); at
 /// hd64 also out's (boxes of a warpgroup's
 /// 64 rows), where one can describe it (o_ok).
 struct TmaMaps {
@@ -449,7 +450,7 @@ struct Consumer {
     const int64_t m0 = m0_of(bi) + first;
     if (stager == 0) {
 #pragma unroll
-      for (int panel = 0; panel < Cfg::kPanels; ++panel)
+      for (int panel = 0; panel < kHD / 64; ++panel)  // the output's 128-byte panels
         tma::store_4d(&maps.o, sm.o() + (panel * kBM + first) * 64 * Cfg::kOutBytes, panel * 64,
                       int(m0), int(bi.h), int(bi.b));
       tma::commit_group();

@@ -58,8 +58,8 @@ struct TileConfig<256, kMasked, kLongRows> {
 /// fp8 (kFp8): q, k and v are e4m3, out bf16. Rows of Q, K and V are kRowBytes wide (128, or
 /// 64 with the 64-byte swizzle at hd64); V also lands transposed in a ring of its own (Vt, 128
 /// key bytes a head-dim row: fp8 wgmma reads both operands K-major), written by the producer
-/// warpgroup's three other warps (kTransposers), which keep 40 registers each of the
-/// consumers' share (232).
+/// warpgroup's three other warps (kTransposers), on the producer's registers (40 beside two
+/// consumers, 32 beside three).
 template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false, bool kFp8_ = false>
 struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_> {
   using Base = TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_>;

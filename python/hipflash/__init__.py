@@ -295,8 +295,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             q, k and v, optional float32 descale factors, each () / (1,) (the tensor's) or
             (batch_size, nheads_k) (a query head takes its kv head's): the scores are
             q_i . k_j * q_descale * k_descale * softmax_scale (the LSE is theirs) and out is
-            softmax . v * v_descale, in bfloat16. None: 1. Forward only; the CPU backend only
-            for now (it dequantises: the reference); a GPU call raises NotImplementedError.
+            softmax . v * v_descale, in bfloat16. None: 1. Descales must be positive and finite
+            (not checked on the GPU). Forward only; the CPU backend (it dequantises: the
+            reference), NVIDIA Hopper (dense calls, head dims up to 128, no ALiBi) and AMD
+            gfx94x / gfx950 (compile-checked only); other GPU calls raise NotImplementedError.
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -306,7 +308,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     RuntimeError naming hipflash (never silently constant).
 
     Returns:
-        out: (batch_size, seqlen_q, nheads, headdim), q's dtype.
+        out: (batch_size, seqlen_q, nheads, headdim), q's dtype (bfloat16 for fp8 inputs).
         lse (only when return_lse): (batch_size, nheads, seqlen_q), float32, natural log with
             the scale folded in: ``lse[b, h, i] = log(sum_j exp(softmax_scale * q_i . k_j))``
             over the keys row i may see; -inf for a row that sees no key.
@@ -314,7 +316,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     Raises:
         ValueError: bad shapes, ranks, strides, head dim, window, num_splits, devices, or out
             overlapping an input. TypeError: a non-tensor argument or a dtype other than
-            bfloat16/float16 (or dtypes that differ). NotImplementedError: tensors on a device
+            bfloat16/float16/float8_e4m3fn (or dtypes that differ). NotImplementedError: tensors on a device
             this build has no backend for. Nothing is written when an error is raised.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):

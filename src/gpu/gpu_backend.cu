@@ -204,6 +204,14 @@ TileShape tile_shape(KernelKind kind, int hd, bool masked) {
       if (has(KernelKind::sm90_ws)) {  // masked tiles may differ (square at hd64 and hd128)
         using Masked = sm90_ws::Tile<kHD, true>;
         using Dense = sm90_ws::Tile<kHD, false>;
+        // The fp8 tiles (split counts are sized by these shapes for fp8 calls too) match them.
+        if constexpr (kHD <= fp8_max_head_dim(KernelKind::sm90_ws)) {
+          using Masked8 = sm90_ws::Tile<kHD, true, false, true>;
+          using Dense8 = sm90_ws::Tile<kHD, false, false, true>;
+          static_assert(Masked8::kBlockM == Masked::kBlockM && Masked8::kBlockN == Masked::kBlockN &&
+                            Dense8::kBlockM == Dense::kBlockM && Dense8::kBlockN == Dense::kBlockN,
+                        "fp8 and 16-bit sm90_ws tiles of one shape");
+        }
         return masked ? shape_of<Masked>(Masked::kMinBlocks) : shape_of<Dense>(Dense::kMinBlocks);
       }
     }

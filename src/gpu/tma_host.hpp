@@ -47,6 +47,8 @@ inline atom::sm90::TensorMap encode(const void* base, DType dtype, int64_t head_
   const int64_t kBytes = dtype_size(dtype);
   if (box_cols == 0) box_cols = int(128 / kBytes);
   const int64_t box_bytes = box_cols * kBytes;
+  HIPFLASH_CHECK_AS(runtime_error, box_bytes == 64 || box_bytes == 128,
+                    "a TMA box row of ", box_bytes, " bytes: the kernels swizzle 64 or 128");
   // A stride of a size-1 dimension is never used; TMA still wants a multiple of 16 bytes.
   auto stride = [&](int64_t s, int64_t extent) { return extent == 1 ? 16 : uint64_t(s * kBytes); };
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads),

@@ -8,8 +8,8 @@ Function names, argument names and defaults as in FlashAttention 3. ``return_att
 ``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
-NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs on CPU
-tensors: hipflash.flash_attn_func's q_descale), attention_chunk,
+NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs where
+hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD gfx94x / gfx950), attention_chunk,
 varlen queries appending new keys (cu_seqlens_k_new) or with cache_leftpad or rotary embedding
 (cache_batch_idx, cache_leftpad and rotary_cos / rotary_sin / rotary_seqlens run with batched
 queries). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
