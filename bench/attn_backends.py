@@ -317,6 +317,11 @@ class HipflashPaged(Hipflash):
 E4M3_KV_INV_SCALE = 16.0
 
 
+def e4m3_copies(xs):
+    """float8_e4m3fn copies of a cell's e4m3-exact input sets (values times 16: exact)."""
+    return [(x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn) for x in xs]
+
+
 class HipflashFp8Kv(Hipflash):
     """hipflash.flash_attn_with_kvcache on an fp8 (float8_e4m3fn) copy of the cell's K/V with
     k_scale = v_scale = 1/16 (vLLM's kv_cache_dtype="fp8"), with the LSE: the cell's K/V are
@@ -335,8 +340,7 @@ class HipflashFp8Kv(Hipflash):
         hf = import_hipflash(self.path)
         if not cell.extra.get("e4m3_kv"):
             raise Unavailable("the cell's K/V are not e4m3 values (suite decode-fp8)")
-        k8 = [(x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn) for x in inp.k]
-        v8 = [(x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn) for x in inp.v]
+        k8, v8 = e4m3_copies(inp.k), e4m3_copies(inp.v)
         scale = torch.tensor(1.0 / E4M3_KV_INV_SCALE, device=inp.q[0].device)
 
         def run(i, out=None):  # `out` (the check's poisoned buffer) has nowhere to go
@@ -366,8 +370,7 @@ class HipflashFp8(Hipflash):
         hf = import_hipflash(self.path)
         if not cell.extra.get("e4m3_qkv"):
             raise Unavailable("the cell's q, k, v are not e4m3 values (suite fwd-fp8)")
-        q8, k8, v8 = ([(x * E4M3_KV_INV_SCALE).to(torch.float8_e4m3fn) for x in xs]
-                      for xs in (inp.q, inp.k, inp.v))
+        q8, k8, v8 = (e4m3_copies(xs) for xs in (inp.q, inp.k, inp.v))
         d = torch.tensor([1.0 / E4M3_KV_INV_SCALE], device=inp.q[0].device)
 
         def run(i, out=None):

@@ -60,10 +60,11 @@ struct KvCacheOptions : FwdOptions {
   const TensorRef* k_scale = nullptr;
   const TensorRef* v_scale = nullptr;
   /// FlashAttention's cache_batch_idx: int32 [batch] on q's device, or nullptr. With a
-  /// contiguous cache of any batch size (no block_table), sequence b reads and appends to cache
-  /// entry cache_batch_idx[b] (each in [0, k_cache.shape[0]); an entry named twice is refused
-  /// when k / v are appended — but while a GPU stream captures a graph, whose entries are not
-  /// copied back: then it is the caller's error).
+  /// contiguous cache of any batch size, sequence b reads and appends to cache entry
+  /// cache_batch_idx[b] (each in [0, k_cache.shape[0])); with a block_table of any number of
+  /// rows, through its row cache_batch_idx[b] (FlashAttention 3's rule). An entry named twice
+  /// is refused when k / v are appended (but while a GPU stream captures a graph, whose entries
+  /// are not copied back: then it is the caller's error).
   const TensorRef* cache_batch_idx = nullptr;
   /// FlashAttention's cache_leftpad: int32 [batch] on q's device, or nullptr (0). Sequence b's
   /// keys start at row cache_leftpad[b] of its cache (each in [0, its cached length]): it

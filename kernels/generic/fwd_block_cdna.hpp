@@ -24,6 +24,46 @@ namespace hipflash::generic::cdna {
 using namespace ::hipflash::atom::cdna;  // the atom this body is written in
 using namespace ::hipflash::common;      // the pieces every schedule shares
 
+/// The mask on query q_row's scores S[0][c] of key block n (keys n kBN + 16 (c / 4) + 4 kg +
+/// c % 4: the S^T fragment both bodies hold), in the blocks that need it.
+template <class Traits, int kBM, int kBN, int kCols>
+__device__ __forceinline__ void mask_scores(const FwdParams& p, const BlockInfo<kBM, kBN>& bi,
+                                            int n, int64_t q_row, int kg, float (&S)[1][kCols]) {
+  if (!bi.needs_mask(p, n, Traits::kMasked)) return;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t key = int64_t(n) * kBN + (c / 4) * 16 + kg * 4 + c % 4;
+    if (!BlockInfo<kBM, kBN>::key_valid(p, q_row, key, bi.len_k, bi.diag, Traits::kMasked))
+      S[0][c] = detail::kNegInf;
+  }
+}
+
+/// The epilogue (common/epilogue.hpp) both bodies share: the lane holds O[query 4kg + j][dim
+/// 16 dt + i], query r's statistics live in lane r (finalized); rows normalised and times
+/// o_scale (1, or fp8's factors).
+template <class Traits, class Cfg, int kBM, int kBN, int kDT>
+__device__ __forceinline__ void store_rows(const FwdParams& p, const BlockInfo<kBM, kBN>& bi,
+                                           int64_t m0, int wave, int lane,
+                                           const float4_t (&O)[kDT],
+                                           const RowSoftmax<1, QueryLanes64>& softmax,
+                                           float o_scale) {
+  const int i = lane % 16, kg = lane / 16;
+  const FwdEpilogue<Traits, BlockInfo<kBM, kBN>> ep(p, bi);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int src = kg * 4 + j;
+    const float inv = port::shfl(softmax.inv_sum(0), src) * o_scale;
+    const SoftmaxState state{port::shfl(softmax.m[0], src), port::shfl(softmax.l[0], src)};
+    const int64_t row = m0 + wave * 16 + src;
+    if (row >= bi.len_q) continue;
+    const auto out = ep.row(row, i);
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) out.put(dt * 16, {O[dt][j] * inv});
+    if (i == 0) out.stat(state);
+  }
+  ep.template finish<kBM, Cfg::kThreads>(m0);
+}
+
 template <class Traits>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using Cfg = Tile<Traits::kHeadDim>;
@@ -87,14 +127,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 #pragma unroll
       for (int j = 0; j < 4; ++j) S[0][4 * kt + j] = acc[j];
     }
-    if (bi.needs_mask(p, n, Traits::kMasked)) {
-#pragma unroll
-      for (int c = 0; c < 4 * kKT; ++c) {
-        const int64_t key = int64_t(n) * kBN + (c / 4) * 16 + kg * 4 + c % 4;
-        if (!BlockInfo<kBM, kBN>::key_valid(p, q_row, key, bi.len_k, bi.diag, Traits::kMasked))
-          S[0][c] = detail::kNegInf;
-      }
-    }
+    mask_scores<Traits>(p, bi, n, q_row, kg, S);
     // Row statistics are reduced across the four lanes of query i (QueryLanes64: xor 16, 32);
     // the probabilities replace the scores, then become the A fragments of P V.
     float rescale_row[1];
@@ -130,21 +163,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   }
   softmax.finalize();  // query i's sum across its four lanes
 
-  // ---- Epilogue (common/epilogue.hpp): lane holds O[query 4kg + j][dim 16 dt + i] ----
-  const FwdEpilogue<Traits, BlockInfo<kBM, kBN>> ep(p, bi);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int src = kg * 4 + j;
-    const float inv = port::shfl(softmax.inv_sum(0), src);
-    const SoftmaxState state{port::shfl(softmax.m[0], src), port::shfl(softmax.l[0], src)};
-    const int64_t row = m0 + wave * 16 + src;
-    if (row >= bi.len_q) continue;
-    const auto out = ep.row(row, i);
-#pragma unroll
-    for (int dt = 0; dt < kDS; ++dt) out.put(dt * 16, {O[dt][j] * inv});
-    if (i == 0) out.stat(state);
-  }
-  ep.template finish<kBM, Cfg::kThreads>(m0);
+  store_rows<Traits, Cfg>(p, bi, m0, wave, lane, O, softmax, 1.f);
 }
 
 /// fp8 (e4m3 q, k, v; out bf16): the same schedule on MFMA 16x16x32 e4m3 (gfx94x, gfx950),
@@ -231,14 +250,7 @@ __device__ __forceinline__ void fwd_block_fp8(const FwdParams& p, int64_t tile, 
 #pragma unroll
       for (int j = 0; j < 4; ++j) S[0][4 * kt + j] = acc[j];
     }
-    if (bi.needs_mask(p, n, Traits::kMasked)) {
-#pragma unroll
-      for (int c = 0; c < 4 * kKT; ++c) {
-        const int64_t key = int64_t(n) * kBN + (c / 4) * 16 + kg * 4 + c % 4;
-        if (!BlockInfo<kBM, kBN>::key_valid(p, q_row, key, bi.len_k, bi.diag, Traits::kMasked))
-          S[0][c] = detail::kNegInf;
-      }
-    }
+    mask_scores<Traits>(p, bi, n, q_row, kg, S);
     float rescale_row[1];
     softmax.template update<4 * kKT, kExpOffset>(S, scale_log2, rescale_row);
     const float rescale = rescale_row[0];
@@ -277,20 +289,7 @@ __device__ __forceinline__ void fwd_block_fp8(const FwdParams& p, int64_t tile, 
   softmax.finalize();
   const float o_scale = p.v_descale.at(bi.b, bi.h_kv) * kFp8OperandScale * kUnscale;
 
-  const FwdEpilogue<Traits, BlockInfo<kBM, kBN>> ep(p, bi);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int src = kg * 4 + j;
-    const float inv = port::shfl(softmax.inv_sum(0), src) * o_scale;
-    const SoftmaxState state{port::shfl(softmax.m[0], src), port::shfl(softmax.l[0], src)};
-    const int64_t row = m0 + wave * 16 + src;
-    if (row >= bi.len_q) continue;
-    const auto out = ep.row(row, i);
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) out.put(dt * 16, {O[dt][j] * inv});
-    if (i == 0) out.stat(state);
-  }
-  ep.template finish<kBM, Cfg::kThreads>(m0);
+  store_rows<Traits, Cfg>(p, bi, m0, wave, lane, O, softmax, o_scale);
 #else
   (void)p, (void)tile, (void)num_m_blocks;
   port::trap();  // no fp8 MFMA on this arch; the selector never picks it here

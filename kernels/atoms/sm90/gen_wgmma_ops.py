@@ -9,7 +9,7 @@ NS = (64, 80, 96, 128, 176, 192, 256)
 DTYPES = (("bf16", "DType::bf16"), ("f16", "DType::f16"))
 # e4m3 (m64nNk32): both operands K-major (fp8 wgmma has no transpose), the N the fp8 forward
 # uses (its key blocks and head dims).
-FP8_NS = (64, 128, 256)
+FP8_NS = (64, 128)
 
 
 def regs(first, count):
@@ -18,6 +18,31 @@ def regs(first, count):
 
 def outputs(count):
     return ", ".join(f'"+f"(d[{i}])' for i in range(count))
+
+
+def emit_method(w, name, shape, nd, imm):
+    """One Op method: ss / ss_tt (A and B descriptors) or rs (A in four registers)."""
+    if name == "rs":
+        w(f"  __device__ __forceinline__ static void rs(float (&d)[{nd}], const uint32_t (&a)[4],")
+        w("                                            uint64_t desc_b, int scale_d) {")
+        pred, operands = nd + 5, f"{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}"
+        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
+    else:
+        pad = " " * len(name)
+        w(f"  __device__ __forceinline__ static void {name}(float (&d)[{nd}], uint64_t desc_a,"
+          + (" uint64_t desc_b," if name == "ss" else ""))
+        w(f"                                          {pad}"
+          + ("int scale_d) {" if name == "ss" else "uint64_t desc_b, int scale_d) {"))
+        pred, operands = nd + 2, f"%{nd}, %{nd + 1}"
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
+    w("    asm volatile(")
+    w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(pred) + ', 0;\\n"')
+    w(f'        "wgmma.mma_async.sync.aligned.{shape} "')
+    w(f'        "{{{regs(0, nd)}}}, "')
+    w(f'        "{operands}, p, {imm};\\n}}\\n"')
+    w(f"        : {outputs(nd)}")
+    w(f"        : {inputs});")
+    w("  }")
 
 
 def emit():
@@ -45,69 +70,19 @@ def emit():
     w("")
     w("template <DType kDType, int N>")
     w("struct Op;")
-    for dt, enum in DTYPES:
-        for n in NS:
+    # (DType enumerator, PTX type, k, Ns, the methods: name -> trailing immediates)
+    families = [(enum, dt, 16, NS, {"ss": "1, 1, 0, 0", "ss_tt": "1, 1, 1, 1", "rs": "1, 1, 1"})
+                for dt, enum in DTYPES]
+    families.append(("DType::e4m3", "e4m3", 32, FP8_NS, {"ss": "1, 1", "rs": "1, 1"}))
+    for enum, dt, k, ns, methods in families:
+        for n in ns:
             nd = n // 2
             w("")
             w("template <>")
             w(f"struct Op<{enum}, {n}> {{")
-            w(f"  __device__ __forceinline__ static void ss(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b,")
-            w("                                            int scale_d) {")
-            w("    asm volatile(")
-            w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nd + 2) + ', 0;\\n"')
-            w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} "')
-            w(f'        "{{{regs(0, nd)}}}, "')
-            w(f'        "%{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}\\n"')
-            w(f"        : {outputs(nd)}")
-            w('        : "l"(desc_a), "l"(desc_b), "r"(scale_d));')
-            w("  }")
-            w(f"  __device__ __forceinline__ static void ss_tt(float (&d)[{nd}], uint64_t desc_a,")
-            w("                                               uint64_t desc_b, int scale_d) {")
-            w("    asm volatile(")
-            w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nd + 2) + ', 0;\\n"')
-            w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} "')
-            w(f'        "{{{regs(0, nd)}}}, "')
-            w(f'        "%{nd}, %{nd + 1}, p, 1, 1, 1, 1;\\n}}\\n"')
-            w(f"        : {outputs(nd)}")
-            w('        : "l"(desc_a), "l"(desc_b), "r"(scale_d));')
-            w("  }")
-            w(f"  __device__ __forceinline__ static void rs(float (&d)[{nd}], const uint32_t (&a)[4],")
-            w("                                            uint64_t desc_b, int scale_d) {")
-            w("    asm volatile(")
-            w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nd + 5) + ', 0;\\n"')
-            w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} "')
-            w(f'        "{{{regs(0, nd)}}}, "')
-            w(f'        "{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"')
-            w(f"        : {outputs(nd)}")
-            w('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));')
-            w("  }")
+            for name, imm in methods.items():
+                emit_method(w, name, f"m64n{n}k{k}.f32.{dt}.{dt}", nd, imm)
             w("};")
-    for n in FP8_NS:
-        nd = n // 2
-        w("")
-        w("template <>")
-        w(f"struct Op<DType::e4m3, {n}> {{")
-        w(f"  __device__ __forceinline__ static void ss(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b,")
-        w("                                            int scale_d) {")
-        w("    asm volatile(")
-        w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nd + 2) + ', 0;\\n"')
-        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "')
-        w(f'        "{{{regs(0, nd)}}}, "')
-        w(f'        "%{nd}, %{nd + 1}, p, 1, 1;\\n}}\\n"')
-        w(f"        : {outputs(nd)}")
-        w('        : "l"(desc_a), "l"(desc_b), "r"(scale_d));')
-        w("  }")
-        w(f"  __device__ __forceinline__ static void rs(float (&d)[{nd}], const uint32_t (&a)[4],")
-        w("                                            uint64_t desc_b, int scale_d) {")
-        w("    asm volatile(")
-        w('        "{\\n.reg .pred p;\\nsetp.ne.b32 p, %' + str(nd + 5) + ', 0;\\n"')
-        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "')
-        w(f'        "{{{regs(0, nd)}}}, "')
-        w(f'        "{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1;\\n}}\\n"')
-        w(f"        : {outputs(nd)}")
-        w('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));')
-        w("  }")
-        w("};")
     w("")
     w("#endif  // HIPFLASH_HAS_WGMMA")
     w("")
