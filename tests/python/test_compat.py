@@ -136,6 +136,14 @@ def test_fa3_varlen_and_chunked_prefill(device):
     cu_k = torch.tensor([0, 30, 80], dtype=torch.int32, device=device)
     assert_bitwise_equal(got, hipflash.flash_attn_varlen_func(
         q, kc, vc, cu, cu_k, 28, 64, causal=True, block_table=table), "chunked prefill")
+    # cache_batch_idx picks page_table rows (FlashAttention 3's rule), here in reverse
+    wide = torch.cat([table.flip(0), table.flip(0)])
+    got = fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=wide,
+                                      cache_batch_idx=torch.tensor([3, 2], dtype=torch.int32,
+                                                                   device=device),
+                                      cu_seqlens_q=cu, max_seqlen_q=28, causal=True)
+    assert_bitwise_equal(got, hipflash.flash_attn_varlen_func(
+        q, kc, vc, cu, cu_k, 28, 64, causal=True, block_table=table), "cache_batch_idx")
 
 
 @pytest.mark.parametrize("device", DEVICES)

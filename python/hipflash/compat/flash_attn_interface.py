@@ -123,6 +123,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         cu_k = torch.zeros(cache_seqlens.numel() + 1, dtype=torch.int32, device=q.device)
         torch.cumsum(cache_seqlens, 0, out=cu_k[1:])
         max_k = page_table.shape[1] * k_cache.shape[1]
+        if cache_batch_idx is not None:  # FlashAttention 3's rule: it picks page_table rows
+            page_table = page_table.index_select(0, cache_batch_idx.to(torch.long))
         return hipflash.flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, max_k,
             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
