@@ -646,7 +646,8 @@ class TorchMath(Backend):
 def make_backends(hipflash_path=None):
     """Every backend by name."""
     bs = [Hipflash(False, hipflash_path), Hipflash(True, hipflash_path),
-          HipflashPaged(16, hipflash_path), HipflashPaged(256, hipflash_path),
+          HipflashPaged(1, hipflash_path), HipflashPaged(16, hipflash_path),
+          HipflashPaged(256, hipflash_path),
           HipflashFp8Kv(hipflash_path), HipflashFp8(hipflash_path),
           HipflashBhsd(hipflash_path), CudnnSdpaGqaBshd(), TorchFlash(),
           TorchCudnn(True), TorchCudnn(False), TorchEfficient(True), TorchEfficient(False),

@@ -11,8 +11,8 @@ not), decode (Sq 1, GQA 32/8, Sk 4k..128k, B 1/8/32), varlen (mixed lengths), ls
 host-overhead (the cost of a call as a user makes it, on a tiny problem and B 1/8 decode);
 quick (a subset of each, to run after every kernel change) and full (all five). Run on their
 own: merge (hipflash.merge_attn_states in GB/s against a torch copy of the same bytes, see
-run_merge_suite), serving (decode Sq 1, GQA 32/8, D 128, B 1/8/32, Sk 4k/16k/64k, LSE on: the
-contiguous cache against paged caches of 16- and 256-row pages, fa2-native for reference) and
+run_merge_suite), serving (decode Sq 1, GQA 32/8, D 128, B 1/8/32, Sk 4k-64k, LSE on: the
+contiguous cache against paged caches of 1-, 16- and 256-row pages, fa2-native for reference) and
 train (forward + backward against FA2 and cuDNN, bench/train_bench.py).
 
 Per cell: fresh random inputs (never zeros), several input sets rotated so the inputs of one call

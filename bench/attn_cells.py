@@ -27,7 +27,7 @@ LSE_OVERHEAD = ["hipflash", "hipflash+lse", "torch-cudnn-nolse", "torch-cudnn",
 # fa2-native has no LSE switch (aten._flash_attention_forward always returns the LSE).
 HOST_OVERHEAD = HF + ["fa2-native", "torch-cudnn-nolse", "torch-cudnn"]
 # The serving suite: contiguous (the plain forward) vs paged caches, all with the LSE.
-SERVING = ["hipflash+lse", "hipflash-paged16", "hipflash-paged256", "fa2-native"]
+SERVING = ["hipflash+lse", "hipflash-paged1", "hipflash-paged16", "hipflash-paged256", "fa2-native"]
 # The fp8 KV cache against the 16-bit one (issue 43): the same K/V values, both with the LSE.
 DECODE_FP8 = ["hipflash+lse", "hipflash-fp8kv"]
 FWD_FP8 = ["hipflash", "hipflash-fp8", "torch-cudnn"]  # bf16 hipflash and cuDNN beside it
@@ -132,8 +132,8 @@ def decode(seqlens_k, batches, dtype, backends, suite="decode", D=128):
 
 def serving(seqlens_k, batches, dtype, backends, suite="serving", D=128):
     """Decode against a KV cache (Sq 1, GQA 32/8, D 128, LSE on): the contiguous cache (the
-    plain forward, whose decode kernel reads the same row source) against paged caches of 16-
-    and 256-row pages (hipflash.flash_attn_with_kvcache with a block table)."""
+    plain forward, whose decode kernel reads the same row source) against paged caches of 1-,
+    16- and 256-row pages (hipflash.flash_attn_with_kvcache with a block table)."""
     return decode(seqlens_k, batches, dtype, backends, suite, D)
 
 
@@ -212,7 +212,8 @@ def build_suite(name, dtype, flex, decode_dim=128):
     if name == "decode":
         return full_decode
     if name == "serving":  # run on its own (not part of full): paged KV-cache decode
-        return serving([4096, 16384, 65536], [1, 8, 32], dtype, SERVING, D=decode_dim)
+        return serving([4096, 8192, 16384, 32768, 65536], [1, 8, 32], dtype, SERVING,
+                       D=decode_dim)
     if name == "decode-fp8":  # run on its own: the fp8 KV cache, cells of e4m3 values
         cells = decode([4096, 16384, 32768, 65536, 131072], [1, 8, 32], dtype, DECODE_FP8,
                        "decode-fp8", D=decode_dim)

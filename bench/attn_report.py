@@ -57,8 +57,9 @@ SUITE_NOTES = {
               "(through [B, Hkv, Sk, D] views). The ratio columns compare hipflash and "
               "hipflash+lse, in their own layout, with the best peer in either layout.",
     "serving": "hipflash+lse reads a contiguous cache (the plain forward: the same decode kernel "
-               "and row source, no block table); hipflash-paged16 / -paged256 call "
-               "`flash_attn_with_kvcache` on a copy of the same K/V in pages of 16 / 256 rows, "
+               "and row source, no block table); hipflash-paged1 / -paged16 / -paged256 call "
+               "`flash_attn_with_kvcache` on a copy of the same K/V in pages of 1 / 16 / 256 "
+               "rows (1: each row gathered through the block table), "
                "scattered by a random permutation, with `cache_seqlens=None` (every sequence "
                "fills its cache, so no lengths tensor is copied back to the host per call). Each "
                "is checked against the reference; paged / contiguous GB/s is the cost of the "
@@ -102,7 +103,8 @@ COLORS = {
     "torch-cudnn": "#2ca02c", "torch-cudnn-nolse": "#98df8a", "torch-efficient": "#9467bd",
     "torch-efficient-nolse": "#c5b0d5", "flex": "#8c564b", "fa2-native": "#17becf",
     "cudnn-sdpa-gqa": "#bcbd22", "efficient-varlen": "#e377c2", "torch-sdpa": "#7f7f7f",
-    "torch-math": "#aec7e8", "hipflash-paged16": "#ff7f0e", "hipflash-paged256": "#ffbb78",
+    "torch-math": "#aec7e8", "hipflash-paged1": "#e6550d", "hipflash-paged16": "#ff7f0e",
+    "hipflash-paged256": "#ffbb78",
     "hipflash+lse-bhsd": "#c49c94", "cudnn-sdpa-gqa-bshd": "#dbdb8d", "hipflash-fp8": "#8b0000",
     "hipflash-fp8kv": "#8b0000",
 }

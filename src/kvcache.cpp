@@ -17,7 +17,7 @@
 #include "hipflash/detail/host_numeric.hpp"
 #include "tensor_checks.hpp"
 
-static_assert(hipflash::common::PagedRows<float>::kMinRows == hipflash::kMinPageSize,
+static_assert(hipflash::common::PagedRows<float>::kMinRows == hipflash::kGroupedPageSize,
               "the kernels' paged loaders group rows by the smallest page");
 
 namespace hipflash {
@@ -69,22 +69,23 @@ int log2_of(int64_t x) {
   return s;
 }
 
-/// A paged cache's page size: >= 1 (the CPU backend), and on the GPU a power of two in
-/// [kMinPageSize, kMaxPageSize] (the kernels' paged loaders; others: not_implemented).
-void check_page_size(int64_t page, const TensorRef& q, const char* what) {
+/// A paged cache's page size (any >= 1) and its sequences' capacity, max_blocks * page rows:
+/// below 2^31, as a sequence's length (int32) is, so that row indices divide in 32 bits.
+void check_pages(int64_t page, int64_t max_blocks, const char* what) {
   HIPFLASH_CHECK(page >= 1, "the page size (", what, ") must be >= 1, got ", page);
-  HIPFLASH_CHECK_AS(not_implemented, q.loc.kind != Location::gpu || gpu_page_size(page),
-                    "page size ", page, " (", what, ") runs on the CPU backend only: the GPU "
-                    "kernels take powers of two in [", kMinPageSize, ", ", kMaxPageSize, "]");
+  HIPFLASH_CHECK(max_blocks <= ((int64_t(1) << 31) - 1) / page,
+                 "block_table has too many columns: max_blocks_per_seq * page_size (",
+                 max_blocks, " * ", page, ") must be below 2^31");
 }
 
-/// A paged cache's block table and page size into p (the shift for the GPU kernels' powers of
-/// two; the CPU backend reads page_size).
+/// A paged cache's block table and page size into p: the size, its divisor (the GPU kernels'
+/// gathered rows) and, for a power of two, its log2 (their 16-row groups).
 void point_at_pages(FwdParams& p, const TensorRef& block_table, int64_t page) {
   p.block_table = static_cast<const int32_t*>(block_table.data);
   p.block_table_stride = block_table.strides[0];
   p.page_size = page;
   p.page_shift = power_of_two(page) ? log2_of(page) : 0;
+  p.page_div = detail::FastDiv(uint32_t(page));
 }
 
 /// The entries of block-table row b that a sequence uses for `keys` rows (the first
@@ -208,13 +209,12 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   if (paged) {
     check_index(*block_table, "block_table", 2, "[batch, max_blocks_per_seq]", q);
     page = k_cache.sizes[1];
-    check_page_size(page, q, "k_cache.shape[1] with a block_table");
     // With cache_batch_idx, sequence b reads row cache_batch_idx[b] (FlashAttention 3's rule).
     HIPFLASH_CHECK(opts.cache_batch_idx != nullptr || block_table->sizes[0] == batch,
                    "block_table must have one row per sequence (batch = ", batch, "), got shape ",
                    shape_str(*block_table));
     max_blocks = block_table->sizes[1];
-    HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 62) / page, "block_table has too many columns");
+    check_pages(page, max_blocks, "k_cache.shape[1] with a block_table");
     capacity = max_blocks * page;
   } else if (opts.cache_batch_idx == nullptr) {
     HIPFLASH_CHECK(k_cache.sizes[0] == batch, "k_cache must have the batch size of q (", batch,
@@ -404,11 +404,10 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
                  shape_str(cu_seqlens_q));
   const int64_t batch = cu_seqlens_q.sizes[0] - 1, page = k_cache.sizes[1];
   check_index(block_table, "block_table", 2, "[batch, max_blocks_per_seq]", q);
-  check_page_size(page, q, "k_cache.shape[1]");
   HIPFLASH_CHECK(block_table.sizes[0] == batch, "block_table must have one row per sequence ",
                  "(batch = ", batch, "), got shape ", shape_str(block_table));
   const int64_t max_blocks = block_table.sizes[1];
-  HIPFLASH_CHECK(max_blocks <= (int64_t(1) << 40) / page, "block_table has too many columns");
+  check_pages(page, max_blocks, "k_cache.shape[1]");
   const int64_t capacity = max_blocks * page;
   HIPFLASH_CHECK(opts.max_seqlen_k <= capacity, "max_seqlen_k = ", opts.max_seqlen_k,
                  " exceeds what a sequence's cache holds (max_blocks_per_seq * page_size = ",

@@ -39,12 +39,13 @@
 
 namespace hipflash {
 
-/// The page sizes the GPU kernels take: powers of two in [kMinPageSize, kMaxPageSize]. The CPU
-/// backend takes any page size >= 1 (a GPU call with another raises not_implemented).
-inline constexpr int64_t kMinPageSize = 16;
-inline constexpr int64_t kMaxPageSize = 256;
-inline constexpr bool gpu_page_size(int64_t page) {
-  return page >= kMinPageSize && page <= kMaxPageSize && (page & (page - 1)) == 0;
+/// Every page size >= 1 runs on the CPU and the GPU. The GPU kernels read pages of a power of
+/// two from kGroupedPageSize rows a 16-row group at a time (one block-table entry per group);
+/// any other page size gathers each row through the block table (page size 1: SGLang's
+/// token-granular cache), still a bandwidth kernel.
+inline constexpr int64_t kGroupedPageSize = 16;
+inline constexpr bool grouped_page_size(int64_t page) {
+  return page >= kGroupedPageSize && (page & (page - 1)) == 0;
 }
 
 /// Options of kvcache_forward: those of the forward (causal and windows are aligned against

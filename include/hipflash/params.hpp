@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "hipflash/detail/fast_div.hpp"
 #include "hipflash/detail/softmax_state.hpp"
 #include "hipflash/types.hpp"
 
@@ -63,15 +64,16 @@ struct FwdParams {
   // KV cache (SPEC §7, kvcache_forward; dense q only). seqlens_k: int32 [B], sequence b has
   // seqlens_k[b] + seqlen_k_new keys (nullptr: seqlen_k each). block_table: int32 [B, *] with
   // row stride block_table_stride, or nullptr for a contiguous cache; when set, k/v are pages
-  // [num_blocks, 2^page_shift, Hkv, D], k_batch_stride / v_batch_stride are the page strides,
-  // and key j of sequence b is row j % 2^page_shift of page block_table[b][j >> page_shift]
-  // (common::PagedRows). The CPU backend reads them; the GPU kernels do not yet (refused).
+  // [num_blocks, page_size, Hkv, D], k_batch_stride / v_batch_stride are the page strides, and
+  // key j of sequence b is row j % page_size of page block_table[b][j / page_size]
+  // (common::PagedRows for powers of two from 16 rows, common::GatheredRows for any other).
   const int32_t* __restrict__ seqlens_k = nullptr;
   int64_t seqlen_k_new = 0;
   const int32_t* __restrict__ block_table = nullptr;
   int64_t block_table_stride = 0;
-  int page_shift = 0;     ///< log2(page_size) when it is a power of two (the GPU kernels')
-  int64_t page_size = 0;  ///< rows a page (any size >= 1 on the CPU backend)
+  int page_shift = 0;     ///< log2(page_size) when it is a power of two
+  int64_t page_size = 0;  ///< rows a page (any size >= 1)
+  detail::FastDiv page_div;  ///< page_size as a divisor (a sequence's rows are below 2^31)
   /// The KV cache's batch indirection (FlashAttention's cache_batch_idx), int32 [B] or nullptr:
   /// sequence b reads and appends to cache entry cache_batch_idx[b] of a contiguous cache, or
   /// through row cache_batch_idx[b] of block_table (block_table_row).

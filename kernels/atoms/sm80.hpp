@@ -119,6 +119,38 @@ struct TileRows<Tile, kRows, common::PagedRows<T>> {
   }
 };
 
+/// A cache of any page size (common::GatheredRows): every row its own block-table entry, so a
+/// thread reads one entry per row it copies (from row threadIdx.x / Tile::kFirstRowThreads on,
+/// Tile's kThreads / kChunks rows apart), one tile early, and keeps the page and the row within.
+template <class Tile, int kRows, class T>
+struct TileRows<Tile, kRows, common::GatheredRows<T>> {
+  static constexpr int kRowStep = Tile::kThreads / Tile::kChunks;
+  static constexpr int kEntries = kRows / kRowStep;
+  static_assert(kRows % kRowStep == 0, "whole rows per thread");
+  int32_t page[kEntries];
+  int32_t slot[kEntries];
+
+  /// The entries of rows [row0, row0 + kRows); rows at or past len get page 0 (their copies
+  /// read nothing), so no table entry past the sequence's pages is read.
+  __device__ __forceinline__ void fetch(const common::GatheredRows<T>& src, int64_t row0,
+                                        int64_t len) {
+    const int first = int(threadIdx.x) / Tile::kFirstRowThreads;
+#pragma unroll
+    for (int e = 0; e < kEntries; ++e) {
+      const int64_t j = row0 + first + e * kRowStep;
+      uint32_t s = 0, entry = 0;
+      if (j < len) entry = src.page.divmod(uint32_t(j), s);
+      page[e] = j < len ? src.table[entry] : 0;
+      slot[e] = int32_t(s);
+    }
+  }
+  /// Row j of copy i (the thread's first row + i * kRowStep).
+  __device__ __forceinline__ const T* row(const common::GatheredRows<T>& src, int i,
+                                          int64_t) const {
+    return src.row_in(page[i], slot[i]);
+  }
+};
+
 /// Copies rows [row0, row0 + kRows) of a [len, D] operand (rows from `src`, a row source of
 /// common/kv_source.hpp, at the addresses `rows` resolves: RowsAsGiven, or a TileRows fetched
 /// for the same row0 and len) into a swizzled tile; rows >= len and columns >= head_dim are

@@ -198,41 +198,39 @@ struct BlockInfo : SeqBounds {
     return {v_rows<T>(p), p.v_row_stride};
   }
 
-  /// K and V as the loaders of a kernel instantiated for a paged KV cache (SPEC §7) or not
-  /// read them: kPaged, through the pages of p.block_table (common::PagedRows; k_rows / v_rows
-  /// are wrong for a paged cache), else k_source / v_source. A compile-time choice: the
-  /// launcher runs the paged instantiation only for calls with a block table, so the kernels
+  /// K and V as the loaders of a kernel instantiated for `kKv` read them (SPEC §7): through
+  /// the pages of p.block_table (common::PagedRows or GatheredRows; k_rows / v_rows are wrong
+  /// for a paged cache), else k_source / v_source. A compile-time choice: the launcher runs a
+  /// paged instantiation only for calls with a block table of its page sizes, so the kernels
   /// of every other call are the contiguous code alone (the NVIDIA decode and generic kernels
-  /// have both; a KV cache is refused on AMD).
+  /// have all three; a KV cache is refused on AMD).
   /// A contiguous cache with FlashAttention's cache_batch_idx reads entry cache_batch_idx[b].
-  template <class T, bool kPaged>
+  template <class T, KvRows kKv>
   HIPFLASH_HD auto k_source_of(const FwdParams& p) const {
-    if constexpr (kPaged)
-      return pages_of<T>(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-    else
-      return ContiguousRows<T>{k_rows<T>(p) + cache_entry_offset(p) * p.k_batch_stride,
-                               p.k_row_stride};
+    return kv_source_of<T, kKv>(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                                k_rows<T>(p));
   }
-  template <class T, bool kPaged>
+  template <class T, KvRows kKv>
   HIPFLASH_HD auto v_source_of(const FwdParams& p) const {
-    if constexpr (kPaged)
-      return pages_of<T>(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    return kv_source_of<T, kKv>(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                                v_rows<T>(p));
+  }
+  template <class T, KvRows kKv>
+  HIPFLASH_HD auto kv_source_of(const FwdParams& p, const void* cache, int64_t batch_stride,
+                                int64_t row_stride, int64_t head_stride, const T* rows) const {
+    const T* head = static_cast<const T*>(cache) + h_kv * head_stride;
+    if constexpr (kKv == KvRows::pages)
+      return PagedRows<const T>{head, p.block_table_row(b), batch_stride, row_stride,
+                                p.page_shift};
+    else if constexpr (kKv == KvRows::gathered)
+      return GatheredRows<const T>{head, p.block_table_row(b), batch_stride, row_stride,
+                                   p.page_div};
     else
-      return ContiguousRows<T>{v_rows<T>(p) + cache_entry_offset(p) * p.v_batch_stride,
-                               p.v_row_stride};
+      return ContiguousRows<T>{rows + cache_entry_offset(p) * batch_stride, row_stride};
   }
   /// Batches from b to the cache entry this sequence reads (cache_batch_idx[b] - b; 0 without).
   HIPFLASH_HD int64_t cache_entry_offset(const FwdParams& p) const {
     return p.cache_batch_idx ? int64_t(p.cache_batch_idx[b]) - b : 0;
-  }
-  /// This block's kv head of a paged cache (pages page_stride elements apart) through its
-  /// sequence's block-table row.
-  template <class T>
-  HIPFLASH_HD PagedRows<const T> pages_of(const FwdParams& p, const void* cache,
-                                          int64_t page_stride, int64_t row_stride,
-                                          int64_t head_stride) const {
-    return {static_cast<const T*>(cache) + h_kv * head_stride,
-            p.block_table_row(b), page_stride, row_stride, p.page_shift};
   }
 
   /// Whether key j is valid for query row i (both relative to this sequence).

@@ -6,9 +6,16 @@
 
 #include <cstdint>
 
+#include "hipflash/detail/fast_div.hpp"
 #include "hipflash/detail/softmax_state.hpp"  // HIPFLASH_HD
 
 namespace hipflash::common {
+
+/// Where a kernel instantiation reads K and V from (the launcher picks one per call): rows at
+/// a fixed stride (dense, varlen, a contiguous cache), the pages of a paged cache whose page
+/// size is a power of two of at least 16 rows (PagedRows: a 16-row group shares a page), or
+/// those of any other page size (GatheredRows: each row through the block table on its own).
+enum class KvRows { contiguous, pages, gathered };
 
 /// Rows at a fixed stride from row 0: q, k and v of the dense and varlen layouts.
 template <class T>
@@ -35,7 +42,7 @@ struct PagedRows {
   int64_t ld;            ///< elements from one row to the next within a page
   int page_shift;        ///< log2(page size)
 
-  /// The smallest page (hipflash::kMinPageSize, checked before any launch): rows
+  /// The smallest page (hipflash::kGroupedPageSize; the launcher's choice): rows
   /// [16 g, 16 g + 16) of a sequence always share a page, ld apart.
   static constexpr int kMinRows = 16;
   static constexpr int kRunRows = kMinRows;
@@ -47,6 +54,34 @@ struct PagedRows {
     return base + page * page_stride + (j & ((int64_t(1) << page_shift) - 1)) * ld;
   }
   HIPFLASH_HD T* row(int64_t j) const { return row_in(page_of(j), j); }
+};
+
+/// Rows of a paged KV cache of any page size (1 included: SGLang's token-granular cache): row j
+/// of the sequence is row j % page of page table[j / page], the quotient by a host-prepared
+/// divisor (j < 2^31, checked before the launch). No two rows are assumed to share a page, so
+/// the tile loaders resolve every row on its own (kRunRows = 1; TileRows reads each thread's
+/// entries a tile ahead).
+template <class T>
+struct GatheredRows {
+  T* base;               ///< row 0 of page 0 (the head offset applied)
+  const int32_t* table;  ///< this sequence's block-table row
+  int64_t page_stride;   ///< elements from one page to the next
+  int64_t ld;            ///< elements from one row to the next within a page
+  detail::FastDiv page;  ///< the page size
+
+  static constexpr int kRunRows = 1;
+
+  /// Row `slot` of page `page_index`.
+  HIPFLASH_HD T* row_in(int64_t page_index, int64_t slot) const {
+    return base + page_index * page_stride + slot * ld;
+  }
+  /// Elements from base to row j: one block-table load.
+  HIPFLASH_HD int64_t offset(int64_t j) const {
+    uint32_t slot;
+    const uint32_t entry = page.divmod(uint32_t(j), slot);
+    return int64_t(table[entry]) * page_stride + int64_t(slot) * ld;
+  }
+  HIPFLASH_HD T* row(int64_t j) const { return base + offset(j); }
 };
 
 }  // namespace hipflash::common

@@ -44,10 +44,11 @@ struct DecodeTile {
   static_assert(kMergeBytes <= kStages * kSmemStageBytes, "merge buffer fits in the ring");
 
   /// The K / V loads' shape (load_tile_by_runs, TileRows): the block's threads, the K / V row's
-  /// chunks.
+  /// chunks; thread t copies rows t / kChunks + i kThreads / kChunks.
   struct KvLoad {
     static constexpr int kThreads = DecodeTile::kThreads;
     static constexpr int kChunks = kKvChunks;
+    static constexpr int kFirstRowThreads = kChunks;
   };
 };
 

@@ -30,11 +30,12 @@ namespace hipflash::decode {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
 /// Row copies for TileRows' read-ahead of a paged cache's entries: a thread's copies lie
-/// kKeyStep rows apart (TileRows::kRowStep).
+/// kKeyStep rows apart (TileRows::kRowStep), from row threadIdx.x / (kChunks kHeads) on.
 template <class Cfg>
 struct HeadsCopyShape {
   static constexpr int kChunks = Cfg::kChunks;
   static constexpr int kThreads = Cfg::kKeyStep * Cfg::kChunks;
+  static constexpr int kFirstRowThreads = Cfg::kChunks * Cfg::kHeads;
 };
 
 /// This thread's copies of one stage: key rows [row0, row0 + kBlockN) of its head (src: that
@@ -43,7 +44,10 @@ struct HeadsCopyShape {
 template <class Cfg, class T, class Src, class Resolved>
 __device__ __forceinline__ void load_head_rows(T* dst, const Src& src, const Resolved& rows,
                                                int64_t row0, int64_t len, int head_dim, bool ok) {
-  static_assert(Src::kRunRows >= Cfg::kBlockN, "a stage's rows are one run of the source");
+  // A stage's rows are one run of a contiguous or grouped source (one resolved row, then the
+  // row stride), or each its own (a cache of any page size: GatheredRows).
+  constexpr bool kOneRun = Src::kRunRows >= Cfg::kBlockN;
+  static_assert(kOneRun || Src::kRunRows == 1, "a stage's rows: one run, or one row a run");
   const int c = int(threadIdx.x) % Cfg::kChunks;
   const int r0 = int(threadIdx.x) / (Cfg::kChunks * Cfg::kHeads);
   const int rows_left = len - row0 < Cfg::kBlockN ? int(len - row0) : Cfg::kBlockN;
@@ -53,10 +57,11 @@ __device__ __forceinline__ void load_head_rows(T* dst, const Src& src, const Res
 #pragma unroll
   for (int i = 0; i < Cfg::kCopiesPerThread; ++i) {
     const int r = r0 + i * Cfg::kKeyStep;
+    if (!kOneRun && i > 0) at = rows.row(src, i, row0 + r) + c * 8;
     const bool valid = copy && r < rows_left;
     atom::sm80::cp_async_16(dst + common::swizzle<Cfg::kChunks>(r, c), valid ? at : src.base,
                             valid);
-    at += step;
+    if (kOneRun) at += step;
   }
 }
 
@@ -68,7 +73,7 @@ __device__ __forceinline__ Src other_head(Src src, int heads, int64_t head_strid
   return src;
 }
 
-template <class Traits, bool kPaged>
+template <class Traits, common::KvRows kKv>
 __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile) {
   using namespace atom::sm80;
   using Cfg = DecodeHeadsTile<Traits::kHeadDim>;
@@ -102,9 +107,9 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
 
   const int hd = int(p.head_dim);
   const auto q_src = bi.template q_source<T>(p);
-  const auto k_src = other_head(bi.template k_source_of<T, kPaged>(p), copied_c - mine_c,
+  const auto k_src = other_head(bi.template k_source_of<T, kKv>(p), copied_c - mine_c,
                                 p.k_head_stride);
-  const auto v_src = other_head(bi.template v_source_of<T, kPaged>(p), copied_c - mine_c,
+  const auto v_src = other_head(bi.template v_source_of<T, kKv>(p), copied_c - mine_c,
                                 p.v_head_stride);
   const int slot = copied - first;  // the copied head's tile in a stage
 
@@ -196,15 +201,15 @@ __device__ __forceinline__ void fwd_heads_block(const FwdParams& p, int64_t tile
 /// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
 using HeadsScheduler = common::StaticScheduler;
 
-/// The head-group decode kernel: one thread block per (split, head group, batch); kPaged: K and
-/// V from the pages of a KV cache's block table. num_m_blocks is 1 (the launcher checks).
-template <class Traits, bool kPaged = false>
+/// The head-group decode kernel: one thread block per (split, head group, batch); kKv: K and
+/// V rows at a stride or through a KV cache's block table. num_m_blocks is 1 (the launcher checks).
+template <class Traits, common::KvRows kKv = common::KvRows::contiguous>
 __global__ void __launch_bounds__(DecodeHeadsTile<Traits::kHeadDim>::kThreads,
                                   DecodeHeadsTile<Traits::kHeadDim>::kMinBlocks)
     fwd_decode_heads_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int /*num_m_blocks*/) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
   if constexpr (Traits::kSplit) port::allow_dependent_launch();
-  HeadsScheduler::run([&](int64_t tile) { fwd_heads_block<Traits, kPaged>(p, tile); });
+  HeadsScheduler::run([&](int64_t tile) { fwd_heads_block<Traits, kKv>(p, tile); });
 #else
   port::trap();  // mma.sync targets only; the selector knows
 #endif  // HIPFLASH_HAS_MMA_SYNC

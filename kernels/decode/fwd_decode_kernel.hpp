@@ -32,7 +32,7 @@ using TileOf = DecodeTile<Traits::kHeadDim, Traits::kKvDType == DType::e4m3 ? 1 
 
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
-template <class Traits, bool kPaged>
+template <class Traits, common::KvRows kKv>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using namespace atom::sm80;
   using Cfg = TileOf<Traits>;
@@ -60,8 +60,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int hd = int(p.head_dim);
   // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
   const auto q_src = bi.template q_source<T>(p);
-  const auto k_src = bi.template k_source_of<KvT, kPaged>(p);  // contiguous or paged (KV cache)
-  const auto v_src = bi.template v_source_of<KvT, kPaged>(p);
+  const auto k_src = bi.template k_source_of<KvT, kKv>(p);  // contiguous or paged (KV cache)
+  const auto v_src = bi.template v_source_of<KvT, kKv>(p);
 
   const int n_begin = bi.n_block_min, num_n = bi.n_block_max - bi.n_block_min;
   // Key block n_begin + i goes to stage i % kStages; one commit group per block, empty ones
@@ -212,8 +212,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 using Scheduler = common::StaticScheduler;
 
 /// The decode forward kernel: one thread block per (16-row query block, split, head, batch);
-/// kPaged: K and V from the pages of a KV cache's block table.
-template <class Traits, bool kPaged = false>
+/// kKv: K and V rows at a stride, or through a KV cache's block table.
+template <class Traits, common::KvRows kKv = common::KvRows::contiguous>
 __global__ void __launch_bounds__(TileOf<Traits>::kThreads)
     fwd_decode_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads)
     // A split kernel's combine pass waits for this grid (griddepcontrol); its blocks may be
     // placed as soon as every block here has started.
     if constexpr (Traits::kSplit) port::allow_dependent_launch();
-    Scheduler::run([&](int64_t tile) { fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
+    Scheduler::run([&](int64_t tile) { fwd_block<Traits, kKv>(p, tile, num_m_blocks); });
   }
 #else
   port::trap();  // the decode kernel exists for mma.sync targets only; the selector knows

@@ -14,7 +14,7 @@ namespace hipflash::generic::sm80 {
 
 #if defined(HIPFLASH_HAS_MMA_SYNC)
 
-template <class Traits, bool kPaged>
+template <class Traits, common::KvRows kKv>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using Cfg = Tile<Traits::kHeadDim>;
   using T = typename Element<Traits::kDType>::type;
@@ -35,8 +35,8 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int hd = int(p.head_dim);
   // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
   const auto q_src = bi.template q_source<T>(p);
-  const auto k_src = bi.template k_source_of<T, kPaged>(p);  // contiguous or paged (KV cache)
-  const auto v_src = bi.template v_source_of<T, kPaged>(p);
+  const auto k_src = bi.template k_source_of<T, kKv>(p);  // contiguous or paged (KV cache)
+  const auto v_src = bi.template v_source_of<T, kKv>(p);
 
   float O[kRows][2 * Cfg::kDTiles];
 #pragma unroll

@@ -23,18 +23,18 @@ namespace hipflash::generic {
 /// The map from the launch grid to work tiles; the launcher sizes the grid with it too.
 using Scheduler = common::StaticScheduler;
 
-/// kPaged: K and V from the pages of a KV cache's block table (the NVIDIA body only; the
-/// launcher never runs it on AMD, where a KV cache is refused).
-template <class Traits, bool kPaged = false>
+/// kKv: K and V rows at a stride, or through a KV cache's block table (the NVIDIA body only;
+/// the launcher never runs a paged one on AMD, where a KV cache is refused).
+template <class Traits, common::KvRows kKv = common::KvRows::contiguous>
 __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads)
     fwd_generic_kernel(const HIPFLASH_GRID_CONSTANT FwdParams p, int num_m_blocks) {
 #if defined(HIPFLASH_HAS_MMA_SYNC)
   if constexpr (Traits::kDType == DType::e4m3)
     port::trap();  // fp8 q, k, v run on the sm90_ws kernel on NVIDIA (the selector's rule)
   else
-    Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits, kPaged>(p, tile, num_m_blocks); });
+    Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits, kKv>(p, tile, num_m_blocks); });
 #elif defined(HIPFLASH_HAS_MFMA)
-  static_assert(!kPaged, "the CDNA body reads contiguous K/V only");
+  static_assert(kKv == common::KvRows::contiguous, "the CDNA body reads contiguous K/V only");
   if constexpr (Traits::kDType == DType::e4m3)
     Scheduler::run([&](int64_t tile) { cdna::fwd_block_fp8<Traits>(p, tile, num_m_blocks); });
   else

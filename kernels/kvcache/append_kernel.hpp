@@ -76,12 +76,14 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const HIPFLASH_GRID_CO
     const int64_t row_stride = which ? p.v_row_stride : p.k_row_stride;
     const int64_t head_stride = which ? p.v_head_stride : p.k_head_stride;
     const int64_t row = p.seqlens_k[b] + j;
-    // The element's offset in the cache: through the block table (common::PagedRows' rule), or
-    // at the sequence's entry (FlashAttention's cache_batch_idx) of a contiguous cache.
+    // The element's offset in the cache: through the block table (common::GatheredRows' rule,
+    // any page size), or at the sequence's entry (FlashAttention's cache_batch_idx) of a
+    // contiguous cache.
     int64_t at;
     if (p.block_table != nullptr) {
-      const int64_t page = p.block_table_row(b)[row >> p.page_shift];
-      at = page * batch_stride + (row & ((int64_t(1) << p.page_shift) - 1)) * row_stride;
+      const common::GatheredRows<const char> pages{nullptr, p.block_table_row(b), batch_stride,
+                                                   row_stride, p.page_div};
+      at = pages.offset(row);
     } else {
       const int64_t entry = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
       at = entry * batch_stride + row * row_stride;

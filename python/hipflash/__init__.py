@@ -401,8 +401,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic: bool. As for :func:`flash_attn_func` (the gradients).
         block_table: optional (batch_size, max_blocks_per_seq) int32. Chunked prefill, as in
             FlashAttention-2: k and v are then paged KV caches (num_blocks, page_size,
-            nheads_k, headdim), page_size >= 1 (GPU tensors: a power of two in [16, 256];
-            others raise NotImplementedError), and sequence b attends
+            nheads_k, headdim), any page_size >= 1, and sequence b attends
             to the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` rows of its cache, row j in
             page ``block_table[b, j // page_size]`` (append the chunk's keys first, e.g. with
             :func:`flash_attn_with_kvcache`). The same out and LSE, bitwise, as the call on
@@ -500,8 +499,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         q: (batch_size, seqlen_q, nheads, headdim), bfloat16 or float16.
         k_cache, v_cache: (batch_size, seqlen_cache, nheads_k, headdim) without a block table,
             or (num_blocks, page_size, nheads_k, headdim) with one (a paged cache; any
-            page_size >= 1 on CPU tensors, a power of two in [16, 256] on the GPU, where others
-            raise NotImplementedError before the append). q's dtype and device.
+            page_size >= 1). q's dtype and device.
         k, v: optional (batch_size, seqlen_new, nheads_k, headdim): written into the caches at
             rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b (in place)
             before attending. Needs cache_seqlens.

@@ -52,17 +52,6 @@ void key_range(const FwdParams& p, const Seq& s, int64_t i, int64_t& lo, int64_t
   hi = p.window_right >= 0 ? std::min<int64_t>(s.len_k, diag + p.window_right + 1) : s.len_k;
 }
 
-/// A paged cache's rows at any page size (the CPU backend's; the GPU kernels' common::PagedRows
-/// takes powers of two): row j in page table[j / page], row j % page of it. Elem: the raw
-/// element (uint16_t for bf16 / f16, uint8_t for e4m3).
-template <class Elem>
-struct AnyPagedRows {
-  const Elem* base;  ///< row 0 of page 0 (the head offset applied)
-  const int32_t* table;
-  int64_t page_stride, ld, page;
-  const Elem* row(int64_t j) const { return base + table[j / page] * page_stride + (j % page) * ld; }
-};
-
 /// Rows of a paged source from row `first` on (a KV cache's cache_leftpad).
 template <class Rows>
 struct RowsFrom {
@@ -81,13 +70,13 @@ void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& 
   const auto* k = static_cast<const Elem*>(p.k);
   const auto* v = static_cast<const Elem*>(p.v);
   const int64_t pad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
-  if (p.block_table && (p.page_size & (p.page_size - 1)) != 0) {
+  if (p.block_table && (p.page_size & (p.page_size - 1)) != 0) {  // any page size
     const int32_t* table = p.block_table_row(b);
-    using R = AnyPagedRows<Elem>;
+    using R = common::GatheredRows<const Elem>;
     fn(RowsFrom<R>{R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
-                     p.page_size}, pad},
+                     p.page_div}, pad},
        RowsFrom<R>{R{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride,
-                     p.page_size}, pad});
+                     p.page_div}, pad});
     return;
   }
   if (p.block_table) {

@@ -8,15 +8,16 @@
 
 namespace hipflash::gpu {
 
-/// The head-group decode kernel's launch traits (kPaged: the instantiation reading a paged KV
-/// cache).
-template <class Traits, bool kPaged>
+/// The head-group decode kernel's launch traits (kKv: where the instantiation reads K / V).
+template <class Traits, common::KvRows kKv>
 struct DecodeHeadsLaunch : NoPrepare {
   using Tile = decode::DecodeHeadsTile<Traits::kHeadDim>;
   using Scheduler = decode::HeadsScheduler;
-  static constexpr auto kKernel = decode::fwd_decode_heads_kernel<Traits, kPaged>;
+  static constexpr auto kKernel = decode::fwd_decode_heads_kernel<Traits, kKv>;
   static constexpr const char* kName =
-      kPaged ? "head-group decode (paged KV cache)" : "head-group decode";
+      kKv == common::KvRows::contiguous ? "head-group decode"
+      : kKv == common::KvRows::pages  ? "head-group decode (paged KV cache)"
+                                      : "head-group decode (paged KV cache, rows gathered)";
   static_assert(Tile::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
   static_assert(Tile::kHeads == kDecodeHeadsPerBlock, "the selector's kv-head bound is the group");
 };

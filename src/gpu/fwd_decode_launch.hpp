@@ -8,13 +8,16 @@
 
 namespace hipflash::gpu {
 
-/// The decode kernel's launch traits (kPaged: the instantiation reading a paged KV cache).
-template <class Traits, bool kPaged>
+/// The decode kernel's launch traits (kKv: where the instantiation reads K / V).
+template <class Traits, common::KvRows kKv>
 struct DecodeLaunch : NoPrepare {
   using Tile = decode::TileOf<Traits>;  // K / V of q's dtype or e4m3
   using Scheduler = decode::Scheduler;
-  static constexpr auto kKernel = decode::fwd_decode_kernel<Traits, kPaged>;
-  static constexpr const char* kName = kPaged ? "decode (paged KV cache)" : "decode";
+  static constexpr auto kKernel = decode::fwd_decode_kernel<Traits, kKv>;
+  static constexpr const char* kName =
+      kKv == common::KvRows::contiguous ? "decode"
+      : kKv == common::KvRows::pages  ? "decode (paged KV cache)"
+                                      : "decode (paged KV cache, rows gathered)";
   static_assert(Tile::kBlockM == kDecodeMaxRows, "the selector's decode bound is the query block");
 };
 

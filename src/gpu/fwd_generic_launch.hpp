@@ -7,13 +7,16 @@
 
 namespace hipflash::gpu {
 
-/// The generic kernel's launch traits (kPaged: the instantiation reading a paged KV cache).
-template <class Traits, bool kPaged>
+/// The generic kernel's launch traits (kKv: where the instantiation reads K / V).
+template <class Traits, common::KvRows kKv>
 struct GenericLaunch : NoPrepare {
   using Tile = generic::Tile<Traits::kHeadDim>;
   using Scheduler = generic::Scheduler;
-  static constexpr auto kKernel = generic::fwd_generic_kernel<Traits, kPaged>;
-  static constexpr const char* kName = kPaged ? "generic (paged KV cache)" : "generic";
+  static constexpr auto kKernel = generic::fwd_generic_kernel<Traits, kKv>;
+  static constexpr const char* kName =
+      kKv == common::KvRows::contiguous ? "generic"
+      : kKv == common::KvRows::pages  ? "generic (paged KV cache)"
+                                      : "generic (paged KV cache, rows gathered)";
 };
 
 template <class Traits>
@@ -23,7 +26,7 @@ void launch_generic_fwd(const FwdParams& p, port::stream_t stream) {
 #else
   HIPFLASH_CHECK_AS(not_implemented, p.block_table == nullptr,
                     "the AMD generic kernel does not read a paged KV cache");
-  launch_fwd<GenericLaunch<Traits, false>>(p, stream);
+  launch_fwd<GenericLaunch<Traits, common::KvRows::contiguous>>(p, stream);
 #endif  // HIPFLASH_PLATFORM_NVIDIA
 }
 

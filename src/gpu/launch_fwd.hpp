@@ -13,6 +13,7 @@
 #include "backend.hpp"  // device_arch
 #include "gpu/device_guard.hpp"
 #include "gpu/launch_api.hpp"
+#include "hipflash/kvcache.hpp"  // grouped_page_size
 
 namespace hipflash::gpu {
 
@@ -80,14 +81,18 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
     port::check(err, (std::string("launching the ") + Launch::kName + " forward kernel").c_str());
 }
 
-/// A kernel with an instantiation for a paged KV cache (Launch<Traits, true>: K and V through
-/// the block table) and one for contiguous K / V: the one the call needs.
-template <template <class, bool> class Launch, class Traits>
+/// A kernel with instantiations for each place K / V live (common::KvRows): contiguous rows, a
+/// paged cache in pages of a power of two from 16 rows (a 16-row group shares a page), or in
+/// pages of any other size (each row gathered through the block table): the one the call needs.
+template <template <class, common::KvRows> class Launch, class Traits>
 void launch_fwd_paged_or_not(const FwdParams& p, port::stream_t stream) {
-  if (p.block_table != nullptr)
-    launch_fwd<Launch<Traits, true>>(p, stream);
+  using common::KvRows;
+  if (p.block_table == nullptr)
+    launch_fwd<Launch<Traits, KvRows::contiguous>>(p, stream);
+  else if (grouped_page_size(p.page_size))
+    launch_fwd<Launch<Traits, KvRows::pages>>(p, stream);
   else
-    launch_fwd<Launch<Traits, false>>(p, stream);
+    launch_fwd<Launch<Traits, KvRows::gathered>>(p, stream);
 }
 
 /// Launch traits whose kernel takes nothing beyond (p, num_m_blocks).

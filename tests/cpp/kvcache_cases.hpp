@@ -153,13 +153,13 @@ inline std::string kv_name(const ::testing::TestParamInfo<KvCase>& info) {
 }
 inline void PrintTo(const KvCase& c, std::ostream* os) { *os << kv_case_name(c); }
 
-/// Page sizes 16 .. 256, GQA ratios 1, 2, 4, 8, cache lengths 0 .. a few pages (a sequence may
+/// Page sizes 1 .. 256 (powers of two and others), GQA ratios 1, 2, 4, 8, cache lengths 0 .. a few pages (a sequence may
 /// be empty; lengths on and off page boundaries) and one of 100k, with and without an append,
 /// masks, splits.
 inline std::vector<KvCase> kv_grid() {
   std::vector<KvCase> v;
   int i = 0;
-  for (int64_t page : {16, 32, 64, 128, 256})
+  for (int64_t page : {1, 3, 16, 32, 48, 64, 128, 256})  // gathered rows and 16-row groups
     for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{4, 4}, {8, 2}, {8, 1}}) {
       KvCase c;
       c.dt = i % 2 ? DType::f16 : DType::bf16;

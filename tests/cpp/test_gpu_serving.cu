@@ -236,7 +236,8 @@ TEST_F(Gpu, MergeBadCallsWriteNothing) {
 
 // ---- KV cache on the GPU (SPEC §7) -------------------------------------------------------------
 //
-// The append kernel, then the decode / generic kernel reading K/V through common::PagedRows (paged) or ContiguousRows: a paged
+// The append kernel, then the decode / generic kernel reading K/V through common::PagedRows or
+// GatheredRows (paged: a power of two from 16 rows, or any other page size) or ContiguousRows: a paged
 // and a contiguous cache give bitwise the same out and LSE, the appended caches equal the CPU
 // append bitwise, and the result matches the fp64 reference of the appended keys.
 
@@ -316,7 +317,7 @@ TEST_F(Gpu, KvCacheLongDecodeSplitsAndGqaPacking) {
 TEST_F(Gpu, ChunkedPrefillEqualsPackedKeysAndMatchesTheReference) {
   int i = 0;
   for (int64_t sq : {3, 70})
-    for (int64_t page : {16, 256})
+    for (int64_t page : {1, 7, 16, 256})
       for (bool causal : {false, true}) {
         KvCase c;
         c.sq = sq, c.hq = 8, c.hkv = 2, c.d = i % 2 ? 128 : 64, c.page = page;

@@ -238,10 +238,9 @@ def make_kv_cache(lens, capacity, hkv, d, dtype, page, seed=0, device="cpu"):
     ids = torch.randperm(blocks, generator=g)[: b * max_blocks].reshape(b, max_blocks).to(torch.int32)
     k_pages = torch.full((blocks, page, hkv, d), float("nan"), dtype=dtype)
     v_pages = torch.full_like(k_pages, float("nan"))
-    for i in range(b):
-        for e in range(max_blocks):
-            k_pages[ids[i, e]] = k[i, e * page:(e + 1) * page]
-            v_pages[ids[i, e]] = v[i, e * page:(e + 1) * page]
+    flat = ids.reshape(-1).long()  # page e of sequence i holds its rows [e page, (e + 1) page)
+    k_pages[flat] = k.reshape(b * max_blocks, page, hkv, d)
+    v_pages[flat] = v.reshape(b * max_blocks, page, hkv, d)
     return tuple(t.to(device) for t in (k, v, k_pages, v_pages, ids))
 
 

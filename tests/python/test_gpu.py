@@ -481,7 +481,7 @@ def test_merge_misaligned_view_and_bad_calls():
 @pytest.mark.parametrize("append", [0, 1, 5], ids=["attend", "append1", "append5"])
 @pytest.mark.parametrize("sq,causal", [(1, False), (1, True), (7, True)], ids=["decode", "decode_causal", "chunk7"])
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8), (16, 1)], ids=lambda h: f"h{h[0]}_{h[1]}")
-@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("page", [1, 5, 16, 48, 256, 512])  # any size: gathered rows, or groups
 def test_kvcache_paged_equals_contiguous(page, heads, sq, causal, append):
     hq, hkv = heads
     lens = [3 * page + 7, 0, page, 100]
@@ -523,19 +523,37 @@ def test_kvcache_splits_match(num_splits):
     check_kv_per_sequence(out, lse, q, k, v, [5000, 17])
 
 
-@pytest.mark.skipif(ON_CPU, reason="the CPU backend takes any page size")
-@pytest.mark.parametrize("page", [1, 12, 512])
-def test_kvcache_page_sizes_the_kernels_lack_are_refused_before_the_append(page):
-    k, v, k_pages, v_pages, table = make_kv_cache([20, 3], 2 * 512, 2, 64, torch.bfloat16, page,
-                                                  seed=2, device=DEVICE)
-    before = k_pages.clone()
-    q = torch.randn(2, 1, 4, 64).bfloat16().to(DEVICE)
-    k_new = torch.randn(2, 1, 2, 64).bfloat16().to(DEVICE)
-    seqlens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="runs on the CPU backend only"):
-        hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, k_new.clone(), seqlens,
-                                         block_table=table)
-    assert_bitwise_equal(k_pages, before, "k_pages")
+@pytest.mark.skipif(ON_CPU, reason="the head-group decode kernel: a GPU kernel (the CPU backend "
+                    "takes every page size in test_kvcache.py)")
+@pytest.mark.parametrize("page", [1, 3, 16])
+def test_kvcache_head_group_decode_reads_any_page_size(page):
+    # B = 32, GQA 32/8, 4200 keys a sequence: from 32 head groups x batches and 128k keys the
+    # head-group decode kernel takes packed decode on sm_90 (the selector's rule); pages of one
+    # and three rows gather each row through the block table, 16 read a 16-row group at once.
+    # Bitwise the contiguous cache, after appending one row in place, against the reference.
+    lens = [4200 - 37 * (i % 5) for i in range(32)]
+    capacity = ((max(lens) + 1 + page - 1) // page) * page
+    k, v, k_pages, v_pages, table = make_kv_cache(lens, capacity, 8, 128, torch.bfloat16, page,
+                                                  seed=page, device=DEVICE)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(32, 1, 32, 128, generator=g).bfloat16().to(DEVICE)
+    k_new = torch.randn(32, 1, 8, 128, generator=g).bfloat16().to(DEVICE)
+    v_new = torch.randn(32, 1, 8, 128, generator=g).bfloat16().to(DEVICE)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out_c, lse_c = hipflash.flash_attn_with_kvcache(q, k, v, k_new, v_new, seqlens,
+                                                    return_lse=True)
+    out_p, lse_p = hipflash.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, seqlens,
+                                                    block_table=table, return_lse=True)
+    name = hipflash.last_kernel_name()
+    sync()
+    assert_bitwise_equal(out_p, out_c, "out")
+    assert_bitwise_equal(lse_p, lse_c, "lse")
+    check_kv_per_sequence(out_c[:4], lse_c[:4], q[:4], k[:4], v[:4], [n + 1 for n in lens[:4]])
+    for i, n in enumerate(lens):
+        assert torch.equal(k_pages[table[i, n // page], n % page], k_new[i, 0])
+    if torch.cuda.get_device_capability() == (9, 0) and "sm90" in hipflash.build_info():
+        heads = os.environ.get("HIPFLASH_DECODE_HEADS", "")[:1] != "0"
+        assert name.startswith("fwd_decode_heads_" if heads else "fwd_decode_"), name
 
 
 @pytest.mark.parametrize("sq", [1, 5, 33])
@@ -576,7 +594,7 @@ def test_kvcache_head_major_equals_row_major(page, append, sq):
         check_kv_per_sequence(out, lse, q, k, v, [n + append for n in lens], causal=True)
 
 
-@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("page", [1, 8, 16, 256])  # 1 and 8: rows gathered
 def test_kvcache_full_caches_without_cache_seqlens(page):
     # cache_seqlens=None: every sequence fills its cache, and no lengths are copied back to the
     # host (the serving benchmark's paged calls). Decode shape (GQA 32/8 packed), bitwise the
