@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "backend.hpp"  // device_arch
+#include "common/kv_source.hpp"  // KvRows
 #include "gpu/device_guard.hpp"
 #include "gpu/launch_api.hpp"
 #include "hipflash/kvcache.hpp"  // grouped_page_size
