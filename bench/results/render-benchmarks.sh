@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 python3 bench/make_report.py \
   bench/results/h200-2026-12-01j/full:fa-grid,head-dims,lse-overhead,varlen,host-overhead \
   bench/results/h200-2026-12-02b/decode \
-  bench/results/h200-2026-12-02/serving \
+  bench/results/h200-2026-12-04g/serving \
   bench/results/h200-2026-12-04e/decode-fp8 \
   bench/results/h200-2026-12-04f/fwd-fp8 \
   --allow-partial \
