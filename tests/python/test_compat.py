@@ -178,3 +178,94 @@ def test_softcap_none_is_off_and_a_tensor_is_refused():
     assert torch.equal(fa2.flash_attn_func(q, k, v, softcap=None), hipflash.flash_attn_func(q, k, v))
     with pytest.raises(NotImplementedError, match="softcap"):
         fa3.flash_attn_func(q, k, v, softcap=torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page", [0, 5, 16], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("batch_idx", [False, True], ids=["", "batch_idx"])
+def test_fa3_varlen_queries_append_packed_keys(device, page, rotary, causal, batch_idx):
+    """FA3's flash_attn_with_kvcache with cu_seqlens_q and cu_seqlens_k_new: the packed new
+    rows land at cache_seqlens[b] of each sequence's cache (paged or contiguous, through
+    cache_batch_idx), and each sequence's rows equal the batched call on that sequence alone
+    (hipflash's own append and rotary), out and LSE."""
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, cap = 4, 2, 64, 80
+    lens, new, sq = [20, 0, 33], [3, 5, 0], [3, 5, 2]
+    n_cache = 5 if batch_idx else 3
+    entries = [4, 0, 2] if batch_idx else [0, 1, 2]
+    kc = torch.randn(n_cache, cap, hkv, d, generator=g).to(BF16)
+    vc = torch.randn(n_cache, cap, hkv, d, generator=g).to(BF16)
+    q = torch.randn(sum(sq), hq, d, generator=g).to(BF16)
+    k = torch.randn(sum(new), hkv, d, generator=g).to(BF16)
+    v = torch.randn(sum(new), hkv, d, generator=g).to(BF16)
+    cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    cu_new = torch.tensor([0, 3, 8, 8], dtype=torch.int32)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    cos = sin = None
+    if rotary:
+        angle = torch.rand(64, 16, generator=g) * 6.3
+        cos, sin = angle.cos(), angle.sin()
+    kw = dict(cache_seqlens=seqlens.to(device), cu_seqlens_q=cu_q.to(device),
+              cu_seqlens_k_new=cu_new.to(device), max_seqlen_q=5, causal=causal,
+              return_softmax_lse=True,
+              cache_batch_idx=torch.tensor(entries, dtype=torch.int32, device=device)
+              if batch_idx else None,
+              rotary_cos=cos.to(device) if rotary else None,
+              rotary_sin=sin.to(device) if rotary else None)
+    if page:  # the same rows in pages of `page` rows, scattered
+        per = cap // page
+        perm = torch.randperm(n_cache * per, generator=g)
+        kp = torch.empty(n_cache * per, page, hkv, d, dtype=BF16)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.reshape(n_cache * per, page, hkv, d)
+        vp[perm] = vc.reshape(n_cache * per, page, hkv, d)
+        table = perm.view(n_cache, per).to(torch.int32)
+        caches = (kp.to(device), vp.to(device))
+        kw["page_table"] = table.to(device)
+    else:
+        caches = (kc.clone().to(device), vc.clone().to(device))
+    out, lse = fa3.flash_attn_with_kvcache(q.to(device), *caches, k=k.to(device),
+                                           v=v.to(device), **kw)
+    out, lse, got_k = out.cpu(), lse.cpu(), caches[0].cpu()
+    if page:  # back to [entry, row] order
+        got_k = got_k[table.long()].reshape(n_cache, cap, hkv, d)
+    for b in range(3):
+        e, nq, nn = entries[b], slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_new[b]), int(cu_new[b + 1]))
+        kb, vb = kc[e:e + 1].clone(), vc[e:e + 1].clone()
+        want, want_lse = hipflash.flash_attn_with_kvcache(
+            q[None, nq], kb, vb, k[None, nn] if new[b] else None, v[None, nn] if new[b] else None,
+            torch.tensor([lens[b]], dtype=torch.int32), causal=causal, return_lse=True,
+            rotary_cos=cos if rotary and new[b] else None,
+            rotary_sin=sin if rotary and new[b] else None)
+        if rotary and not new[b]:  # hipflash's batched call rotates on append only: q by hand
+            from hipflash import _rotary
+            pos = torch.full((1, sq[b]), lens[b]) + (torch.arange(sq[b]) if causal else 0)
+            qb = _rotary.rotate(q[None, nq], cos, sin, pos, True)
+            want, want_lse = hipflash.flash_attn_with_kvcache(
+                qb, kb, vb, cache_seqlens=torch.tensor([lens[b]], dtype=torch.int32),
+                causal=causal, return_lse=True)
+        torch.testing.assert_close(out[nq], want[0], rtol=0, atol=2e-2, msg=f"sequence {b} out")
+        torch.testing.assert_close(lse[:, nq], want_lse[0], rtol=0, atol=1e-4,
+                                   msg=f"sequence {b} lse")
+        assert torch.equal(got_k[e, :lens[b] + new[b]], kb[0, :lens[b] + new[b]]), f"cache {b}"
+        assert torch.equal(got_k[e, lens[b] + new[b]:], kc[e, lens[b] + new[b]:]), f"past {b}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fa3_varlen_append_refused_before_writing(device):
+    kc = torch.zeros(2, 8, 1, 64, dtype=BF16, device=device)
+    vc = torch.zeros_like(kc)
+    q = torch.randn(4, 2, 64).to(BF16).to(device)
+    k = torch.ones(6, 1, 64, dtype=BF16, device=device)
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    cu_new = torch.tensor([0, 1, 6], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([3, 4], dtype=torch.int32, device=device)  # 4 + 5 rows > 8
+    with pytest.raises(ValueError, match="fit its cache"):
+        fa3.flash_attn_with_kvcache(q, kc, vc, k=k, v=k.clone(), cache_seqlens=seqlens,
+                                    cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new, max_seqlen_q=2)
+    with pytest.raises(ValueError, match="together"):
+        fa3.flash_attn_with_kvcache(q, kc, vc, k=k, v=k.clone(), cache_seqlens=seqlens,
+                                    cu_seqlens_q=cu_q, max_seqlen_q=2)
+    assert not kc.any() and not vc.any()

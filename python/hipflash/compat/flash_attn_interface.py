@@ -10,9 +10,9 @@ Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
 NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs where
 hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD gfx94x / gfx950), attention_chunk,
-varlen queries appending new keys (cu_seqlens_k_new) or with cache_leftpad or rotary embedding
-(cache_batch_idx, cache_leftpad and rotary_cos / rotary_sin / rotary_seqlens run with batched
-queries). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
+varlen queries with cache_leftpad. Varlen queries against a KV cache (paged or contiguous, with
+cache_batch_idx, rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's
+chunked prefill after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
 GPU forward (the GPU backward refuses them); softcap
 on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
 the kernels cap scores).
@@ -20,6 +20,7 @@ the kernels cap scores).
 import torch
 
 import hipflash
+from hipflash import _varlen_kv
 
 from ._common import refuse, softcap_value, split_qkv
 
@@ -107,29 +108,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if rotary_cos is None and rotary_sin is None:
         rotary_seqlens = None
     _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
-    refuse("cu_seqlens_k_new", cu_seqlens_k_new, None)
     if cu_seqlens_q is not None:
-        for name, value in (("cache_leftpad", cache_leftpad), ("rotary_cos", rotary_cos),
-                            ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens)):
-            refuse(name, value, None, f"{name} with varlen queries")
-        if k is not None or v is not None:
-            raise NotImplementedError("hipflash.compat: varlen queries (cu_seqlens_q) appending "
-                                      "new keys (k, v) are not supported by hipflash yet")
-        if page_table is None or cache_seqlens is None or max_seqlen_q is None:
-            raise NotImplementedError("hipflash.compat: varlen queries (cu_seqlens_q) need "
-                                      "page_table, cache_seqlens and max_seqlen_q here")
-        if not isinstance(cache_seqlens, torch.Tensor):
-            raise TypeError("cache_seqlens must be an int32 tensor with varlen queries")
-        cu_k = torch.zeros(cache_seqlens.numel() + 1, dtype=torch.int32, device=q.device)
-        torch.cumsum(cache_seqlens, 0, out=cu_k[1:])
-        max_k = page_table.shape[1] * k_cache.shape[1]
-        if cache_batch_idx is not None:  # FlashAttention 3's rule: it picks page_table rows
-            page_table = page_table.index_select(0, cache_batch_idx.to(torch.long))
-        return hipflash.flash_attn_varlen_func(
-            q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, max_k,
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
-            lse_layout="packed", block_table=page_table, softcap=softcap_value(softcap))
+        refuse("cache_leftpad", cache_leftpad, None, "cache_leftpad with varlen queries")
+        return _varlen_kv.with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
+            cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
+            bool(rotary_interleaved), softmax_scale, causal, window_size, _splits(num_splits),
+            bool(return_softmax_lse), softcap_value(softcap))
+    refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,

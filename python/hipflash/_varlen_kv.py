@@ -1,0 +1,121 @@
+"""Varlen queries against a KV cache with an append (FlashAttention 3's flash_attn_with_kvcache
+with cu_seqlens_q and, for the new keys, cu_seqlens_k_new): the new rows are written into the
+cache by PyTorch ops (an indexed copy, after every check), then hipflash's chunked prefill
+(flash_attn_varlen_func with a block table) attends. A contiguous cache [B_cache, S, Hkv, D] is
+read as pages of S rows (sequence b's table row: its cache entry), so both layouts take one path.
+"""
+import torch
+
+import hipflash
+
+from . import _rotary
+
+
+def _int32_vector(t, name, n, device):
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int32:
+        raise ValueError(f"{name} must be an int32 tensor of shape ({n},)")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    return t
+
+
+def _rotated(x, cos, sin, base, cu, per_row, interleaved):
+    """Packed rows x [T, H, D] rotated at base[b] (+ i, the row's index in its sequence, where
+    per_row) for the rows of sequence b (cu: its prefix sums)."""
+    lens = (cu[1:] - cu[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=x.device), lens)
+    pos = base.long()[seq]
+    if per_row:
+        pos = pos + torch.arange(x.shape[0], device=x.device) - cu.long()[seq]
+    return _rotary.rotate(x[None], cos, sin, pos[None], interleaved)[0]
+
+
+def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                 cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin,
+                 rotary_seqlens, rotary_interleaved, softmax_scale, causal, window_size,
+                 num_splits, return_lse, softcap):
+    """FlashAttention 3's varlen kvcache call; returns what flash_attn_varlen_func does."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) must be given together")
+    if (k is None) != (cu_seqlens_k_new is None):
+        raise ValueError("varlen queries append new keys with cu_seqlens_k_new (the new rows' "
+                         "prefix sums): give k, v and cu_seqlens_k_new together")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
+        raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of length batch + 1")
+    if max_seqlen_q is None or cache_seqlens is None:
+        raise ValueError("varlen queries against a KV cache need max_seqlen_q and cache_seqlens")
+    dev, batch = q.device, cu_seqlens_q.shape[0] - 1
+    # q and the caches checked here, as the attention call would, before anything is written.
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q must be packed [total_q, nheads, headdim] and k_cache / v_cache "
+                         f"[num_blocks or batch, page or seqlen, nheads_k, headdim], got "
+                         f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype or k_cache.device != dev:
+        raise ValueError(f"q, k_cache and v_cache must share a dtype and device, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if q.shape[-1] != k_cache.shape[-1] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of the cache's "
+                         f"({k_cache.shape[2]}) and the head dims equal")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=dev)
+    _int32_vector(cache_seqlens, "cache_seqlens", batch, dev)
+    # The cache as pages: a page table's rows (cache_batch_idx picks them, FA3's rule), or a
+    # contiguous cache's entries as one page each.
+    if cache_batch_idx is not None:
+        _int32_vector(cache_batch_idx, "cache_batch_idx", batch, dev)
+        entries = cache_batch_idx
+    else:
+        entries = None
+    if page_table is not None:
+        table = page_table if entries is None else page_table.index_select(0, entries.long())
+    else:
+        rows = entries if entries is not None else torch.arange(batch, dtype=torch.int32,
+                                                                device=dev)
+        table = rows.to(torch.int32).view(batch, 1)
+    page = k_cache.shape[1]
+    capacity = table.shape[1] * page
+    lens = cache_seqlens
+    if k is not None:
+        _int32_vector(cu_seqlens_k_new, "cu_seqlens_k_new", batch + 1, dev)
+        for name, t in (("k", k), ("v", v)):
+            want = (int(cu_seqlens_k_new[-1]),) + tuple(k_cache.shape[2:])
+            if tuple(t.shape) != want or t.dtype != k_cache.dtype or t.device != dev:
+                raise ValueError(f"{name} must be the packed new rows {list(want)} in the "
+                                 f"cache's dtype {k_cache.dtype} on {dev}, got "
+                                 f"{list(t.shape)} {t.dtype} on {t.device}")
+        new_lens = cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
+        if batch and int(new_lens.min()) < 0:
+            raise ValueError("cu_seqlens_k_new must be non-decreasing")
+        lens = cache_seqlens + new_lens
+    if batch and (int(cache_seqlens.min()) < 0 or int(lens.max()) > capacity):
+        raise ValueError(f"each sequence's cached plus new keys must fit its cache ({capacity} "
+                         f"rows), got lengths up to {int(lens.max())}")
+    if rotary_cos is not None:
+        base = cache_seqlens if rotary_seqlens is None else _int32_vector(
+            rotary_seqlens, "rotary_seqlens", batch, dev)
+        left, right = window_size
+        per_row = bool(causal) or left >= 0 or right >= 0
+        q = _rotated(q, rotary_cos, rotary_sin, base, cu_seqlens_q, per_row, rotary_interleaved)
+        if k is not None:
+            k = _rotated(k, rotary_cos, rotary_sin, base, cu_seqlens_k_new, True,
+                         rotary_interleaved)
+    if k is not None and k.shape[0]:  # the append: row cache_seqlens[b] + j of sequence b
+        seq = torch.repeat_interleave(torch.arange(batch, device=dev), new_lens.long())
+        row = cache_seqlens.long()[seq] + torch.arange(k.shape[0], device=dev) \
+            - cu_seqlens_k_new.long()[seq]
+        pages = table.long()[seq, torch.div(row, page, rounding_mode="floor")]
+        if int(pages.min()) < 0 or int(pages.max()) >= k_cache.shape[0]:
+            raise ValueError(f"the new rows' pages (or cache entries) must lie in the cache "
+                             f"(0 .. {k_cache.shape[0] - 1}), got {int(pages.min())} .. "
+                             f"{int(pages.max())}")
+        k_cache[pages, row % page] = k
+        v_cache[pages, row % page] = v
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(lens, 0, out=cu_k[1:])
+    return hipflash.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, capacity,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        num_splits=num_splits, return_lse=return_lse, lse_layout="packed", block_table=table,
+        softcap=softcap)
