@@ -6,7 +6,7 @@
 // q        [B, Sq, Hq, D]                      bf16 / f16, last dimension contiguous (the
 //          caches q's dtype, or float8_e4m3fn with KvCacheOptions::k_scale / v_scale: CPU only)
 // k_cache  [B, S_cache, Hkv, D]                contiguous cache (block_table == nullptr), or
-//          [num_blocks, page_size, Hkv, D]     paged cache, page_size a power of two in [16, 256]
+//          [num_blocks, page_size, Hkv, D]     paged cache, any page_size >= 1
 // v_cache  the shape of k_cache
 // block_table   int32 [B, max_blocks], last dimension contiguous: row j of sequence b lives in
 //               page block_table[b][j / page_size], at row j % page_size of that page
@@ -84,8 +84,8 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
 
 /// Chunked prefill (SPEC §7): varlen queries against a paged KV cache, FlashAttention-2's
 /// `flash_attn_varlen_func(..., block_table=...)`. q / out [total_q, Hq, D] with cu_seqlens_q as
-/// for varlen_forward; k_cache / v_cache [num_blocks, page_size, Hkv, D] (page_size a power of
-/// two in [16, 256]); block_table int32 [B, max_blocks]; cu_seqlens_k int32 [B + 1]: sequence b
+/// for varlen_forward; k_cache / v_cache [num_blocks, page_size, Hkv, D] (any page_size >= 1);
+/// block_table int32 [B, max_blocks]; cu_seqlens_k int32 [B + 1]: sequence b
 /// attends to the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its cache (the cache
 /// already holds the chunk's own keys), causal / windows bottom-right against that length; LSE
 /// in opts.lse_layout. Checked first: everything varlen_forward checks, the page size, each

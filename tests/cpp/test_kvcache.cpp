@@ -48,8 +48,8 @@ TEST_P(KvCache, PagedEqualsContiguousBitwiseAndMatchesTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Grid, KvCache, ::testing::ValuesIn(kv_grid()), kv_name);
 
-/// Page sizes the GPU kernels do not take (the CPU backend's any page size >= 1): SGLang's 1,
-/// odd sizes, and powers of two outside [16, 256].
+/// Page sizes beyond the grid's (any page size >= 1; the GPU gathers rows for those that are not
+/// powers of two from 16): SGLang's 1, odd sizes, and powers of two outside [16, 256].
 std::vector<KvCase> any_page_grid() {
   std::vector<KvCase> v;
   int i = 0;
