@@ -186,12 +186,6 @@ BwdParams gpu_params(const FwdParams& fp, const TensorRef& dout, const TensorRef
 
 /// What the GPU backward cannot run yet, refused before anything is written.
 void refuse_on_gpu(const FwdParams& p) {
-  HIPFLASH_CHECK_AS(not_implemented, p.softcap == 0.f,
-                    "softcap's backward runs on the CPU backend only: the GPU backward kernels "
-                    "do not cap scores yet (the GPU forward does)");
-  HIPFLASH_CHECK_AS(not_implemented, p.alibi_slopes == nullptr,
-                    "ALiBi's backward runs on the CPU backend only: the GPU backward kernels do "
-                    "not add the bias yet (the GPU forward does)");
   HIPFLASH_CHECK_AS(not_implemented, p.seqused_q == nullptr && p.seqused_k == nullptr,
                     "seqused_q / seqused_k in the backward run on the CPU backend only: the GPU "
                     "backward kernels do not read them yet (the GPU forward does)");

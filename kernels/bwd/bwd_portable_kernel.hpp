@@ -33,6 +33,33 @@ struct PortableTile {
   static_assert(kBlockM * kBlockN == kThreads, "one thread per (row, key) pair");
 };
 
+/// The forward's score modifiers (SPEC §3) for one (batch, query head), recomputed as the
+/// forward kernels apply them (common::ScoreCap, then common::ScoreBias): the capped score
+/// tanh(s scale / cap) in units of the cap, then -(slope / unit) |i + diag - j|; the softmax's
+/// scale_log2 takes the unit (the cap, or softmax_scale) back. Neither: s as it is.
+struct ScoreMods {
+  float scale_log2;  ///< of the (capped, biased) score: the unit times log2 e
+  float cap_scale;   ///< softmax_scale / softcap; 0: no cap
+  float bias_k;      ///< slope / unit; 0: no ALiBi
+
+  __device__ __forceinline__ ScoreMods(const BwdParams& p, int64_t b, int64_t h) {
+    const float unit = p.softcap > 0.f ? p.softcap : p.softmax_scale;
+    scale_log2 = unit * detail::kLog2e;
+    cap_scale = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
+    bias_k = p.alibi_slopes ? p.alibi_slope(b, h) / unit : 0.f;
+  }
+  /// The modified score of s, and (slope) the cap's derivative 1 - tanh^2 (else left at 1).
+  __device__ __forceinline__ float apply(float s, int64_t dist, float& slope) const {
+    if (cap_scale > 0.f) {
+      const float t = detail::fast_tanh(s * cap_scale);
+      s = t;
+      slope = 1.f - t * t;
+    }
+    if (bias_k != 0.f) s = fmaf(-fabsf(float(dist)), bias_k, s);
+    return s;
+  }
+};
+
 /// The shared-memory tiles and the scores step both kernels share.
 template <class Traits>
 struct PortableStep {
@@ -70,17 +97,21 @@ struct PortableStep {
     }
   }
 
-  /// Thread (row qi, key kj): P and dS of the pair into p / ds. `valid`: the mask's verdict.
-  __device__ __forceinline__ void scores(int qi, int kj, bool valid, float scale_log2) {
+  /// Thread (row qi, key kj): P and dS of the pair into p / ds. `valid`: the mask's verdict;
+  /// `dist`: the row's distance from the key (i + diag - j, for ALiBi).
+  __device__ __forceinline__ void scores(int qi, int kj, bool valid, const ScoreMods& mods,
+                                         int64_t dist) {
     float s = 0.f, dp = 0.f;
 #pragma unroll 4
     for (int d = 0; d < Tile::kHeadDim; ++d) {
       s += B::to_float(q[qi * kP + d]) * B::to_float(k[kj * kP + d]);
       dp += B::to_float(dout[qi * kP + d]) * B::to_float(v[kj * kP + d]);
     }
-    const float pr = valid ? exp2f(s * scale_log2 - lse2[qi]) : 0.f;
+    float slope = 1.f;  // d(the score the softmax saw) / d(s): the cap's 1 - tanh^2
+    s = mods.apply(s, dist, slope);
+    const float pr = valid ? exp2f(s * mods.scale_log2 - lse2[qi]) : 0.f;
     p[qi][kj] = pr;
-    ds[qi][kj] = valid ? pr * (dp - delta[qi]) : 0.f;
+    ds[qi][kj] = valid ? pr * (dp - delta[qi]) * slope : 0.f;
   }
 };
 
@@ -99,7 +130,6 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups;
   const SeqBounds& seq = kb.seq;
   const int hd = int(p.head_dim);
-  const float scale_log2 = p.softmax_scale * detail::kLog2e;
 
   const W* k = k_rows<W>(p, b, seq.k_start, hk);
   const W* v = v_rows<W>(p, b, seq.k_start, hk);
@@ -114,6 +144,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
     const W* q = q_rows<W>(p, b, seq.q_start, h);
     const W* dout = dout_rows<W>(p, b, seq.q_start, h);
+    const ScoreMods mods(p, b, h);
     for (int64_t m0 = kb.row_lo; m0 < kb.row_hi; m0 += kBM) {
       __syncthreads();  // the previous step is done with q, dout, p, ds
       Step::load_rows(sm.q, q, p.q_row_stride, m0, seq.len_q, kBM, hd);
@@ -123,7 +154,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
       const bool valid = m0 + qi < seq.len_q &&
                          common::BlockInfo<kBM, kBN>::key_valid(p, m0 + qi, n0 + kj, seq.len_k,
                                                                 seq.diag, Traits::kMasked);
-      sm.scores(qi, kj, valid, scale_log2);
+      sm.scores(qi, kj, valid, mods, m0 + qi + seq.diag - (n0 + kj));
       __syncthreads();
       // Rows one at a time (not unrolled: the accumulators are the only live state).
       for (int r = 0; r < kBM; ++r) {
@@ -166,7 +197,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   const int64_t m0 = int64_t(bi.m_block) * kBM;
   if (m0 >= bi.len_q) return;
   const int hd = int(p.head_dim);
-  const float scale_log2 = p.softmax_scale * detail::kLog2e;
+  const ScoreMods mods(p, bi.b, bi.h);
 
   const W* q = q_rows<W>(p, bi.b, bi.q_start, bi.h);
   const W* dout = dout_rows<W>(p, bi.b, bi.q_start, bi.h);
@@ -187,7 +218,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
     const bool valid = m0 + qi < bi.len_q &&
                        common::BlockInfo<kBM, kBN>::key_valid(p, m0 + qi, n0 + kj, bi.len_k,
                                                               bi.diag, Traits::kMasked);
-    sm.scores(qi, kj, valid, scale_log2);
+    sm.scores(qi, kj, valid, mods, m0 + qi + bi.diag - (n0 + kj));
     __syncthreads();
     for (int c = 0; c < kBN; ++c) {
       const float dsc = sm.ds[qi][c];

@@ -231,18 +231,14 @@ def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _refuse_gpu_grad(q, softcap, alibi_slopes, seqused=False):
-    """The GPU forward caps scores, adds ALiBi and reads seqused, its backward does not yet: a
-    call that will need gradients is refused before it runs (not at backward time)."""
-    if q.device.type == "cpu":
-        return
-    for on, name in ((softcap, "softcap's backward"), (alibi_slopes is not None,
-                                                      "ALiBi's backward"),
-                     (seqused, "seqused_q / seqused_k in the backward")):
-        if on:
-            raise NotImplementedError(
-                f"{name} runs on the CPU backend only: the GPU backward kernels do not apply it "
-                "yet (the GPU forward does: call it under torch.no_grad() for inference)")
+def _refuse_gpu_grad(q, seqused):
+    """The GPU forward reads seqused, its backward does not yet: a call that will need
+    gradients is refused before it runs (not at backward time)."""
+    if q.device.type != "cpu" and seqused:
+        raise NotImplementedError(
+            "seqused_q / seqused_k in the backward run on the CPU backend only: the GPU backward "
+            "kernels do not apply it yet (the GPU forward does: call it under torch.no_grad() "
+            "for inference)")
 
 
 # ---- Public API ------------------------------------------------------------------------------
@@ -284,13 +280,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         softcap: float >= 0. Logit soft-capping (Gemma 2, FlashAttention 2's softcap): each
             scaled score s = softmax_scale * q_i . k_j becomes softcap * tanh(s / softcap)
             before the softmax; the LSE is that of the capped scores. 0 (the default) is off.
-            The forward runs on the CPU and NVIDIA GPUs; gradients on the CPU only for now (a
-            GPU call that needs them raises NotImplementedError before it runs).
+            The forward runs on the CPU and NVIDIA GPUs, the gradients on the CPU and the GPU
+            (there by the portable backward kernels: correct, not yet fast).
         alibi_slopes: optional (nheads,) or (batch_size, nheads) float32 tensor on q's device.
             ALiBi (BLOOM, MPT; FlashAttention 2's alibi_slopes): the bias
             ``-alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j|`` is added to each (capped)
             score; the LSE includes it. No gradient flows to the slopes. The forward runs on the
-            CPU and NVIDIA GPUs; gradients on the CPU only for now (as the softcap's).
+            CPU and NVIDIA GPUs, the gradients on the CPU and the GPU (as the softcap's).
         q_descale, k_descale, v_descale: fp8 (FlashAttention 3's): with torch.float8_e4m3fn
             q, k and v, optional float32 descale factors, each () / (1,) (the tensor's) or
             (batch_size, nheads_k) (a query head takes its kv head's): the scores are
@@ -349,7 +345,6 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
               return_lse, softcap, alibi_slopes, *descales)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
-        _refuse_gpu_grad(q, softcap, alibi_slopes)
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
                          bool(deterministic), softcap, alibi_slopes)
         return (out, lse) if return_lse else out
@@ -460,8 +455,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_lse, lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
-        _refuse_gpu_grad(q, softcap, alibi_slopes,
-                         seqused_q is not None or seqused_k is not None)
+        _refuse_gpu_grad(q, seqused_q is not None or seqused_k is not None)
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
                          lse_layout, bool(deterministic), softcap, alibi_slopes, seqused_q,

@@ -354,13 +354,16 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   const int hd = padded_head_dim(int(p.head_dim));
   HIPFLASH_CHECK_AS(not_implemented, head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, hd),
                     "head dim kernel hd", hd, " was not built");
-  // The portable kernels on AMD (the matrix-core backward is NVIDIA's mma.sync today) and,
-  // with HIPFLASH_BWD_PORTABLE=1, on NVIDIA too (for the tests). They are deterministic.
-  static const bool portable = [] {
+  // The portable kernels on AMD (the matrix-core backward is NVIDIA's mma.sync today), for a
+  // softcap or ALiBi (only they recompute the modified scores: fp32 FMAs, a correct backward,
+  // not a fast one) and, with HIPFLASH_BWD_PORTABLE=1, on NVIDIA too (for the tests). They are
+  // deterministic.
+  static const bool portable_always = [] {
     if (kVendor == Arch::amd) return true;
     const char* e = std::getenv("HIPFLASH_BWD_PORTABLE");
     return e != nullptr && e[0] == '1';
   }();
+  const bool portable = portable_always || p.softcap > 0.f || p.alibi_slopes != nullptr;
   if (portable) p.deterministic = true;
 
   BwdLaunch how;

@@ -323,17 +323,10 @@ inline std::vector<Case> cases() {
 inline std::vector<Case> gpu_refused_cases() {
   using E = Entry;
   const Err ni = Err::not_impl;
-  const char* softcap = "softcap's backward runs on the CPU backend only";
-  const char* alibi = "ALiBi's backward runs on the CPU backend only";
   return {
-      {"backward-softcap", E::backward, [](Call& c) { c.bopts.softcap = 30.f; }, ni, softcap},
-      {"varlen-backward-softcap", E::varlen_backward,
-       [](Call& c) { c.vbopts.softcap = 30.f; }, ni, softcap},
       {"varlen-backward-seqused", E::varlen_backward,
        [](Call& c) { c.vbopts.seqused_k = &c.Used; }, ni,
        "seqused_q / seqused_k in the backward run on the CPU backend only"},
-      {"backward-alibi", E::backward, [](Call& c) { c.bopts.alibi_slopes = &c.Slopes; }, ni,
-       alibi},
       // fp8 q, k, v run on the GPU (Hopper, AMD gfx94x / gfx950); with ALiBi they do not.
       {"forward-fp8-alibi", E::forward,
        [](Call& c) { make_fp8(c), c.opts.alibi_slopes = &c.Slopes; }, ni,

@@ -2,7 +2,7 @@
 -slope[b, h] * |i + Sk - Sq - j| after the softcap, with each sequence's own lengths, and the
 LSE includes it. The CPU backend runs it in the forward (dense, varlen, KV cache) and the
 backward, checked against the fp64 / fp32 references; the NVIDIA forward kernels add it too
-(checked on a GPU against the references), their backward refuses it before anything runs."""
+(checked on a GPU against the references), their backward too."""
 import pytest
 import torch
 
@@ -206,14 +206,27 @@ def test_gpu_varlen_and_kvcache_match_the_cpu():
 
 
 @needs_gpu
-def test_the_gpu_backward_refuses_it_before_running():
-    q, k, v = (t.cuda() for t in make_qkv(1, 8, 8, 2, 2, 64, BF16))
-    slopes = bloom_slopes(2).cuda()
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    with pytest.raises(NotImplementedError, match="ALiBi's backward"):
-        hipflash.flash_attn_func(qg, kg, vg, alibi_slopes=slopes)
-    with torch.no_grad():  # inference with inputs that require grad: the forward runs
-        assert torch.isfinite(hipflash.flash_attn_func(qg, kg, vg, alibi_slopes=slopes)).all()
-    out, lse = hipflash.flash_attn_func(q, k, v, return_lse=True)
-    with pytest.raises(NotImplementedError, match="ALiBi's backward"):
-        torch.ops.hipflash.bwd(out, q, k, v, out, lse, None, False, -1, -1, False, 0.0, slopes)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gpu_gradients_match_fp64_autograd(case, softcap, deterministic):
+    """The GPU backward (the portable kernels, which recompute the biased scores) within
+    FlashAttention's rule of fp64 autograd, and not the gradients without the bias."""
+    b, sq, sk, hq, hkv, d, causal, window = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=7)
+    dout = torch.randn(b, sq, hq, d, generator=torch.Generator().manual_seed(8)).to(BF16)
+    slopes = bloom_slopes(hq, b) * 4
+    kw = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
+    _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, **kw), q, k, v, dout)
+    _, glp = grads(lambda *a: torch_attention(*a, BF16, **kw), q, k, v, dout)
+
+    def on_gpu(alibi):
+        _, g = grads(lambda *a: hipflash.flash_attn_func(
+            *a, causal=causal, window_size=window, softcap=softcap,
+            alibi_slopes=slopes.cuda() if alibi else None, deterministic=deterministic),
+            q, k, v, dout, device="cuda")
+        return [t.cpu() for t in g]
+    ghf, gplain = on_gpu(True), on_gpu(False)
+    for name, ours, low, ref, plain in zip("qkv", ghf, glp, g64, gplain):
+        assert_flash_rule(name, ours, low, ref)
+        assert not torch.equal(ours, plain), f"d{name}: the bias changed nothing"

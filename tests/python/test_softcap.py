@@ -2,7 +2,7 @@
 scaled score s becomes softcap * tanh(s / softcap) before the softmax, and the LSE is that of the
 capped scores. The CPU backend runs it in the forward (dense, varlen, KV cache) and the
 backward, the NVIDIA GPU kernels in the forward, checked here against the fp64 / fp32
-references; the GPU backward refuses it with NotImplementedError before anything runs."""
+references, the GPU backward too."""
 import math
 
 import pytest
@@ -190,14 +190,24 @@ def test_gpu_varlen_and_kvcache_match_the_cpu():
 
 
 @needs_gpu
-def test_the_gpu_backward_refuses_it_before_running():
-    q, k, v = (t.cuda() for t in make_qkv(1, 8, 8, 2, 2, 64, BF16))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    with pytest.raises(NotImplementedError, match="softcap's backward"):
-        hipflash.flash_attn_func(qg, kg, vg, softcap=30.0)
-    with torch.no_grad():  # inference with inputs that require grad: the forward runs
-        assert torch.isfinite(hipflash.flash_attn_func(qg, kg, vg, softcap=30.0)).all()
-    out = hipflash.flash_attn_func(q, k, v, return_lse=True)[0]
-    lse = hipflash.flash_attn_func(q, k, v, return_lse=True)[1]
-    with pytest.raises(NotImplementedError, match="softcap's backward"):
-        torch.ops.hipflash.bwd(out, q, k, v, out, lse, None, False, -1, -1, False, 30.0)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gpu_gradients_match_fp64_autograd(case, deterministic):
+    """The GPU backward (the portable kernels, which recompute the capped scores) within
+    FlashAttention's rule of fp64 autograd, and not the plain gradients."""
+    b, sq, sk, hq, hkv, d, causal, window = case
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, d, BF16, seed=7)
+    dout = torch.randn(b, sq, hq, d, generator=torch.Generator().manual_seed(8)).to(BF16)
+    kw = dict(causal=causal, window=window, scale=1.0, softcap=4.0)
+    _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, **kw), q, k, v, dout)
+    _, glp = grads(lambda *a: torch_attention(*a, BF16, **kw), q, k, v, dout)
+
+    def on_gpu(softcap):
+        _, g = grads(lambda *a: hipflash.flash_attn_func(
+            *a, softmax_scale=1.0, causal=causal, window_size=window, softcap=softcap,
+            deterministic=deterministic), q, k, v, dout, device="cuda")
+        return [t.cpu() for t in g]
+    ghf, gplain = on_gpu(4.0), on_gpu(0.0)
+    for name, ours, low, ref, plain in zip("qkv", ghf, glp, g64, gplain):
+        assert_flash_rule(name, ours, low, ref)
+        assert not torch.equal(ours, plain), f"d{name}: the cap changed nothing"

@@ -12,10 +12,9 @@ NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there r
 hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD gfx94x / gfx950), attention_chunk,
 varlen queries with cache_leftpad. Varlen queries against a KV cache (paged or contiguous, with
 cache_batch_idx, rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's
-chunked prefill after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py). seqused_q / seqused_k run on CPU tensors and in the NVIDIA
-GPU forward (the GPU backward refuses them); softcap
-on CPU tensors and in the NVIDIA GPU forward (its GPU backward raises NotImplementedError until
-the kernels cap scores).
+chunked prefill after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py).
+seqused_q / seqused_k run on CPU tensors and in the NVIDIA GPU forward (the GPU backward refuses
+them); softcap runs on CPU tensors and NVIDIA GPUs, forward and backward.
 """
 import torch
 
