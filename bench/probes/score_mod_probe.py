@@ -3,10 +3,11 @@
 # [B, S, H, D], B * S = 16k, H * D = 2048): the modified output checked first against PyTorch's
 # fp32 math on two heads (at the timed inputs' scale and with q x 8), then plain and modified
 # calls timed in turn with device events, fresh inputs per call from a rotating set, warm-up,
-# median over rounds; the ratio modified / plain.
+# median over rounds; the ratio modified / plain. --backward: forward + backward calls
+# (torch.autograd.grad of a fixed dO) instead of the forward alone.
 # Usage (GPU machine, after scripts/gpu-check build):
 #   python3 bench/probes/score_mod_probe.py build-gpu/python [--mod softcap|alibi]
-#       [--cells S:D[:c],...] [--rounds N]
+#       [--cells S:D[:c],...] [--rounds N] [--backward]
 import argparse
 import statistics
 import sys
@@ -20,6 +21,7 @@ ap.add_argument("--rounds", type=int, default=7)
 ap.add_argument("--calls", type=int, default=20, help="calls per timed window")
 ap.add_argument("--mod", choices=("softcap", "alibi"), default="softcap")
 ap.add_argument("--softcap", type=float, default=50.0)
+ap.add_argument("--backward", action="store_true", help="time forward + backward calls")
 args = ap.parse_args()
 sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
@@ -90,7 +92,14 @@ for s, d, causal in cells():
     else:
         b, hq, hkv, sk = 16384 // s, 2048 // d, 2048 // d, s
     sets = [tuple(torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                  .requires_grad_(args.backward)
                   for n, h in ((s, hq), (sk, hkv), (sk, hkv))) for _ in range(3)]
+    dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def call(q, k, v, **kw):
+        out = hf.flash_attn_func(q, k, v, causal=causal, **kw)
+        if args.backward:
+            torch.autograd.grad(out, (q, k, v), dout)
     label = f"S={s} D={d}{' causal' if causal else ''}"
     q, k, v = sets[0]
     nk = 1 if hq != hkv else 2  # two query heads (of one kv head under GQA)
@@ -99,17 +108,18 @@ for s, d, causal in cells():
     errs = []
     for q_gain in (1, 8):
         mod1 = modifier(2, q.device)
-        got = hf.flash_attn_func(q1 * q_gain, k1, v1, causal=causal, **mod1)
+        with torch.no_grad():
+            got = hf.flash_attn_func(q1 * q_gain, k1, v1, causal=causal, **mod1)
         want = reference(q1 * q_gain, k1, v1, causal, mod1)
         errs.append((got.float() - want).abs().max().item())
     err = max(errs)
     if not err <= 2e-2:
         print(f"{label:24s} max|out - ref| {err:.3g}: not timed")
         continue
-    plain = timed(lambda q, k, v: hf.flash_attn_func(q, k, v, causal=causal), sets)
+    plain = timed(call, sets)
     mod = modifier(hq, q.device)
-    capped = timed(lambda q, k, v: hf.flash_attn_func(q, k, v, causal=causal, **mod), sets)
+    capped = timed(lambda q, k, v: call(q, k, v, **mod), sets)
     print(f"{label:24s} {plain:9.3f} {capped:10.3f} {capped / plain:6.3f} {errs[0]:8.2e} {errs[1]:8.2e}  "
           f"{hf.last_kernel_name()}", flush=True)
-    del sets, q, k, v
+    del sets, q, k, v, q1, k1, v1
     torch.cuda.empty_cache()
