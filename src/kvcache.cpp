@@ -318,9 +318,6 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     check_index(*leftpad, "cache_leftpad", 1, "[batch]", q);
     HIPFLASH_CHECK(leftpad->sizes[0] == batch, "cache_leftpad must have one entry per sequence "
                    "(batch = ", batch, "), got shape ", shape_str(*leftpad));
-    HIPFLASH_CHECK_AS(not_implemented, !(gpu && paged), "cache_leftpad with a paged cache runs "
-                      "on the CPU backend only: the GPU kernels read a paged cache from its first "
-                      "page's first row");
     if (k_new) {
       check_disjoint(k_cache, "k_cache", *leftpad, "cache_leftpad");
       check_disjoint(v_cache, "v_cache", *leftpad, "cache_leftpad");

@@ -138,9 +138,8 @@ struct TileRows<Tile, kRows, common::GatheredRows<T>> {
 #pragma unroll
     for (int e = 0; e < kEntries; ++e) {
       const int64_t j = row0 + first + e * kRowStep;
-      uint32_t s = 0, entry = 0;
-      if (j < len) entry = src.page.divmod(uint32_t(j), s);
-      page[e] = j < len ? src.table[entry] : 0;
+      uint32_t s = 0;
+      page[e] = j < len ? src.locate(j, s) : 0;
       slot[e] = int32_t(s);
     }
   }

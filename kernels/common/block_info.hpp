@@ -222,9 +222,9 @@ struct BlockInfo : SeqBounds {
     if constexpr (kKv == KvRows::pages)
       return PagedRows<const T>{head, p.block_table_row(b), batch_stride, row_stride,
                                 p.page_shift};
-    else if constexpr (kKv == KvRows::gathered)
+    else if constexpr (kKv == KvRows::gathered)  // from the cache's leftpad row
       return GatheredRows<const T>{head, p.block_table_row(b), batch_stride, row_stride,
-                                   p.page_div};
+                                   p.page_div, p.cache_leftpad ? p.cache_leftpad[b] : 0};
     else
       return ContiguousRows<T>{rows + cache_entry_offset(p) * batch_stride, row_stride};
   }

@@ -56,11 +56,12 @@ struct PagedRows {
   HIPFLASH_HD T* row(int64_t j) const { return row_in(page_of(j), j); }
 };
 
-/// Rows of a paged KV cache of any page size (1 included: SGLang's token-granular cache): row j
-/// of the sequence is row j % page of page table[j / page], the quotient by a host-prepared
-/// divisor (j < 2^31, checked before the launch). No two rows are assumed to share a page, so
-/// the tile loaders resolve every row on its own (kRunRows = 1; TileRows reads each thread's
-/// entries a tile ahead).
+/// Rows of a paged KV cache of any page size (1 included: SGLang's token-granular cache), from
+/// cache row `first` on (FlashAttention's cache_leftpad): row j of the sequence is cache row
+/// r = first + j, row r % page of page table[r / page], the quotient by a host-prepared divisor
+/// (r < 2^31, checked before the launch). No two rows are assumed to share a page, so the tile
+/// loaders resolve every row on its own (kRunRows = 1; TileRows reads each thread's entries a
+/// tile ahead).
 template <class T>
 struct GatheredRows {
   T* base;               ///< row 0 of page 0 (the head offset applied)
@@ -68,6 +69,7 @@ struct GatheredRows {
   int64_t page_stride;   ///< elements from one page to the next
   int64_t ld;            ///< elements from one row to the next within a page
   detail::FastDiv page;  ///< the page size
+  int64_t first = 0;     ///< the cache row of the sequence's row 0
 
   static constexpr int kRunRows = 1;
 
@@ -75,11 +77,15 @@ struct GatheredRows {
   HIPFLASH_HD T* row_in(int64_t page_index, int64_t slot) const {
     return base + page_index * page_stride + slot * ld;
   }
+  /// The block-table entry of the sequence's row j (one load) and its row in that page.
+  HIPFLASH_HD int32_t locate(int64_t j, uint32_t& slot) const {
+    return table[page.divmod(uint32_t(first + j), slot)];
+  }
   /// Elements from base to row j: one block-table load.
   HIPFLASH_HD int64_t offset(int64_t j) const {
     uint32_t slot;
-    const uint32_t entry = page.divmod(uint32_t(j), slot);
-    return int64_t(table[entry]) * page_stride + int64_t(slot) * ld;
+    const int32_t entry = locate(j, slot);
+    return int64_t(entry) * page_stride + int64_t(slot) * ld;
   }
   HIPFLASH_HD T* row(int64_t j) const { return base + offset(j); }
 };

@@ -84,13 +84,14 @@ void launch_fwd(const FwdParams& p, port::stream_t stream) {
 
 /// A kernel with instantiations for each place K / V live (common::KvRows): contiguous rows, a
 /// paged cache in pages of a power of two from 16 rows (a 16-row group shares a page), or in
-/// pages of any other size (each row gathered through the block table): the one the call needs.
+/// pages of any other size or from a cache_leftpad row (each row gathered through the block
+/// table): the one the call needs.
 template <template <class, common::KvRows> class Launch, class Traits>
 void launch_fwd_paged_or_not(const FwdParams& p, port::stream_t stream) {
   using common::KvRows;
   if (p.block_table == nullptr)
     launch_fwd<Launch<Traits, KvRows::contiguous>>(p, stream);
-  else if (grouped_page_size(p.page_size))
+  else if (grouped_page_size(p.page_size) && p.cache_leftpad == nullptr)
     launch_fwd<Launch<Traits, KvRows::pages>>(p, stream);
   else
     launch_fwd<Launch<Traits, KvRows::gathered>>(p, stream);

@@ -300,17 +300,16 @@ def test_cache_batch_idx_picks_block_table_rows(device, sq):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sq", [1, 40], ids=["decode", "generic"])
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_cache_leftpad_equals_the_call_on_the_shifted_cache(device, sq, paged):
+@pytest.mark.parametrize("page", [0, 16, 6], ids=["contiguous", "paged16", "paged6"])
+def test_cache_leftpad_equals_the_call_on_the_shifted_cache(device, sq, page):
     # FlashAttention's cache_leftpad: sequence b's keys are rows [pad[b], cache_seqlens[b]) plus
     # the appended ones (written at cache_seqlens[b]); bitwise the call on a cache whose rows
-    # were moved to start at row 0 (same capacity, so the same splits).
-    if paged and device == "cuda":
-        pytest.skip("the GPU refuses cache_leftpad with a paged cache (its own test)")
+    # were moved to start at row 0 (same capacity, so the same splits). A paged cache with a
+    # leftpad reads each row through the table on the GPU (the gathered rows).
     import hipflash.compat.flash_attn as fa2
     import hipflash.compat.flash_attn_interface as fa3
     g = torch.Generator().manual_seed(12)
-    bf16, cap, page = torch.bfloat16, 96, 16
+    bf16, cap, paged = torch.bfloat16, 96, page > 0
     q = torch.randn(2, sq, 4, 64, generator=g).to(bf16)
     k_cache = torch.randn(2, cap, 2, 64, generator=g).to(bf16)
     v_cache = torch.randn(2, cap, 2, 64, generator=g).to(bf16)
@@ -324,7 +323,7 @@ def test_cache_leftpad_equals_the_call_on_the_shifted_cache(device, sq, paged):
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     kw = dict(causal=True, return_lse=True)
 
-    def cache(t):  # contiguous, or pages of 16 rows in reverse order
+    def cache(t):  # contiguous, or pages in reverse order
         if not paged:
             return dev(t.clone()), None
         table = torch.arange(2 * cap // page, dtype=torch.int32).flip(0).reshape(2, cap // page)
@@ -367,14 +366,6 @@ def test_bad_cache_leftpad_is_refused_and_nothing_is_written(device):
             hipflash.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k_new, k_new.clone(),
                                              cache_seqlens=4, cache_leftpad=i32(pads))
         assert not k_cache.any(), "the append ran before the refusal"
-    if device == "cuda":  # a paged cache: the GPU reads pages from their first row
-        pages = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16, device=device)
-        with pytest.raises(NotImplementedError, match="cache_leftpad with a paged cache"):
-            hipflash.flash_attn_with_kvcache(q, pages, pages.clone(), k_new, k_new.clone(),
-                                             cache_seqlens=4, cache_leftpad=i32([1, 0]),
-                                             block_table=torch.arange(6, dtype=torch.int32,
-                                                                      device=device).reshape(2, 3))
-        assert not pages.any()
 
 
 @pytest.mark.parametrize("bad, error, match", [
