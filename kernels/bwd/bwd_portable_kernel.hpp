@@ -33,6 +33,15 @@ struct PortableTile {
   static_assert(kBlockM * kBlockN == kThreads, "one thread per (row, key) pair");
 };
 
+/// Whether the portable kernels apply the softcap and ALiBi: on NVIDIA GPUs. AMD GPUs refuse
+/// both (the launcher, as their forward does): reading them for every head kept more kernel
+/// arguments in scalar registers through the dk/dv walk, which spilled on gfx942 / gfx950.
+#if defined(HIPFLASH_PLATFORM_NVIDIA)
+inline constexpr bool kBwdScoreMods = true;
+#else
+inline constexpr bool kBwdScoreMods = false;
+#endif
+
 /// The forward's score modifiers (SPEC §3) for one (batch, query head), recomputed as the
 /// forward kernels apply them (common::ScoreCap, then common::ScoreBias): the capped score
 /// tanh(s scale / cap) in units of the cap, then -(slope / unit) |i + diag - j|; the softmax's
@@ -42,11 +51,14 @@ struct ScoreMods {
   float cap_scale;   ///< softmax_scale / softcap; 0: no cap
   float bias_k;      ///< slope / unit; 0: no ALiBi
 
-  __device__ __forceinline__ ScoreMods(const BwdParams& p, int64_t b, int64_t h) {
+  /// No modifier: the plain scale.
+  __device__ __forceinline__ static ScoreMods plain(const BwdParams& p) {
+    return {p.softmax_scale * detail::kLog2e, 0.f, 0.f};
+  }
+  __device__ __forceinline__ static ScoreMods of(const BwdParams& p, int64_t b, int64_t h) {
     const float unit = p.softcap > 0.f ? p.softcap : p.softmax_scale;
-    scale_log2 = unit * detail::kLog2e;
-    cap_scale = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
-    bias_k = p.alibi_slopes ? p.alibi_slope(b, h) / unit : 0.f;
+    return {unit * detail::kLog2e, p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f,
+            p.alibi_slopes ? p.alibi_slope(b, h) / unit : 0.f};
   }
   /// The modified score of s, and (slope) the cap's derivative 1 - tanh^2 (else left at 1).
   __device__ __forceinline__ float apply(float s, int64_t dist, float& slope) const {
@@ -108,7 +120,7 @@ struct PortableStep {
       dp += B::to_float(dout[qi * kP + d]) * B::to_float(v[kj * kP + d]);
     }
     float slope = 1.f;  // d(the score the softmax saw) / d(s): the cap's 1 - tanh^2
-    s = mods.apply(s, dist, slope);
+    if constexpr (kBwdScoreMods) s = mods.apply(s, dist, slope);
     const float pr = valid ? exp2f(s * mods.scale_log2 - lse2[qi]) : 0.f;
     p[qi][kj] = pr;
     ds[qi][kj] = valid ? pr * (dp - delta[qi]) * slope : 0.f;
@@ -144,7 +156,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
     const W* q = q_rows<W>(p, b, seq.q_start, h);
     const W* dout = dout_rows<W>(p, b, seq.q_start, h);
-    const ScoreMods mods(p, b, h);
+    const ScoreMods mods = kBwdScoreMods ? ScoreMods::of(p, b, h) : ScoreMods::plain(p);
     for (int64_t m0 = kb.row_lo; m0 < kb.row_hi; m0 += kBM) {
       __syncthreads();  // the previous step is done with q, dout, p, ds
       Step::load_rows(sm.q, q, p.q_row_stride, m0, seq.len_q, kBM, hd);
@@ -197,7 +209,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   const int64_t m0 = int64_t(bi.m_block) * kBM;
   if (m0 >= bi.len_q) return;
   const int hd = int(p.head_dim);
-  const ScoreMods mods(p, bi.b, bi.h);
+  const ScoreMods mods = kBwdScoreMods ? ScoreMods::of(p, bi.b, bi.h) : ScoreMods::plain(p);
 
   const W* q = q_rows<W>(p, bi.b, bi.q_start, bi.h);
   const W* dout = dout_rows<W>(p, bi.b, bi.q_start, bi.h);

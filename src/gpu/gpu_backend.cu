@@ -363,6 +363,10 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
     const char* e = std::getenv("HIPFLASH_BWD_PORTABLE");
     return e != nullptr && e[0] == '1';
   }();
+  HIPFLASH_CHECK_AS(not_implemented,
+                    kVendor != Arch::amd || (p.softcap == 0.f && p.alibi_slopes == nullptr),
+                    "the softcap's and ALiBi's backward run on the CPU and NVIDIA GPUs; AMD GPUs "
+                    "refuse them (as their forward does)");
   const bool portable = portable_always || p.softcap > 0.f || p.alibi_slopes != nullptr;
   if (portable) p.deterministic = true;
 
