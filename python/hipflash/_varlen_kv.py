@@ -79,19 +79,28 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     lens = cache_seqlens
     if k is not None:
         _int32_vector(cu_seqlens_k_new, "cu_seqlens_k_new", batch + 1, dev)
-        for name, t in (("k", k), ("v", v)):
-            want = (int(cu_seqlens_k_new[-1]),) + tuple(k_cache.shape[2:])
-            if tuple(t.shape) != want or t.dtype != k_cache.dtype or t.device != dev:
-                raise ValueError(f"{name} must be the packed new rows {list(want)} in the "
-                                 f"cache's dtype {k_cache.dtype} on {dev}, got "
-                                 f"{list(t.shape)} {t.dtype} on {t.device}")
         new_lens = cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
-        if batch and int(new_lens.min()) < 0:
-            raise ValueError("cu_seqlens_k_new must be non-decreasing")
         lens = cache_seqlens + new_lens
-    if batch and (int(cache_seqlens.min()) < 0 or int(lens.max()) > capacity):
+    # The lengths' bounds in one copy to the host: the new rows' total, the smallest new count,
+    # the smallest cached length and the largest total.
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    total_new, min_new, min_cached, max_len = torch.cat([
+        cu_seqlens_k_new[-1:] if k is not None else zero,
+        new_lens.min().view(1) if k is not None and batch else zero,
+        cache_seqlens.min().view(1) if batch else zero,
+        lens.max().view(1) if batch else zero]).tolist()
+    if k is not None:
+        want = [total_new] + list(k_cache.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if list(t.shape) != want or t.dtype != k_cache.dtype or t.device != dev:
+                raise ValueError(f"{name} must be the packed new rows {want} in the cache's "
+                                 f"dtype {k_cache.dtype} on {dev}, got {list(t.shape)} "
+                                 f"{t.dtype} on {t.device}")
+        if min_new < 0:
+            raise ValueError("cu_seqlens_k_new must be non-decreasing")
+    if min_cached < 0 or max_len > capacity:
         raise ValueError(f"each sequence's cached plus new keys must fit its cache ({capacity} "
-                         f"rows), got lengths up to {int(lens.max())}")
+                         f"rows), got lengths up to {max_len}")
     if rotary_cos is not None:
         base = cache_seqlens if rotary_seqlens is None else _int32_vector(
             rotary_seqlens, "rotary_seqlens", batch, dev)
@@ -106,10 +115,11 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         row = cache_seqlens.long()[seq] + torch.arange(k.shape[0], device=dev) \
             - cu_seqlens_k_new.long()[seq]
         pages = table.long()[seq, torch.div(row, page, rounding_mode="floor")]
-        if int(pages.min()) < 0 or int(pages.max()) >= k_cache.shape[0]:
+        lo, hi = pages.aminmax()
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= k_cache.shape[0]:
             raise ValueError(f"the new rows' pages (or cache entries) must lie in the cache "
-                             f"(0 .. {k_cache.shape[0] - 1}), got {int(pages.min())} .. "
-                             f"{int(pages.max())}")
+                             f"(0 .. {k_cache.shape[0] - 1}), got {lo} .. {hi}")
         k_cache[pages, row % page] = k
         v_cache[pages, row % page] = v
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=dev)

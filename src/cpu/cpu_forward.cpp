@@ -52,14 +52,6 @@ void key_range(const FwdParams& p, const Seq& s, int64_t i, int64_t& lo, int64_t
   hi = p.window_right >= 0 ? std::min<int64_t>(s.len_k, diag + p.window_right + 1) : s.len_k;
 }
 
-/// Rows of a paged source from row `first` on (a KV cache's cache_leftpad).
-template <class Rows>
-struct RowsFrom {
-  Rows rows;
-  int64_t first;
-  auto row(int64_t j) const { return rows.row(first + j); }
-};
-
 /// Calls fn(k_rows, v_rows) with the row sources (common/kv_source.hpp) of sequence b's keys and
 /// values for kv head hk, from its first key (s.k_start: varlen, or a cache's leftpad; a paged
 /// cache's sequence starts at its first page, so only its leftpad moves it): pages through the
@@ -69,23 +61,12 @@ template <class Elem, class Fn>
 void with_kv_rows(const FwdParams& p, const Seq& s, int64_t b, int64_t hk, Fn&& fn) {
   const auto* k = static_cast<const Elem*>(p.k);
   const auto* v = static_cast<const Elem*>(p.v);
-  const int64_t pad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
-  if (p.block_table && (p.page_size & (p.page_size - 1)) != 0) {  // any page size
+  if (p.block_table) {  // any page size, from the cache's leftpad row (the GPU's gathered rule)
     const int32_t* table = p.block_table_row(b);
+    const int64_t pad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
     using R = common::GatheredRows<const Elem>;
-    fn(RowsFrom<R>{R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
-                     p.page_div}, pad},
-       RowsFrom<R>{R{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride,
-                     p.page_div}, pad});
-    return;
-  }
-  if (p.block_table) {
-    const int32_t* table = p.block_table_row(b);
-    using R = common::PagedRows<const Elem>;
-    fn(RowsFrom<R>{R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride,
-                     p.page_shift}, pad},
-       RowsFrom<R>{R{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride,
-                     p.page_shift}, pad});
+    fn(R{k + hk * p.k_head_stride, table, p.k_batch_stride, p.k_row_stride, p.page_div, pad},
+       R{v + hk * p.v_head_stride, table, p.v_batch_stride, p.v_row_stride, p.page_div, pad});
     return;
   }
   const int64_t bc = p.cache_batch_idx ? p.cache_batch_idx[b] : b;  // a cache's batch indirection
