@@ -3,6 +3,9 @@ with cu_seqlens_q and, for the new keys, cu_seqlens_k_new): the new rows are wri
 cache by PyTorch ops (an indexed copy, after every check), then hipflash's chunked prefill
 (flash_attn_varlen_func with a block table) attends. A contiguous cache [B_cache, S, Hkv, D] is
 read as pages of S rows (sequence b's table row: its cache entry), so both layouts take one path.
+With cache_leftpad, sequence b's keys start at row cache_leftpad[b]: the cache is then read as
+pages of one row, sequence b's table listing its rows from that one (the gathered kernel, a
+bandwidth kernel at any page size).
 """
 import torch
 
@@ -30,10 +33,26 @@ def _rotated(x, cos, sin, base, cu, per_row, interleaved):
     return _rotary.rotate(x[None], cos, sin, pos[None], interleaved)[0]
 
 
+def _from_leftpad(k_cache, v_cache, table, leftpad):
+    """The caches as pages of one row and each sequence's table from its leftpad row: column j
+    of sequence b is cache row leftpad[b] + j (columns past the capacity repeat its last row,
+    never read: a sequence's keys end inside its cache)."""
+    page, per_row = k_cache.shape[1], k_cache.shape[2:]
+    if k_cache.shape[0] * page > 2**31 - 1:
+        raise ValueError("cache_leftpad with varlen queries reads the cache by rows: it must "
+                         "hold fewer than 2^31 rows")
+    capacity = table.shape[1] * page
+    row = (leftpad.long()[:, None] + torch.arange(capacity, device=leftpad.device)).clamp_(
+        max=capacity - 1)
+    rows = table.long().gather(1, torch.div(row, page, rounding_mode="floor")) * page + row % page
+    return (k_cache.reshape(-1, 1, *per_row), v_cache.reshape(-1, 1, *per_row),
+            rows.to(torch.int32))
+
+
 def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                  cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin,
                  rotary_seqlens, rotary_interleaved, softmax_scale, causal, window_size,
-                 num_splits, return_lse, softcap):
+                 num_splits, return_lse, softcap, cache_leftpad=None):
     """FlashAttention 3's varlen kvcache call; returns what flash_attn_varlen_func does."""
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) must be given together")
@@ -81,14 +100,20 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         _int32_vector(cu_seqlens_k_new, "cu_seqlens_k_new", batch + 1, dev)
         new_lens = cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
         lens = cache_seqlens + new_lens
+    if cache_leftpad is not None:
+        _int32_vector(cache_leftpad, "cache_leftpad", batch, dev)
     # The lengths' bounds in one copy to the host: the new rows' total, the smallest new count,
-    # the smallest cached length and the largest total.
+    # the smallest cached length, the largest total and the smallest cached length past its
+    # leftpad.
     zero = torch.zeros(1, dtype=torch.int32, device=dev)
-    total_new, min_new, min_cached, max_len = torch.cat([
+    total_new, min_new, min_cached, max_len, min_pad, min_past_pad = torch.cat([
         cu_seqlens_k_new[-1:] if k is not None else zero,
         new_lens.min().view(1) if k is not None and batch else zero,
         cache_seqlens.min().view(1) if batch else zero,
-        lens.max().view(1) if batch else zero]).tolist()
+        lens.max().view(1) if batch else zero,
+        cache_leftpad.min().view(1) if cache_leftpad is not None and batch else zero,
+        (cache_seqlens - cache_leftpad).min().view(1) if cache_leftpad is not None and batch
+        else zero]).tolist()
     if k is not None:
         want = [total_new] + list(k_cache.shape[2:])
         for name, t in (("k", k), ("v", v)):
@@ -101,6 +126,8 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if min_cached < 0 or max_len > capacity:
         raise ValueError(f"each sequence's cached plus new keys must fit its cache ({capacity} "
                          f"rows), got lengths up to {max_len}")
+    if min_pad < 0 or min_past_pad < 0:
+        raise ValueError("cache_leftpad[b] must lie in [0, cache_seqlens[b]]")
     if rotary_cos is not None:
         base = cache_seqlens if rotary_seqlens is None else _int32_vector(
             rotary_seqlens, "rotary_seqlens", batch, dev)
@@ -122,6 +149,9 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                              f"(0 .. {k_cache.shape[0] - 1}), got {lo} .. {hi}")
         k_cache[pages, row % page] = k
         v_cache[pages, row % page] = v
+    if cache_leftpad is not None:
+        k_cache, v_cache, table = _from_leftpad(k_cache, v_cache, table, cache_leftpad)
+        lens = lens - cache_leftpad
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
     torch.cumsum(lens, 0, out=cu_k[1:])
     return hipflash.flash_attn_varlen_func(

@@ -185,14 +185,16 @@ def test_softcap_none_is_off_and_a_tensor_is_refused():
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("batch_idx", [False, True], ids=["", "batch_idx"])
-def test_fa3_varlen_queries_append_packed_keys(device, page, rotary, causal, batch_idx):
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+def test_fa3_varlen_queries_append_packed_keys(device, page, rotary, causal, batch_idx, leftpad):
     """FA3's flash_attn_with_kvcache with cu_seqlens_q and cu_seqlens_k_new: the packed new
     rows land at cache_seqlens[b] of each sequence's cache (paged or contiguous, through
     cache_batch_idx), and each sequence's rows equal the batched call on that sequence alone
-    (hipflash's own append and rotary), out and LSE."""
+    (hipflash's own append, rotary and cache_leftpad), out and LSE."""
     g = torch.Generator().manual_seed(11)
     hq, hkv, d, cap = 4, 2, 64, 80
     lens, new, sq = [20, 0, 33], [3, 5, 0], [3, 5, 2]
+    pads = [7, 0, 33] if leftpad else [0, 0, 0]  # the last sequence: its new rows only (none)
     n_cache = 5 if batch_idx else 3
     entries = [4, 0, 2] if batch_idx else [0, 1, 2]
     kc = torch.randn(n_cache, cap, hkv, d, generator=g).to(BF16)
@@ -210,6 +212,8 @@ def test_fa3_varlen_queries_append_packed_keys(device, page, rotary, causal, bat
     kw = dict(cache_seqlens=seqlens.to(device), cu_seqlens_q=cu_q.to(device),
               cu_seqlens_k_new=cu_new.to(device), max_seqlen_q=5, causal=causal,
               return_softmax_lse=True,
+              cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=device)
+              if leftpad else None,
               cache_batch_idx=torch.tensor(entries, dtype=torch.int32, device=device)
               if batch_idx else None,
               rotary_cos=cos.to(device) if rotary else None,
@@ -234,10 +238,11 @@ def test_fa3_varlen_queries_append_packed_keys(device, page, rotary, causal, bat
     for b in range(3):
         e, nq, nn = entries[b], slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_new[b]), int(cu_new[b + 1]))
         kb, vb = kc[e:e + 1].clone(), vc[e:e + 1].clone()
+        pad = torch.tensor([pads[b]], dtype=torch.int32) if leftpad else None
         want, want_lse = hipflash.flash_attn_with_kvcache(
             q[None, nq], kb, vb, k[None, nn] if new[b] else None, v[None, nn] if new[b] else None,
             torch.tensor([lens[b]], dtype=torch.int32), causal=causal, return_lse=True,
-            rotary_cos=cos if rotary and new[b] else None,
+            cache_leftpad=pad, rotary_cos=cos if rotary and new[b] else None,
             rotary_sin=sin if rotary and new[b] else None)
         if rotary and not new[b]:  # hipflash's batched call rotates on append only: q by hand
             from hipflash import _rotary
@@ -245,7 +250,7 @@ def test_fa3_varlen_queries_append_packed_keys(device, page, rotary, causal, bat
             qb = _rotary.rotate(q[None, nq], cos, sin, pos, True)
             want, want_lse = hipflash.flash_attn_with_kvcache(
                 qb, kb, vb, cache_seqlens=torch.tensor([lens[b]], dtype=torch.int32),
-                causal=causal, return_lse=True)
+                causal=causal, return_lse=True, cache_leftpad=pad)
         torch.testing.assert_close(out[nq], want[0], rtol=0, atol=2e-2, msg=f"sequence {b} out")
         torch.testing.assert_close(lse[:, nq], want_lse[0], rtol=0, atol=1e-4,
                                    msg=f"sequence {b} lse")
@@ -268,4 +273,11 @@ def test_fa3_varlen_append_refused_before_writing(device):
     with pytest.raises(ValueError, match="together"):
         fa3.flash_attn_with_kvcache(q, kc, vc, k=k, v=k.clone(), cache_seqlens=seqlens,
                                     cu_seqlens_q=cu_q, max_seqlen_q=2)
+    cu_new = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    for pads in ([0, 5], [-1, 0]):  # past the cached rows, negative
+        with pytest.raises(ValueError, match="cache_leftpad"):
+            fa3.flash_attn_with_kvcache(
+                q, kc, vc, k=k[:3], v=k[:3].clone(), cache_seqlens=seqlens, cu_seqlens_q=cu_q,
+                cu_seqlens_k_new=cu_new, max_seqlen_q=2,
+                cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=device))
     assert not kc.any() and not vc.any()

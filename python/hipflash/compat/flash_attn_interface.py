@@ -9,10 +9,10 @@ Function names, argument names and defaults as in FlashAttention 3. ``return_att
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
 NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs where
-hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD gfx94x / gfx950), attention_chunk,
-varlen queries with cache_leftpad. Varlen queries against a KV cache (paged or contiguous, with
-cache_batch_idx, rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's
-chunked prefill after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py).
+hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD gfx94x / gfx950), attention_chunk.
+Varlen queries against a KV cache (paged or contiguous, with cache_batch_idx, cache_leftpad,
+rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's chunked prefill
+after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py).
 seqused_q / seqused_k run on CPU tensors and in the NVIDIA GPU forward (the GPU backward refuses
 them); softcap runs on CPU tensors and NVIDIA GPUs, forward and backward.
 """
@@ -101,19 +101,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             rotary_interleaved=True, scheduler_metadata=None, num_splits=0,
                             pack_gqa=None, sm_margin=0, return_softmax_lse=False):
     """Attention against a KV cache (contiguous, or paged with page_table) after appending
-    k / v in place at cache_seqlens. Varlen queries (cu_seqlens_q) attend to a paged cache
-    without appending (hipflash's chunked prefill). rotary_seqlens without rotary_cos is
-    ignored, as FlashAttention 3 does."""
+    k / v in place at cache_seqlens (varlen queries: the packed rows of cu_seqlens_k_new).
+    rotary_seqlens without rotary_cos is ignored, as FlashAttention 3 does."""
     if rotary_cos is None and rotary_sin is None:
         rotary_seqlens = None
     _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
     if cu_seqlens_q is not None:
-        refuse("cache_leftpad", cache_leftpad, None, "cache_leftpad with varlen queries")
         return _varlen_kv.with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
             cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
             bool(rotary_interleaved), softmax_scale, causal, window_size, _splits(num_splits),
-            bool(return_softmax_lse), softcap_value(softcap))
+            bool(return_softmax_lse), softcap_value(softcap), cache_leftpad)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
