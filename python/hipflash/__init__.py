@@ -524,8 +524,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         cache_leftpad: optional (batch_size,) int32 on q's device (FlashAttention's): sequence
             b's keys start at row cache_leftpad[b] of its cache (in [0, cache_seqlens[b]]): it
             attends to rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1, causal and
-            windows aligned to those keys; k / v are still appended at cache_seqlens[b]. Paged
-            caches with it run on CPU tensors only (a GPU call raises NotImplementedError).
+            windows aligned to those keys; k / v are still appended at cache_seqlens[b].
+            Contiguous and paged caches, on CPU tensors and NVIDIA GPUs (the GPU reads each
+            row through the block table from the leftpad row).
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) on q's device
             (FlashAttention's rotary embedding on append; k and v must be given): the first
             rotary_dim (even, <= headdim) dims of k are rotated at positions cache_seqlens[b] + j

@@ -9,14 +9,14 @@ function under the same name to its AttentionMaskInterface, so that the layers g
 mask (or None) as transformers' own FlashAttention path does; it returns the name. The name has
 no "flash" in it: transformers 5.x treats any such name as a FlashAttention build or hub kernel
 to load. Layouts, masks and windows follow transformers' FlashAttention integration
-(modeling_flash_attention_utils): a padding mask turns the batch into packed sequences (varlen),
-left padding and generation with a KV cache included, and padding-free (packed) batches run
-each document on its own; sliding windows cover the last `sliding_window` keys; GQA runs
-natively; fp32 inputs run in bfloat16 (or the autocast dtype). Refused with
-NotImplementedError: attention dropout during training and attention sinks,
-until hipflash has them (issue 42). Gemma 2's logit softcapping runs on CPU tensors and, for
-inference, on NVIDIA GPUs (training with it on the GPU raises NotImplementedError until the
-backward kernels cap scores).
+(modeling_flash_attention_utils): left padding (generation batches: the prefill and each step
+against the KV cache) is read in place as FlashAttention's cache_leftpad; other padding masks,
+and left padding under autograd, turn the batch into packed sequences (varlen); padding-free
+(packed) batches run each document on its own; sliding windows cover the last `sliding_window`
+keys; GQA runs natively; fp32 inputs run in bfloat16 (or the autocast dtype). Gemma 2's logit
+softcapping runs on CPU tensors and NVIDIA GPUs, forward and backward. Refused with
+NotImplementedError: attention dropout during training and attention sinks, until hipflash has
+them (issue 42).
 """
 import torch
 
@@ -73,6 +73,18 @@ def _packed_bounds(position_ids, length):
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+def _wants_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _left_pads(mask):
+    """Each row's count of leading False positions (int32), when every row of the [batch, len]
+    bool mask is False then True (left padding, what generation batches are); else None."""
+    pads = mask.shape[1] - mask.sum(dim=-1, dtype=torch.int32)
+    left = torch.arange(mask.shape[1], device=mask.device) >= pads[:, None]
+    return pads if bool(torch.equal(mask, left)) else None
+
+
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
               sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention-function contract: query [batch, heads, q_len, head_dim], key and
@@ -101,7 +113,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if sliding_window is not None and kv_len > sliding_window:
         # The last `sliding_window` keys (transformers' kv_idx > q_idx - sliding_window).
         window = (sliding_window - 1, -1 if causal else sliding_window - 1)
-    # Gemma 2's attn_logit_softcapping (CPU tensors; the GPU kernels refuse it for now).
+    # Gemma 2's attn_logit_softcapping.
     kw = dict(softmax_scale=scaling, causal=bool(causal), window_size=window,
               softcap=float(softcap or 0.0))
 
@@ -125,6 +137,11 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     mask = attention_mask.to(torch.bool)
     if mask.shape[1] < kv_len:  # a static cache longer than the mask: its first positions
         k, v, kv_len = k[:, :mask.shape[1]], v[:, :mask.shape[1]], mask.shape[1]
+    if causal and q_len <= kv_len and not _wants_grad(q, k, v):
+        pads = _left_pads(mask)
+        if pads is not None:  # left padding: the cache read in place from each sequence's pad
+            return done(hipflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=kv_len,
+                                                         cache_leftpad=pads, **kw))
     idx_k, cu_k, max_k = _unpad(mask)
     k_rows = k.reshape(batch * kv_len, *k.shape[2:]).index_select(0, idx_k)
     v_rows = v.reshape(batch * kv_len, *v.shape[2:]).index_select(0, idx_k)
