@@ -61,13 +61,13 @@ def _check(out, q, k, v, mask, sliding_window=None):
     (1, 33, (0, 7, 20)),       # a generation step against the cache
     (4, 30, (2, 0, 9)),        # a few new tokens after a padded past
 ])
-@pytest.mark.parametrize("path", ["cache", "varlen"])
-def test_left_padded_batches(device, q_len, kv_len, pads, path):
-    # Inference reads the cache in place from each sequence's pad (cache_leftpad); under
-    # autograd the batch is packed (varlen). Both give the reference on every sequence.
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_left_padded_batches(device, q_len, kv_len, pads, grad):
+    # Generation steps read the cache in place from each sequence's pad (cache_leftpad); the
+    # prefill and calls under autograd pack the batch (varlen). All give the reference on every
+    # sequence.
     q, k, v, mask = _case(device, 3, q_len, kv_len, 4, 2, 64, pads)
-    if path == "varlen":
-        q.requires_grad_(True)
+    q.requires_grad_(grad)
     out, weights = hf.attention(_Layer(), q, k, v, mask, scaling=64 ** -0.5)
     assert weights is None and out.shape == (3, q_len, 4, 64)
     _check(out.detach(), q.detach(), k, v, mask)

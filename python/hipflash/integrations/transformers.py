@@ -9,9 +9,9 @@ function under the same name to its AttentionMaskInterface, so that the layers g
 mask (or None) as transformers' own FlashAttention path does; it returns the name. The name has
 no "flash" in it: transformers 5.x treats any such name as a FlashAttention build or hub kernel
 to load. Layouts, masks and windows follow transformers' FlashAttention integration
-(modeling_flash_attention_utils): left padding (generation batches: the prefill and each step
-against the KV cache) is read in place as FlashAttention's cache_leftpad; other padding masks,
-and left padding under autograd, turn the batch into packed sequences (varlen); padding-free
+(modeling_flash_attention_utils): each generation step of a left-padded batch reads the KV
+cache in place (FlashAttention's cache_leftpad; CPU tensors and NVIDIA GPUs); other padded
+calls (prefill, other masks, autograd) turn the batch into packed sequences (varlen); padding-free
 (packed) batches run each document on its own; sliding windows cover the last `sliding_window`
 keys; GQA runs natively; fp32 inputs run in bfloat16 (or the autocast dtype). Gemma 2's logit
 softcapping runs on CPU tensors and NVIDIA GPUs, forward and backward. Refused with
@@ -137,9 +137,14 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     mask = attention_mask.to(torch.bool)
     if mask.shape[1] < kv_len:  # a static cache longer than the mask: its first positions
         k, v, kv_len = k[:, :mask.shape[1]], v[:, :mask.shape[1]], mask.shape[1]
-    if causal and q_len <= kv_len and not _wants_grad(q, k, v):
+    if causal and q_len < kv_len and torch.version.hip is None and not _wants_grad(q, k, v):
+        # A generation step against the cache, left-padded: read in place from each sequence's
+        # pad by the decode kernels (the varlen path below would copy every cached row out, per
+        # layer and step). Prefill (q_len == kv_len) keeps the varlen path: its copies are
+        # linear in the length, the attention quadratic, and the dense-query kernels run it.
+        # AMD GPUs read no KV cache yet.
         pads = _left_pads(mask)
-        if pads is not None:  # left padding: the cache read in place from each sequence's pad
+        if pads is not None:
             return done(hipflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=kv_len,
                                                          cache_leftpad=pads, **kw))
     idx_k, cu_k, max_k = _unpad(mask)
