@@ -30,7 +30,8 @@ HOST_OVERHEAD = HF + ["fa2-native", "torch-cudnn-nolse", "torch-cudnn"]
 SERVING = ["hipflash+lse", "hipflash-paged1", "hipflash-paged16", "hipflash-paged256", "fa2-native"]
 # The fp8 KV cache against the 16-bit one (issue 43): the same K/V values, both with the LSE.
 DECODE_FP8 = ["hipflash+lse", "hipflash-fp8kv"]
-FWD_FP8 = ["hipflash", "hipflash-fp8", "torch-cudnn"]  # bf16 hipflash and cuDNN beside it
+# bf16 hipflash, cuDNN and FA2 beside it
+FWD_FP8 = ["hipflash", "hipflash-fp8", "torch-flash", "torch-cudnn"]
 HOST = rep.HOST  # the suite whose cells also get the host timing (Timer.host)
 
 
@@ -263,6 +264,11 @@ def build_suite(name, dtype, flex, decode_dim=128):
         cells.append(Cell("serving", "dense", 2, 1, 512, 8, 2, 64, False, dtype,
                           SERVING[:3] + ["torch-math"], label="B=2 Sk=512", group="batch 2",
                           xlabel="512").finish())
+        fp8 = Cell("fwd-fp8", "dense", 2, 256, 256, 4, 4, 64, True, dtype,
+                   ["hipflash", "hipflash-fp8", "torch-math"], label="hd64 S=256 causal",
+                   group="head dim 64, causal", xlabel="256").finish()
+        fp8.extra["e4m3_qkv"] = True
+        cells.append(fp8)
         lse = Cell("lse-overhead", "dense", 2, 256, 256, 4, 4, 64, False, dtype,
                    ["hipflash", "hipflash+lse", "torch-sdpa", "torch-math"], label="hd64 S=256",
                    xlabel="256").finish()

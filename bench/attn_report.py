@@ -71,8 +71,9 @@ SUITE_NOTES = {
                   "reads (the fp8 cache: half), so tokens/s fp8 / 16-bit is twice the GB/s "
                   "ratio, and the GB/s ratio is the fp8 kernel's share of the 16-bit one's "
                   "bandwidth.",
-    "fwd-fp8": "hipflash (bf16) and torch-cudnn (bf16, the best peer of the FA grid) read the "
-               "cell's q, k, v in bf16; hipflash-fp8 reads the same values as float8_e4m3fn "
+    "fwd-fp8": "hipflash (bf16), torch-flash (FA2, bf16) and torch-cudnn (bf16) read the "
+               "cell's q, k, v in bf16 (cuDNN's fp8 attention is not reachable from this "
+               "PyTorch); hipflash-fp8 reads the same values as float8_e4m3fn "
                "(`flash_attn_func` with q_descale = k_descale = v_descale = 1/16, the cell's "
                "inputs being e4m3 values times 1/16), out bf16, no LSE — each checked against "
                "the same reference, hipflash-fp8 by SPEC §6's fp8 rule (its yardstick the "
@@ -298,31 +299,45 @@ def host_table(rows):
 
 
 # Suites whose cells are also timed by wall clock per call (Timer.host), besides the host-overhead
-# suite: decode and KV-cache decode, where the call's host cost is a visible share of the time.
-WALL_CLOCK_SUITES = ("decode", "serving", "decode-fp8")
+# suite: decode and KV-cache decode, where the call's host cost is a visible share of the time,
+# and the fp8 forward (its ratio to bf16 as a user's calls see it).
+WALL_CLOCK_SUITES = ("decode", "serving", "decode-fp8", "fwd-fp8")
+
+FP8 = "hipflash-fp8"
 
 
 def wall_clock_table(rows, suite):
-    """A decode / serving suite's calls by wall clock, as a user makes them: µs per call back to
-    back / synchronised for every backend, hipflash+lse's ratio to the best LSE-returning peer
-    in each (time(peer) / time(hipflash+lse): >1 is hipflash faster) and, for the paged caches,
-    their cost against the contiguous one (time(contiguous) / time(paged)). None when the run
-    has no wall-clock rows for the suite."""
+    """A suite's calls by wall clock, as a user makes them: µs per call back to back /
+    synchronised for every backend; hipflash+lse's ratio to the best LSE-returning peer in each
+    (time(peer) / time(hipflash+lse): >1 is hipflash faster); for the paged caches, their cost
+    against the contiguous one (time(contiguous) / time(paged)); for the fp8 forward, its speed
+    over bf16 hipflash's (time(hipflash) / time(hipflash-fp8)). None when the run has no
+    wall-clock rows for the suite."""
     cells = cells_of(rows, suite)
     if not any(value(r, "b2b_us") for _, bb in cells for r in bb.values()):
         return None
     names = backends_of(rows, suite)
-    paged = [b for b in names if b.startswith("hipflash-paged")] if HF_LSE in names else []
+    has_lse = HF_LSE in names
+    paged = [b for b in names if b.startswith("hipflash-paged")] if has_lse else []
+    fp8 = FP8 in names and HF in names
 
     def best_lse_peer(bb, key):  # the lowest time among LSE-returning peers
         ts = [(value(r, key), b) for b, r in bb.items()
               if _truthy(r.get("peer")) and _truthy(r.get("lse")) and value(r, key)]
         return min(ts) if ts else (None, None)
 
+    def both(a, b):  # time(a) / time(b), back to back / synchronised
+        out = []
+        for key in ("b2b_us", "sync_us"):
+            t_a, t_b = value(a, key), value(b, key)
+            out.append(t_a / t_b if t_a and t_b else None)
+        return out
+
     header = (["cell  [µs: back to back / synchronised]"] + names +
-              ["hf+lse / best lse peer"] +
-              [f"{b[len('hipflash-'):]}/contiguous (back to back)" for b in paged])
-    body, ratios = [], {k: [] for k in ["lse"] + paged}
+              (["hf+lse / best lse peer"] if has_lse else []) +
+              [f"{b[len('hipflash-'):]}/contiguous (back to back)" for b in paged] +
+              (["fp8/hipflash"] if fp8 else []))
+    body, ratios = [], {k: [] for k in ["lse", "fp8"] + paged}
     for _, bb in cells:
         line = [_cell_label(bb)]
         for b in names:
@@ -330,25 +345,31 @@ def wall_clock_table(rows, suite):
             b2b, sync = value(r, "b2b_us"), value(r, "sync_us")
             line.append(f"{_fmt_us(b2b)} / {_fmt_us(sync)}" if b2b else _cell_text(r, "b2b_us"))
         hf = bb.get(HF_LSE)
-        txt = []
-        for key in ("b2b_us", "sync_us"):
-            t_hf, (t_peer, _) = value(hf, key), best_lse_peer(bb, key)
-            rat = t_peer / t_hf if t_hf and t_peer else None
-            if key == "b2b_us":
-                ratios["lse"].append(rat)
-            txt.append(_fmt_ratio(rat))
-        line.append(" / ".join(txt) if any(t != "-" for t in txt) else "-")
+        if has_lse:
+            txt = []
+            for key in ("b2b_us", "sync_us"):
+                t_hf, (t_peer, _) = value(hf, key), best_lse_peer(bb, key)
+                rat = t_peer / t_hf if t_hf and t_peer else None
+                if key == "b2b_us":
+                    ratios["lse"].append(rat)
+                txt.append(_fmt_ratio(rat))
+            line.append(" / ".join(txt) if any(t != "-" for t in txt) else "-")
         for b in paged:
             t_c, t_p = value(hf, "b2b_us"), value(bb.get(b), "b2b_us")
             ratios[b].append(t_c / t_p if t_c and t_p else None)
             line.append(_fmt_ratio(ratios[b][-1]))
+        if fp8:
+            rats = both(bb.get(HF), bb.get(FP8))
+            ratios["fp8"].append(rats[0])
+            line.append(" / ".join(_fmt_ratio(r) for r in rats))
         body.append(line)
     foot = [["geomean (back to back)"] + [""] * len(names) +
-            [_fmt_ratio(geomean(ratios["lse"]))] + [_fmt_ratio(geomean(ratios[b])) for b in paged]]
+            ([_fmt_ratio(geomean(ratios["lse"]))] if has_lse else []) +
+            [_fmt_ratio(geomean(ratios[b])) for b in paged] +
+            ([_fmt_ratio(geomean(ratios["fp8"]))] if fp8 else [])]
     return header, body, foot
 
 
-FP8 = "hipflash-fp8"
 
 
 def suite_table(rows, suite, meta=None):

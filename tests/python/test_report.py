@@ -71,3 +71,18 @@ def test_decode_lines_layout_for_layout_and_a_ratio_just_below_one():
     assert "below 1.00x: B=1 Sk=4k 0.889x." in bhsd  # 80 / 90: the bshd cuDNN is not its peer
     assert "[B, Sk, Hkv, D]" in bshd and "1 of 2 cells met, geomean 0.90x" in bshd
     assert "B=32 Sk=64k" not in bshd.split("below")[1]  # 99.996 / 98 is ahead
+
+
+def test_fp8_wall_clock_table_gives_the_speedup_over_bf16():
+    import attn_report
+    rows = []
+    for label, t_bf16, t_fp8 in (("hd128 S=4k", 100.0, 50.0), ("hd128 S=8k", 400.0, 320.0)):
+        for backend, b2b, sync in (("hipflash", t_bf16, t_bf16 + 10), ("hipflash-fp8", t_fp8, t_fp8 + 10),
+                                   ("torch-cudnn", 90.0, 95.0)):
+            rows.append({"suite": "fwd-fp8", "cell": f"fwd-fp8:{label}", "label": label,
+                         "D": 128, "backend": backend, "status": "ok", "b2b_us": b2b,
+                         "sync_us": sync, "peer": backend.startswith("torch")})
+    header, body, foot = attn_report.wall_clock_table(rows, "fwd-fp8")
+    assert header[-1] == "fp8/hipflash" and "hf+lse / best lse peer" not in header
+    assert body[0][-1] == "2.00x / 1.83x" and body[1][-1] == "1.25x / 1.24x"
+    assert foot[0][-1] == "1.58x"  # sqrt(2 * 1.25)
