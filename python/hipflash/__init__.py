@@ -25,8 +25,10 @@ import numbers
 import torch
 
 from . import _C
+from . import _chunks
 from . import _ops
 from . import _rotary
+from . import _varlen_kv
 
 __all__ = [
     "flash_attn_func",
@@ -227,6 +229,17 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return _first_order(dq, dk, dv) + (None,) * 15
 
 
+def _chunk(attention_chunk):
+    """attention_chunk as an int >= 0 (0: off)."""
+    return _bounded(_int(attention_chunk, "attention_chunk"), "attention_chunk", 0, _INT64_MAX)
+
+
+def _chunk_kw(scale, causal, left, right, num_splits, deterministic, softcap):
+    """The arguments every piece of an attention_chunk call takes (see _chunks)."""
+    return dict(softmax_scale=scale, causal=causal, window_size=(left, right),
+                num_splits=num_splits, deterministic=deterministic, softcap=softcap)
+
+
 def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -246,7 +259,8 @@ def _refuse_gpu_grad(q, seqused):
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
                     num_splits=0, return_lse=False, out=None, deterministic=False, softcap=0.0,
-                    alibi_slopes=None, q_descale=None, k_descale=None, v_descale=None):
+                    alibi_slopes=None, q_descale=None, k_descale=None, v_descale=None,
+                    attention_chunk=0):
     """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
 
     Arguments:
@@ -295,6 +309,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             (not checked on the GPU). Forward only; the CPU backend (it dequantises: the
             reference), NVIDIA Hopper (dense calls, head dims up to 128, no ALiBi) and AMD
             gfx94x / gfx950 (compile-checked only); other GPU calls raise NotImplementedError.
+        attention_chunk: int >= 0 (FlashAttention 3's; Llama 4's chunked attention). C > 0:
+            query i, at key position p = i + seqlen_k - seqlen_q, sees only keys in
+            [p - p mod C, p - p mod C + C), besides what causal / window_size allow. 0 (the
+            default) is off. Runs as varlen attention over the chunks (packed views, no
+            copies; the varlen kernels' speed), gradients included; not with fp8.
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -332,6 +351,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     causal, return_lse = bool(causal), bool(return_lse)
     softcap = _softcap(softcap)
     descales = (q_descale, k_descale, v_descale)
+    chunk = _chunk(attention_chunk)
+    if chunk:
+        if q.dtype == getattr(torch, "float8_e4m3fn", None) or any(d is not None for d in descales):
+            raise NotImplementedError("attention_chunk with fp8 q, k, v is not supported by "
+                                      "hipflash yet (the pieces run as varlen calls: no fp8)")
+        out, lse = _chunks.dense(flash_attn_varlen_func, q, k, v, chunk, out, alibi_slopes,
+                                 _chunk_kw(scale, causal, left, right, num_splits,
+                                           bool(deterministic), softcap))
+        return (out, lse) if return_lse else out
 
     if q.dtype == getattr(torch, "float8_e4m3fn", None) or any(d is not None for d in descales):
         # fp8 is forward only (FlashAttention 3's): no autograd path.
@@ -366,7 +394,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
                            return_lse=False, lse_layout="padded", out=None, deterministic=False,
                            block_table=None, softcap=0.0, alibi_slopes=None, seqused_q=None,
-                           seqused_k=None):
+                           seqused_k=None, attention_chunk=0):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -402,6 +430,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             :func:`flash_attn_with_kvcache`). The same out and LSE, bitwise, as the call on
             those keys gathered contiguously. CPU and NVIDIA GPU tensors; no out=, no
             gradients.
+        attention_chunk: as for :func:`flash_attn_func`, within each sequence (the sequences'
+            bounds are copied to the host once); not with seqused_q / seqused_k or a
+            block_table.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not
@@ -446,6 +477,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k = _bounded(_int(max_seqlen_k, "max_seqlen_k"), "max_seqlen_k", -_INT64_MAX, _INT64_MAX)
     causal, return_lse = bool(causal), bool(return_lse)
     softcap = _softcap(softcap)
+    chunk = _chunk(attention_chunk)
+    if chunk:
+        if used or block_table is not None:
+            raise NotImplementedError("attention_chunk with seqused_q / seqused_k or a "
+                                      "block_table is not supported by hipflash yet")
+        kw = _chunk_kw(scale, causal, left, right, num_splits, bool(deterministic), softcap)
+        if out is not None:
+            kw["out"] = out
+        out, lse = _chunks.varlen(flash_attn_varlen_func, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, chunk, lse_layout, alibi_slopes, kw)
+        return (out, lse) if return_lse else out
 
     if block_table is not None:  # chunked prefill: k and v are paged caches
         if out is not None:
@@ -486,7 +528,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0,
                             alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None,
                             cache_leftpad=None, rotary_cos=None, rotary_sin=None,
-                            rotary_interleaved=True, rotary_seqlens=None):
+                            rotary_interleaved=True, rotary_seqlens=None, attention_chunk=0):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -537,6 +579,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             (GPT-NeoX). A position past rotary_cos's rows is not rotated (FlashAttention's
             rotary kernel reads cos 1 and sin 0 there). Computed in float32 and rounded to q's
             dtype by PyTorch ops before the call (not fused into the kernels).
+        attention_chunk: as for :func:`flash_attn_func`, against each sequence's keys (from
+            its cache_leftpad row). Runs as the varlen kvcache path (the append by PyTorch ops,
+            then chunked prefill over the chunks' rows; the sequences' lengths copied to the
+            host); not with an fp8 cache.
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
@@ -576,6 +622,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
+    chunk = _chunk(attention_chunk)
+    if chunk:
+        if k_scale is not None or v_scale is not None or \
+                k_cache.dtype == getattr(torch, "float8_e4m3fn", None):
+            raise NotImplementedError("attention_chunk with an fp8 KV cache is not supported by "
+                                      "hipflash yet")
+        return _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
+                                bool(causal), (left, right), num_splits, bool(return_lse),
+                                _softcap(softcap), alibi_slopes, cache_batch_idx, cache_leftpad,
+                                rotary_cos, rotary_sin, rotary_interleaved, rotary_seqlens,
+                                chunk)
     if rotary_cos is not None or rotary_sin is not None:
         q, k = _rotary.on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens,
                                  rotary_cos, rotary_sin, bool(rotary_interleaved),
@@ -586,6 +643,43 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
                      _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx,
                      cache_leftpad)
+    return (out, lse) if return_lse else out
+
+
+def _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
+                     window, num_splits, return_lse, softcap, alibi_slopes, cache_batch_idx,
+                     cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, rotary_seqlens,
+                     chunk):
+    """flash_attn_with_kvcache with attention_chunk: the batch as varlen queries (and packed
+    new keys) through hipflash/_varlen_kv.py, which cuts each sequence into its chunks."""
+    if q.dim() != 4 or k_cache.dim() != 4 or (k is not None and k.dim() != 4):
+        raise ValueError(f"q must be [batch, seqlen_q, nheads, headdim], k_cache / v_cache 4-D "
+                         f"and k / v [batch, seqlen_new, nheads_k, headdim], got q "
+                         f"{list(q.shape)}, k_cache {list(k_cache.shape)}"
+                         + (f", k {list(k.shape)}" if k is not None else ""))
+    batch, seqlen_q, heads, dim = q.shape
+    if (rotary_cos is not None or rotary_sin is not None) and k is None:
+        raise ValueError("rotary_cos / rotary_sin rotate on append: give k and v")
+    if cache_seqlens is None:  # every sequence fills its cache
+        rows = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        cache_seqlens = torch.full((batch,), rows, dtype=torch.int32, device=q.device)
+    dev = q.device
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=dev) * seqlen_q
+    cu_new = None
+    if k is not None:
+        if k.shape[0] != batch or v is None or v.shape != k.shape:
+            raise ValueError(f"k and v must be [batch={batch}, seqlen_new, nheads_k, headdim] "
+                             f"alike, got {list(k.shape)}, "
+                             f"{list(v.shape) if v is not None else None}")
+        cu_new = torch.arange(batch + 1, dtype=torch.int32, device=dev) * k.shape[1]
+        k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    out, lse = _varlen_kv.with_kvcache(
+        q.reshape(-1, heads, dim), k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+        block_table, cu_q, cu_new, seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
+        bool(rotary_interleaved), scale, causal, window, num_splits, True, softcap,
+        cache_leftpad, chunk, alibi_slopes)
+    out = out.view(batch, seqlen_q, heads, dim)
+    lse = lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out
 
 

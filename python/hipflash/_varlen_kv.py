@@ -3,15 +3,16 @@ with cu_seqlens_q and, for the new keys, cu_seqlens_k_new): the new rows are wri
 cache by PyTorch ops (an indexed copy, after every check), then hipflash's chunked prefill
 (flash_attn_varlen_func with a block table) attends. A contiguous cache [B_cache, S, Hkv, D] is
 read as pages of S rows (sequence b's table row: its cache entry), so both layouts take one path.
-With cache_leftpad, sequence b's keys start at row cache_leftpad[b]: the cache is then read as
-pages of one row, sequence b's table listing its rows from that one (the gathered kernel, a
-bandwidth kernel at any page size).
+With cache_leftpad, sequence b's keys start at row cache_leftpad[b], and with attention_chunk
+each query row sees its chunk's keys only (hipflash/_chunks.py): the cache is then read as pages
+of one row, each sequence (or chunk piece) with a table row listing its keys' rows (the
+gathered kernel, a bandwidth kernel at any page size).
 """
 import torch
 
 import hipflash
 
-from . import _rotary
+from . import _chunks, _rotary
 
 
 def _int32_vector(t, name, n, device):
@@ -33,29 +34,59 @@ def _rotated(x, cos, sin, base, cu, per_row, interleaved):
     return _rotary.rotate(x[None], cos, sin, pos[None], interleaved)[0]
 
 
-def _from_leftpad(k_cache, v_cache, table, leftpad):
-    """The caches as pages of one row and each sequence's table from its leftpad row: column j
-    of sequence b is cache row leftpad[b] + j (columns past the capacity repeat its last row,
-    never read: a sequence's keys end inside its cache)."""
+def _by_rows(q, k_cache, v_cache, table, cu_seqlens_q, first, lens, chunk, alibi_slopes, kw):
+    """Sequence b's query rows against its lens[b] keys from cache row first[b], cut into
+    attention_chunk pieces when chunk > 0 (hipflash/_chunks.py): the caches read as pages of one
+    row, each piece (its query rows and its chunk's keys) a sequence of the call, its table row
+    listing its keys' cache rows. Returns what flash_attn_varlen_func does (LSE packed)."""
     page, per_row = k_cache.shape[1], k_cache.shape[2:]
     if k_cache.shape[0] * page > 2**31 - 1:
-        raise ValueError("cache_leftpad with varlen queries reads the cache by rows: it must "
-                         "hold fewer than 2^31 rows")
+        raise ValueError("cache_leftpad or attention_chunk with varlen queries reads the cache "
+                         "by rows: it must hold fewer than 2^31 rows")
+    offset, *host = torch.cat([cu_seqlens_q[:1], cu_seqlens_q[1:] - cu_seqlens_q[:-1],
+                               lens]).tolist()
+    batch = len(host) // 2
+    owner, rows_q, rows_k, key0 = [], [], [], []
+    for b, (sq, sk) in enumerate(zip(host[:batch], host[batch:])):
+        j = 0
+        for nq, nk in (_chunks.pieces(sq, sk, chunk) if chunk else [(sq, sk)]):
+            if nq:  # a piece without queries reads nothing: its keys need no place here
+                owner.append(b)
+                rows_q.append(nq)
+                rows_k.append(nk)
+                key0.append(j)
+            j += nk
+    if not owner:  # no query row at all: one empty piece keeps the call's shape
+        owner, rows_q, rows_k, key0 = [0], [0], [0], [0]
+    dev = q.device
+    owner_t = torch.tensor(owner, dtype=torch.int64, device=dev)
+    width = max(max(rows_k), 1)
     capacity = table.shape[1] * page
-    row = (leftpad.long()[:, None] + torch.arange(capacity, device=leftpad.device)).clamp_(
-        max=capacity - 1)
-    rows = table.long().gather(1, torch.div(row, page, rounding_mode="floor")) * page + row % page
-    return (k_cache.reshape(-1, 1, *per_row), v_cache.reshape(-1, 1, *per_row),
-            rows.to(torch.int32))
+    row = (first.long()[owner_t] + torch.tensor(key0, dtype=torch.int64, device=dev))[:, None] \
+        + torch.arange(width, device=dev)
+    row.clamp_(max=capacity - 1)  # past a piece's keys: never read
+    pieces_table = (table.long()[owner_t].gather(1, torch.div(row, page, rounding_mode="floor"))
+                    * page + row % page).to(torch.int32)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per piece
+        alibi_slopes = alibi_slopes.index_select(0, owner_t.to(alibi_slopes.device))
+    cu_q = torch.tensor([offset] + rows_q, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+    cu_k = torch.tensor([0] + rows_k, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+    return hipflash.flash_attn_varlen_func(
+        q, k_cache.reshape(-1, 1, *per_row), v_cache.reshape(-1, 1, *per_row), cu_q, cu_k,
+        max(rows_q), width, lse_layout="packed", block_table=pieces_table,
+        alibi_slopes=alibi_slopes, **kw)
 
 
 def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                  cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin,
                  rotary_seqlens, rotary_interleaved, softmax_scale, causal, window_size,
-                 num_splits, return_lse, softcap, cache_leftpad=None):
+                 num_splits, return_lse, softcap, cache_leftpad=None, attention_chunk=0,
+                 alibi_slopes=None):
     """FlashAttention 3's varlen kvcache call; returns what flash_attn_varlen_func does."""
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) must be given together")
+    if not isinstance(attention_chunk, int) or attention_chunk < 0:
+        raise ValueError(f"attention_chunk must be an int >= 0, got {attention_chunk!r}")
     if (k is None) != (cu_seqlens_k_new is None):
         raise ValueError("varlen queries append new keys with cu_seqlens_k_new (the new rows' "
                          "prefix sums): give k, v and cu_seqlens_k_new together")
@@ -149,13 +180,14 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                              f"(0 .. {k_cache.shape[0] - 1}), got {lo} .. {hi}")
         k_cache[pages, row % page] = k
         v_cache[pages, row % page] = v
-    if cache_leftpad is not None:
-        k_cache, v_cache, table = _from_leftpad(k_cache, v_cache, table, cache_leftpad)
-        lens = lens - cache_leftpad
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+              num_splits=num_splits, return_lse=return_lse, softcap=softcap)
+    if batch and (cache_leftpad is not None or attention_chunk):
+        first = cache_leftpad if cache_leftpad is not None else torch.zeros_like(lens)
+        return _by_rows(q, k_cache, v_cache, table, cu_seqlens_q, first, lens - first,
+                        attention_chunk, alibi_slopes, kw)
     cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
     torch.cumsum(lens, 0, out=cu_k[1:])
     return hipflash.flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, capacity,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        num_splits=num_splits, return_lse=return_lse, lse_layout="packed", block_table=table,
-        softcap=softcap)
+        q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, capacity, lse_layout="packed",
+        block_table=table, alibi_slopes=alibi_slopes, **kw)

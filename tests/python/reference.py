@@ -14,8 +14,10 @@ import torch
 NEG_INF = float("-inf")
 
 
-def valid_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device="cpu"):
-    """[Sq, Sk] bool: key j is valid for row i (bottom-right aligned causal / window)."""
+def valid_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device="cpu",
+               attention_chunk=0):
+    """[Sq, Sk] bool: key j is valid for row i (bottom-right aligned causal / window; with
+    attention_chunk C, only keys of the chunk of i's position p: [p - p mod C, + C))."""
     left, right = window_size
     if causal:
         right = 0
@@ -27,6 +29,9 @@ def valid_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device="c
         mask &= j >= diag - left
     if right >= 0:
         mask &= j <= diag + right
+    if attention_chunk:
+        start = diag - diag % attention_chunk  # % of a tensor: the divisor's sign (FA3's)
+        mask &= (j >= start) & (j < start + attention_chunk)
     return mask
 
 
@@ -48,7 +53,7 @@ def alibi_bias(slopes, batch, heads, seqlen_q, seqlen_k, device="cpu"):
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), lowp=False,
-                  softcap=0.0, alibi_slopes=None):
+                  softcap=0.0, alibi_slopes=None, attention_chunk=0):
     """SPEC §3 for dense q/k/v. Returns (out fp32 [B, Sq, Hq, D], lse fp32 [B, Hq, Sq]).
 
     lowp=False: fp32 math on the upcast inputs (ref32). lowp=True: the same math with every
@@ -56,7 +61,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     q, scores, probabilities, output; products accumulated in fp32) — its error against ref32
     is the yardstick of SPEC §6. The lse is always the fp32 one. softcap > 0: each scaled
     score s becomes softcap * tanh(s / softcap) before the softmax (FlashAttention 2's softcap);
-    alibi_slopes ([Hq] or [B, Hq]) then add alibi_bias.
+    alibi_slopes ([Hq] or [B, Hq]) then add alibi_bias; attention_chunk as valid_mask.
     """
     batch, seqlen_q, heads_q, dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -66,7 +71,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     qf, kf, vf = q.float(), k.float(), v.float()
     # GQA by grouping the query heads of one kv head: [B, Sq, Hkv, G, D] (no k/v copy).
     qg = qf.reshape(batch, seqlen_q, heads_kv, group, dim)
-    mask = valid_mask(seqlen_q, seqlen_k, causal, window_size, q.device)
+    mask = valid_mask(seqlen_q, seqlen_k, causal, window_size, q.device, attention_chunk)
     row_valid = mask.any(dim=-1)  # [Sq]
 
     if lowp:

@@ -20,10 +20,10 @@ DEVICES = [
 
 
 def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None, softcap=0.0,
-                    alibi_slopes=None):
+                    alibi_slopes=None, attention_chunk=0):
     """SDPA of SPEC §3 in `dtype` with PyTorch ops (autograd reference); [B, S, H, D] layout;
     softcap > 0 caps the scaled scores to softcap * tanh(s / softcap), then alibi_slopes add
-    ALiBi's bias (reference.alibi_bias)."""
+    ALiBi's bias (reference.alibi_bias); attention_chunk as reference.valid_mask."""
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -40,7 +40,8 @@ def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None, s
     if alibi_slopes is not None:  # in fp64, rounded once
         bias = alibi_bias(alibi_slopes, b, hq, sq, k.shape[1], q.device)
         s = (s.double() + bias).to(dtype)
-    mask = valid_mask(sq, k.shape[1], causal, window, device=q.device)
+    mask = valid_mask(sq, k.shape[1], causal, window, device=q.device,
+                      attention_chunk=attention_chunk)
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(dtype)  # empty rows: zero
     return mm(p, vv).transpose(1, 2)

@@ -14,6 +14,16 @@ def refuse(name, value, default, why=""):
             + (f" ({why})" if why else "") + f"; pass {name}={default!r}")
 
 
+def refuse_headdim_v(q, v):
+    """FlashAttention 3 takes a value head dim other than the query's (headdim_v, MLA's 192 /
+    128 and its 64 / 256, 512): hipflash does not yet."""
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() >= 1 and \
+            v.dim() >= 1 and v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(
+            f"hipflash.compat: v's head dim {v.shape[-1]} differs from q's {q.shape[-1]} "
+            "(headdim_v): hipflash needs them equal for now")
+
+
 def _short(value):
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)} {value.dtype}>"

@@ -8,9 +8,10 @@ Function names, argument names and defaults as in FlashAttention 3. ``return_att
 ``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
-NotImplementedError: qv, q/k/v_descale (fp8) but in flash_attn_func (fp8 there runs where
-hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD gfx94x / gfx950), attention_chunk.
-Varlen queries against a KV cache (paged or contiguous, with cache_batch_idx, cache_leftpad,
+NotImplementedError: qv, a value head dim other than q's, q/k/v_descale (fp8) but in
+flash_attn_func (fp8 there runs where hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD
+gfx94x / gfx950). attention_chunk runs as hipflash's (hipflash/_chunks.py: varlen pieces), not
+with fp8. Varlen queries against a KV cache (paged or contiguous, with cache_batch_idx, cache_leftpad,
 rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's chunked prefill
 after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py).
 seqused_q / seqused_k run on CPU tensors and in the NVIDIA GPU forward (the GPU backward refuses
@@ -21,19 +22,19 @@ import torch
 import hipflash
 from hipflash import _varlen_kv
 
-from ._common import refuse, softcap_value, split_qkv
+from ._common import refuse, refuse_headdim_v, softcap_value, split_qkv
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "flash_attn_combine"]
 
 
-def _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, fp8=False):
+def _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=False):
     refuse("qv", qv, None)
+    refuse_headdim_v(q, v)
     if not fp8:
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
                             ("v_descale", v_descale)):
             refuse(name, value, None, "fp8 runs in flash_attn_func only for now")
-    refuse("attention_chunk", attention_chunk, 0)
 
 
 def _splits(num_splits):
@@ -45,13 +46,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
                     return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
-    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk, fp8=True)
+    _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=True)
     return hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                     window_size=window_size, num_splits=_splits(num_splits),
                                     return_lse=bool(return_attn_probs),
                                     deterministic=deterministic, softcap=softcap_value(softcap),
                                     q_descale=q_descale, k_descale=k_descale,
-                                    v_descale=v_descale)
+                                    v_descale=v_descale, attention_chunk=attention_chunk)
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None,
@@ -83,13 +84,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs=False):
     """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim); the LSE (nheads,
     total_q)."""
-    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _refuse_common(q, v, qv, q_descale, k_descale, v_descale)
     return hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_attn_probs), lse_layout="packed",
         deterministic=deterministic, softcap=softcap_value(softcap), seqused_q=seqused_q,
-        seqused_k=seqused_k)
+        seqused_k=seqused_k, attention_chunk=attention_chunk)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
@@ -105,13 +106,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     rotary_seqlens without rotary_cos is ignored, as FlashAttention 3 does."""
     if rotary_cos is None and rotary_sin is None:
         rotary_seqlens = None
-    _refuse_common(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _refuse_common(q, v_cache, qv, q_descale, k_descale, v_descale)
     if cu_seqlens_q is not None:
         return _varlen_kv.with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
             cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
             bool(rotary_interleaved), softmax_scale, causal, window_size, _splits(num_splits),
-            bool(return_softmax_lse), softcap_value(softcap), cache_leftpad)
+            bool(return_softmax_lse), softcap_value(softcap), cache_leftpad, attention_chunk)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
@@ -119,7 +120,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
         softcap=softcap_value(softcap), cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens)
+        rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens,
+        attention_chunk=attention_chunk)
 
 
 def get_scheduler_metadata(*args, **kwargs):

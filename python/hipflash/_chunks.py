@@ -1,0 +1,114 @@
+"""FlashAttention 3's attention_chunk (Llama 4's chunked attention): query row i, at key position
+p = i + seqlen_k - seqlen_q (bottom-right aligned), sees only the keys of its chunk,
+[p - p mod C, p - p mod C + C), besides what causal / window allow.
+
+Run as hipflash's varlen attention over pieces: a chunk's query rows and its keys are one
+sequence of the packed call. The rows of a piece are contiguous, so dense q, k, v are packed
+views (no copies) and a varlen batch is its own packing refined; rows before the first key
+(p < 0) are a piece without keys, and keys no query sees (before the first query's chunk) a
+piece without queries. Each piece keeps the call's alignment: its last query row and its last
+key are as far apart as in the whole call, so causal, windows, ALiBi's distances and the
+softcap apply within it unchanged. The kernels are the varlen ones: a dense call with chunks
+runs at varlen speed (and its gradients by the varlen backward).
+"""
+import torch
+
+
+def pieces(seqlen_q, seqlen_k, chunk):
+    """[(query rows, keys)] of one sequence, covering its rows and keys in order."""
+    shift = seqlen_k - seqlen_q
+    out, i = [], 0
+    if shift < 0:  # rows before the first key see none
+        i = min(-shift, seqlen_q)
+        out.append((i, 0))
+    if i == seqlen_q:
+        return out + ([(0, seqlen_k)] if seqlen_k else [])
+    start = (i + shift) - (i + shift) % chunk  # the first row's chunk
+    if start:
+        out.append((0, start))
+    while i < seqlen_q:
+        end = min(start + chunk, seqlen_k)
+        rows = min(end - shift, seqlen_q) - i  # the rows whose position is below `end`
+        out.append((rows, end - start))
+        i, start = i + rows, end
+    return out
+
+
+def _prefix(lens, first, device):
+    cu = torch.tensor([first] + lens, dtype=torch.int64).cumsum(0)
+    return cu.to(torch.int32).to(device)
+
+
+def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, alibi_slopes,
+                kw):
+    """Runs varlen_fn (hipflash.flash_attn_varlen_func) on packed q [Tq, H, D], k / v
+    [Tk, Hkv, D] whose sequences have lengths lens_q / lens_k from rows first_q / first_k, each
+    cut into its chunk pieces. Returns (out, lse packed [H, Tq])."""
+    rows_q, rows_k, owner = [], [], []
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        for nq, nk in pieces(sq, sk, chunk):
+            rows_q.append(nq)
+            rows_k.append(nk)
+            owner.append(b)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per piece
+        alibi_slopes = alibi_slopes.index_select(
+            0, torch.tensor(owner, dtype=torch.int64, device=alibi_slopes.device))
+    return varlen_fn(q, k, v, _prefix(rows_q, first_q, q.device),
+                     _prefix(rows_k, first_k, q.device), max(rows_q, default=0),
+                     max(rows_k, default=0), return_lse=True, lse_layout="packed",
+                     alibi_slopes=alibi_slopes, **kw)
+
+
+def dense(varlen_fn, q, k, v, chunk, out, alibi_slopes, kw):
+    """flash_attn_func's call with attention_chunk: q [B, Sq, H, D], k / v [B, Sk, Hkv, D].
+    Returns (out [B, Sq, H, D], lse [B, H, Sq])."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:2] != v.shape[:2] or \
+            k.shape[0] != q.shape[0]:
+        raise ValueError(f"q must be [batch, seqlen_q, nheads, headdim] and k, v [batch, "
+                         f"seqlen_k, nheads_k, headdim] of the same batch, got {list(q.shape)}, "
+                         f"{list(k.shape)}, {list(v.shape)}")
+    batch, seqlen_q, heads, dim = q.shape
+    seqlen_k = k.shape[1]
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    if out is not None:
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")
+        try:
+            kw = dict(kw, out=out.view(-1, heads, dim))
+        except RuntimeError:
+            raise ValueError("out= with attention_chunk must be viewable as packed rows "
+                             "[batch * seqlen_q, nheads, headdim] (contiguous over batch and "
+                             "seqlen)") from None
+    o, lse = packed_call(varlen_fn, *flat, [seqlen_q] * batch, [seqlen_k] * batch, 0, 0, chunk,
+                         alibi_slopes, kw)
+    lse = lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
+    return (out if out is not None else o.view(batch, seqlen_q, heads, dim)), lse
+
+
+def varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, chunk, lse_layout,
+           alibi_slopes, kw):
+    """flash_attn_varlen_func's call with attention_chunk (the sequences' bounds copied to the
+    host once). Returns (out, lse in lse_layout)."""
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or \
+            cu_seqlens_q.numel() < 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D of length batch + 1")
+    bounds = torch.stack([cu_seqlens_q, cu_seqlens_k]).tolist()
+    cu_q, cu_k = bounds
+    lens_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    lens_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    if any(n < 0 for n in lens_q + lens_k):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be non-decreasing")
+    if max(lens_q, default=0) > max_seqlen_q:
+        raise ValueError(f"a sequence has more than max_seqlen_q = {max_seqlen_q} rows")
+    o, lse = packed_call(varlen_fn, q, k, v, lens_q, lens_k, cu_q[0], cu_k[0], chunk,
+                         alibi_slopes, kw)
+    if lse_layout == "packed":
+        return o, lse
+    batch = len(lens_q)
+    padded = lse.new_full((batch, lse.shape[0], max_seqlen_q), float("-inf"))
+    lens = torch.tensor(lens_q, dtype=torch.int64, device=q.device)
+    seq = torch.repeat_interleave(torch.arange(batch, device=q.device), lens)
+    rows = torch.arange(cu_q[0], cu_q[-1], device=q.device)
+    starts = torch.tensor(cu_q[:-1], dtype=torch.int64, device=q.device)
+    padded[seq, :, rows - starts[seq]] = lse[:, rows].t()
+    return o, padded

@@ -1,0 +1,163 @@
+"""attention_chunk (FlashAttention 3's; Llama 4's chunked attention) against the reference of
+SPEC §3 with the chunk mask (reference.valid_mask): the pieces it runs as, the dense, varlen and
+KV-cache calls (out and LSE), alone and with causal, windows, GQA, softcap and ALiBi, rows
+before the first key, gradients, and what it refuses."""
+import itertools
+import random
+
+import pytest
+import torch
+
+import hipflash
+from hipflash import _chunks
+from reference import (check_attention, check_lse, check_out, make_qkv, make_varlen,
+                       varlen_attention_ref, valid_mask)
+from test_backward import DEVICES, assert_flash_rule, grads, torch_attention
+
+BF16 = torch.bfloat16
+
+
+def test_pieces_tile_the_rows_and_keys_and_keep_the_alignment():
+    rng = random.Random(0)
+    for _ in range(500):
+        sq, sk, chunk = rng.randint(0, 40), rng.randint(0, 40), rng.randint(1, 45)
+        ps = _chunks.pieces(sq, sk, chunk)
+        assert sum(p[0] for p in ps) == sq and sum(p[1] for p in ps) == sk, (sq, sk, chunk)
+        # The pieces' block-diagonal masks (each bottom-right aligned, as the varlen call
+        # aligns them) are exactly the chunk mask, causal or not.
+        for causal in (False, True):
+            want = valid_mask(sq, sk, causal, attention_chunk=chunk)
+            got = torch.zeros(sq, sk, dtype=torch.bool)
+            i = j = 0
+            for nq, nk in ps:
+                got[i:i + nq, j:j + nk] = valid_mask(nq, nk, causal)
+                i, j = i + nq, j + nk
+            assert torch.equal(got, want), (sq, sk, chunk, causal)
+
+
+MODES = {"full": dict(), "causal": dict(causal=True), "window": dict(window_size=(6, 3)),
+         "causal_window": dict(causal=True, window_size=(9, -1))}
+SHAPES = [(40, 40), (17, 50), (50, 17), (1, 33), (64, 64)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("chunk", [1, 7, 16, 100])
+def test_dense_matches_the_reference(device, mode, chunk):
+    for b, (sq, sk) in enumerate(SHAPES):
+        q, k, v = make_qkv(2, sq, sk, 4, 2, 64, BF16, seed=b)
+        kw = dict(MODES[mode], attention_chunk=chunk)
+        out, lse = hipflash.flash_attn_func(q.to(device), k.to(device), v.to(device),
+                                            return_lse=True, **kw)
+        assert out.shape == q.shape and lse.shape == (2, 4, sq) and lse.is_contiguous()
+        check_attention(out.cpu(), lse.cpu(), q, k, v, f"sq{sq} sk{sk}", **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_alibi_and_out(device):
+    q, k, v = make_qkv(2, 30, 45, 4, 4, 64, BF16, seed=5)
+    slopes = torch.rand(2, 4) * 0.3
+    kw = dict(causal=True, attention_chunk=12, softcap=20.0)
+    out = torch.full_like(q, float("nan")).to(device)
+    got, lse = hipflash.flash_attn_func(q.to(device), k.to(device), v.to(device),
+                                        return_lse=True, out=out, alibi_slopes=slopes.to(device),
+                                        **kw)
+    assert got is out
+    check_attention(out.cpu(), lse.cpu(), q, k, v, "softcap+alibi", alibi_slopes=slopes, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lse_layout", ["packed", "padded"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_chunks_each_sequence(device, lse_layout, causal):
+    lens_q, lens_k = [5, 0, 33, 20, 1], [5, 12, 33, 9, 40]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, 64, BF16, seed=2)
+    kw = dict(causal=causal, attention_chunk=8)
+    out, lse = hipflash.flash_attn_varlen_func(
+        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device),
+        max(lens_q), max(lens_k), return_lse=True, lse_layout=lse_layout, **kw)
+    ref, ref_packed, ref_padded = varlen_attention_ref(q, k, v, cu_q, cu_k, max(lens_q), **kw)
+    low, _, _ = varlen_attention_ref(q, k, v, cu_q, cu_k, max(lens_q), lowp=True, **kw)
+    check_out(out.cpu(), ref, low, "varlen")
+    check_lse(lse.cpu(), ref_packed if lse_layout == "packed" else ref_padded, "varlen")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [(33, 33, True, 8), (20, 50, False, 16), (45, 30, True, 10)],
+                         ids=lambda c: f"sq{c[0]}_sk{c[1]}_c{int(c[2])}_chunk{c[3]}")
+def test_gradients_match_fp64_autograd(device, case):
+    sq, sk, causal, chunk = case
+    q, k, v = make_qkv(2, sq, sk, 4, 2, 64, BF16, seed=4)
+    dout = torch.randn(2, sq, 4, 64, generator=torch.Generator().manual_seed(9)).to(BF16)
+    ref = dict(causal=causal, attention_chunk=chunk)
+    _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, **ref), q, k, v, dout)
+    _, glp = grads(lambda *a: torch_attention(*a, BF16, **ref), q, k, v, dout, device)
+    _, ghf = grads(lambda *a: hipflash.flash_attn_func(*a, **ref), q, k, v, dout, device)
+    for name, ours, low, want in zip("qkv", ghf, glp, g64):
+        assert_flash_rule(name, ours, low, want)
+
+
+def test_refusals():
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 64, BF16)
+    with pytest.raises(ValueError, match="attention_chunk"):
+        hipflash.flash_attn_func(q, k, v, attention_chunk=-1)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="attention_chunk"):
+        hipflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, attention_chunk=4,
+                                        seqused_k=torch.tensor([4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page", [0, 1, 16], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("mode", ["causal", "causal_window"])
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+def test_kvcache_appends_then_chunks_each_sequence(device, page, mode, leftpad):
+    """flash_attn_with_kvcache with attention_chunk: k / v land at cache_seqlens[b], then each
+    sequence's query rows see their chunk of its keys (from its leftpad row): out and LSE
+    against the reference on the keys gathered, and the cache's other rows untouched."""
+    g = torch.Generator().manual_seed(3)
+    batch, sq, snew, hq, hkv, d, cap, chunk = 3, 6, 4, 4, 2, 64, 48, 5
+    lens, pads = [10, 0, 30], ([3, 0, 17] if leftpad else [0, 0, 0])
+    kc = torch.randn(batch, cap, hkv, d, generator=g).to(BF16)
+    vc = torch.randn(batch, cap, hkv, d, generator=g).to(BF16)
+    q = torch.randn(batch, sq, hq, d, generator=g).to(BF16)
+    k = torch.randn(batch, snew, hkv, d, generator=g).to(BF16)
+    v = torch.randn(batch, snew, hkv, d, generator=g).to(BF16)
+    kw = dict(MODES[mode], attention_chunk=chunk)
+    table = None
+    caches = kc.clone(), vc.clone()
+    if page:  # the same rows in pages, shuffled
+        per = cap // page
+        perm = torch.randperm(batch * per, generator=g)
+        caches = tuple(torch.empty(batch * per, page, hkv, d, dtype=BF16) for _ in range(2))
+        for c, src in zip(caches, (kc, vc)):
+            c[perm] = src.reshape(batch * per, page, hkv, d)
+        table = perm.view(batch, per).to(torch.int32).to(device)
+    caches = tuple(c.to(device) for c in caches)
+    out, lse = hipflash.flash_attn_with_kvcache(
+        q.to(device), *caches, k.to(device), v.to(device),
+        torch.tensor(lens, dtype=torch.int32, device=device), block_table=table,
+        cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=device) if leftpad else None,
+        return_lse=True, **kw)
+    got_k = caches[0].cpu()
+    if page:
+        got_k = got_k[table.cpu().long()].reshape(batch, cap, hkv, d)
+    for b in range(batch):
+        keys = torch.cat([kc[b, pads[b]:lens[b]], k[b]])[None]
+        vals = torch.cat([vc[b, pads[b]:lens[b]], v[b]])[None]
+        check_attention(out[b:b + 1].cpu(), lse[b:b + 1].cpu(), q[b:b + 1], keys, vals,
+                        f"sequence {b}", **kw)
+        assert torch.equal(got_k[b, lens[b]:lens[b] + snew], k[b]), f"appended rows {b}"
+        assert torch.equal(got_k[b, :lens[b]], kc[b, :lens[b]]), f"cached rows {b}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fa3_compat_takes_attention_chunk(device):
+    import hipflash.compat.flash_attn_interface as fa3
+    q, k, v = (t.to(device) for t in make_qkv(2, 20, 20, 4, 2, 64, BF16, seed=6))
+    out, lse = fa3.flash_attn_func(q, k, v, causal=True, attention_chunk=6,
+                                   return_attn_probs=True)
+    check_attention(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), "fa3", causal=True,
+                    attention_chunk=6)
+    with pytest.raises(NotImplementedError, match="head dim"):
+        fa3.flash_attn_func(q, k, torch.zeros(2, 20, 2, 128, dtype=BF16, device=device))
