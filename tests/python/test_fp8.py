@@ -545,3 +545,26 @@ def test_fp8_lse_within_2e2_of_the_bf16_reference(device, causal):
     _, ref1 = attention_ref(q[:, :1], k, v, causal=causal)
     err = (lse.cpu() - ref1).abs()
     assert err.mean() < 2e-2 and err.max() < 6e-2, (err.mean(), err.max())
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if GPU else []))
+def test_fa3_all_e4m3_kvcache_call(device):
+    # FA3's fp8 flash_attn_with_kvcache (q, the cache and the new k / v all e4m3, no descales):
+    # bitwise hipflash's fp8-cache call with q and k / v widened to bf16, which is exact; the
+    # appended rows the new ones' bytes; out bf16.
+    q, k, v = (t.to(device) for t in fp8_case(2, 3, 4, 8, 2, 64, seed=5))
+    kc, vc = (t.to(device) for t in fp8_case(2, 1, 40, 2, 2, 64, seed=6)[1:])
+    seqlens = torch.tensor([10, 30], dtype=torch.int32, device=device)
+    caches = kc.clone(), vc.clone()
+    out, lse = fa3.flash_attn_with_kvcache(q, *caches, k=k, v=v, cache_seqlens=seqlens,
+                                           causal=True, return_softmax_lse=True)
+    want_caches = kc.clone(), vc.clone()
+    want, want_lse = hipflash.flash_attn_with_kvcache(
+        q.to(BF16), *want_caches, k.to(BF16), v.to(BF16), seqlens, causal=True, return_lse=True)
+    assert out.dtype == BF16
+    assert_bitwise_equal(out, want, "out")
+    assert_bitwise_equal(lse, want_lse, "lse")
+    for got, ref in zip(caches, want_caches):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(caches[0][0, 10:14].view(torch.uint8), k[0].view(torch.uint8))

@@ -7,15 +7,18 @@
 Function names, argument names and defaults as in FlashAttention 3. ``return_attn_probs`` /
 ``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
-scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic. Refused with
-NotImplementedError: qv, a value head dim other than q's, q/k/v_descale (fp8) but in
-flash_attn_func (fp8 there runs where hipflash.flash_attn_func's q_descale does: CPU, Hopper, AMD
-gfx94x / gfx950). attention_chunk runs as hipflash's (hipflash/_chunks.py: varlen pieces), not
-with fp8. Varlen queries against a KV cache (paged or contiguous, with cache_batch_idx, cache_leftpad,
-rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's chunked prefill
-after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py).
-seqused_q / seqused_k run on CPU tensors and in the NVIDIA GPU forward (the GPU backward refuses
-them); softcap runs on CPU tensors and NVIDIA GPUs, forward and backward.
+scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic.
+
+Refused with NotImplementedError: qv, a value head dim other than q's, and q/k/v_descale (fp8)
+but in flash_attn_func (fp8 there runs where hipflash.flash_attn_func's q_descale does: CPU,
+Hopper, AMD gfx94x / gfx950). flash_attn_with_kvcache takes an all-e4m3 call without descales:
+q and k / v widened to bfloat16 exactly, the cache read as hipflash's fp8 cache. attention_chunk
+runs as hipflash's (hipflash/_chunks.py: varlen pieces), not with fp8. Varlen queries against a
+KV cache (paged or contiguous, with cache_batch_idx, cache_leftpad, rotary and an append of
+packed new keys by cu_seqlens_k_new) run as hipflash's chunked prefill after the append and
+rotation by PyTorch ops (hipflash/_varlen_kv.py). seqused_q / seqused_k run on CPU tensors and
+in the NVIDIA GPU forward (the GPU backward refuses them); softcap runs on CPU tensors and
+NVIDIA GPUs, forward and backward.
 """
 import torch
 
@@ -114,6 +117,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             bool(rotary_interleaved), softmax_scale, causal, window_size, _splits(num_splits),
             bool(return_softmax_lse), softcap_value(softcap), cache_leftpad, attention_chunk)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
+    if q.dtype == getattr(torch, "float8_e4m3fn", None):
+        # FA3's fp8 KV-cache call (q, the cache and the new k / v in e4m3, no descales): q and
+        # k / v widened to bfloat16 exactly (every e4m3 value is one), the cache read as
+        # hipflash's fp8 cache with scales 1, out in bfloat16 as FA3's.
+        q, k, v = (t.to(torch.bfloat16) if t is not None else None for t in (q, k, v))
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
