@@ -253,3 +253,12 @@ def test_generation_error_within_one_percent_of_sdpa(device, family):
     err = {impl: (_teacher_forced_logits(models[impl], ids, mask, 8) - ref).abs().mean().item()
            for impl in ("sdpa", name)}
     assert err[name] <= 1.01 * err["sdpa"], f"{family}: {err}"
+
+
+def test_left_pads_are_computed_once_per_step_and_follow_in_place_changes():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    first = hf._left_pads_of_step(mask)
+    assert first.tolist() == [2, 0] and hf._left_pads_of_step(mask) is first  # the next layer
+    mask[1, 0] = 0  # changed in place (a new step's mask may reuse the tensor)
+    assert hf._left_pads_of_step(mask).tolist() == [2, 1]
+    assert hf._left_pads_of_step(torch.tensor([[1, 0, 1, 1]])) is None  # not left padding

@@ -85,6 +85,19 @@ def _left_pads(mask):
     return pads if bool(torch.equal(mask, left)) else None
 
 
+_last_mask = [None, None, None]  # (mask, its version, _left_pads of it): one step's layers
+
+
+def _left_pads_of_step(attention_mask):
+    """_left_pads of the mask transformers hands every layer of a forward step (the same
+    tensor): computed, and its host check synchronised, once per step rather than per layer."""
+    mask, version, pads = _last_mask
+    if mask is not attention_mask or version != attention_mask._version:
+        pads = _left_pads(attention_mask.to(torch.bool))
+        _last_mask[:] = attention_mask, attention_mask._version, pads
+    return pads
+
+
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
               sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention-function contract: query [batch, heads, q_len, head_dim], key and
@@ -143,7 +156,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         # layer and step). Prefill (q_len == kv_len) keeps the varlen path: its copies are
         # linear in the length, the attention quadratic, and the dense-query kernels run it.
         # AMD GPUs read no KV cache yet.
-        pads = _left_pads(mask)
+        pads = _left_pads_of_step(attention_mask)
         if pads is not None:
             return done(hipflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=kv_len,
                                                          cache_leftpad=pads, **kw))
