@@ -161,6 +161,19 @@ FAMILIES = {
 }
 
 
+def _tiny(family):
+    """(model class, config) of a tiny random model of the family (2 layers, hidden 256, GQA
+    4 / 2); the test skips where this transformers lacks the family."""
+    import transformers
+    cfg_name, model_name, extra = FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {model_name}")
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra)
+    return getattr(transformers, model_name), cfg
+
+
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed here (it is on "
                     "the GPU machine: scripts/gpu-check test runs this)")
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -169,16 +182,9 @@ def test_tiny_models_match_eager(device, family):
     # A tiny random model of each family through attn_implementation against transformers' own
     # eager attention (the one every feature of these families runs on: Gemma 2's softcap too),
     # on a left-padded batch longer than the sliding windows, then greedy generation.
-    import transformers
-    cfg_name, model_name, extra = FAMILIES[family]
-    if not hasattr(transformers, model_name):
-        pytest.skip(f"this transformers ({transformers.__version__}) has no {model_name}")
-    config_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
+    model_cls, cfg = _tiny(family)
     name = hf.register()
     assert name == hf.NAME
-    cfg = config_cls(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     **extra)
     torch.manual_seed(0)
     ref_model = model_cls._from_config(cfg, attn_implementation="eager").to(device, torch.bfloat16)
     ours = model_cls._from_config(cfg, attn_implementation=name)
@@ -226,15 +232,8 @@ def test_generation_error_within_one_percent_of_sdpa(device, family):
     # Issue 42's rule: a bf16 model with hipflash's attention, against the same weights in
     # fp32, errs on the logits of batched, left-padded generation (prefill and 8 steps against
     # the cache) by at most SDPA's mean error + 1%.
-    import transformers
-    cfg_name, model_name, extra = FAMILIES[family]
-    if not hasattr(transformers, model_name):
-        pytest.skip(f"this transformers ({transformers.__version__}) has no {model_name}")
-    config_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
+    model_cls, cfg = _tiny(family)
     name = hf.register()
-    cfg = config_cls(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     **extra)
     torch.manual_seed(0)
     models = {}
     for impl, dtype in (("eager", torch.float32), ("sdpa", torch.bfloat16), (name, torch.bfloat16)):
