@@ -481,9 +481,6 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   check_rank(k, "k", 3, "[total_k, heads_kv, head_dim]");
   check_rank(v, "v", 3, "[total_k, heads_kv, head_dim]");
   check_rank(out, "out", 3, "[total_q, heads_q, head_dim]");
-  HIPFLASH_CHECK_AS(not_implemented, q.dtype != DType::e4m3,
-                    "float8_e4m3fn inputs run in the dense forward only for now (varlen fp8 is "
-                    "not implemented)");
   HIPFLASH_CHECK(cu_q.dtype == DType::i32, "cu_seqlens_q must have dtype int32, got ",
                  dtype_name(cu_q.dtype));
   HIPFLASH_CHECK(cu_k.dtype == DType::i32, "cu_seqlens_k must have dtype int32, got ",

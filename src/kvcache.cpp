@@ -391,6 +391,9 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
                           const TensorRef& cu_seqlens_k, const TensorRef& block_table,
                           const VarlenOptions& opts, Stream stream, Workspace workspace) {
   const char* layout = "[num_blocks, page_size, heads_kv, head_dim] with a block_table";
+  HIPFLASH_CHECK_AS(not_implemented, q.dtype != DType::e4m3,
+                    "float8_e4m3fn queries against a paged KV cache are not implemented (an fp8 "
+                    "cache with bfloat16 / float16 queries runs: flash_attn_with_kvcache)");
   check_operand(k_cache, "k_cache", q, layout);
   check_operand(v_cache, "v_cache", q, layout);
   for (int i = 0; i < 4; ++i)

@@ -394,7 +394,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
                            return_lse=False, lse_layout="padded", out=None, deterministic=False,
                            block_table=None, softcap=0.0, alibi_slopes=None, seqused_q=None,
-                           seqused_k=None, attention_chunk=0):
+                           seqused_k=None, attention_chunk=0, q_descale=None, k_descale=None,
+                           v_descale=None):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -433,6 +434,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         attention_chunk: as for :func:`flash_attn_func`, within each sequence (the sequences'
             bounds are copied to the host once); not with seqused_q / seqused_k or a
             block_table.
+        q_descale, k_descale, v_descale: fp8, as for :func:`flash_attn_func` (float8_e4m3fn
+            q, k, v; per (batch, kv head) is per (sequence, kv head)): forward only, out
+            bfloat16; CPU tensors (GPU calls raise NotImplementedError), not with a
+            block_table.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not
@@ -454,13 +459,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_tensor(block_table, "block_table")
     if alibi_slopes is not None:
         _check_tensor(alibi_slopes, "alibi_slopes")
-    used = [(n, t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k))
+    used = [(n, t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
+                                ("q_descale", q_descale), ("k_descale", k_descale),
+                                ("v_descale", v_descale))
             if t is not None]
     for name, t in used:
         _check_tensor(t, name)
     if used and block_table is not None:
-        raise NotImplementedError("seqused_q / seqused_k with a block_table (chunked prefill) are "
-                                  "not supported by hipflash yet")
+        raise NotImplementedError(f"{used[0][0]} with a block_table (chunked prefill) is not "
+                                  "supported by hipflash yet")
     if lse_layout not in _LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be 'padded' or 'packed', got {lse_layout!r}")
     _check_same_device(q, [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
@@ -478,9 +485,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     causal, return_lse = bool(causal), bool(return_lse)
     softcap = _softcap(softcap)
     chunk = _chunk(attention_chunk)
+    descales = (q_descale, k_descale, v_descale)
+    fp8 = q.dtype == getattr(torch, "float8_e4m3fn", None) or any(d is not None for d in descales)
     if chunk:
-        if used or block_table is not None:
-            raise NotImplementedError("attention_chunk with seqused_q / seqused_k or a "
+        if used or fp8 or block_table is not None:
+            raise NotImplementedError("attention_chunk with seqused_q / seqused_k, fp8 or a "
                                       "block_table is not supported by hipflash yet")
         kw = _chunk_kw(scale, causal, left, right, num_splits, bool(deterministic), softcap)
         if out is not None:
@@ -496,7 +505,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
                          return_lse, lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
-    if out is None and _wants_grad(q, k, v):
+    if out is None and _wants_grad(q, k, v) and not fp8:  # fp8 is forward only (FA3's)
         _refuse_gpu_grad(q, seqused_q is not None or seqused_k is not None)
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
@@ -506,7 +515,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if out is None:
         out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, scale, causal, left, right, num_splits, return_lse,
-                         lse_layout, softcap, alibi_slopes, seqused_q, seqused_k)
+                         lse_layout, softcap, alibi_slopes, seqused_q, seqused_k, *descales)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 3:
@@ -519,7 +528,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                               dtype=torch.float32, device=q.device)
     _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
           out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout, softcap,
-          alibi_slopes, seqused_q, seqused_k)
+          alibi_slopes, seqused_q, seqused_k, *descales)
     return (out, lse) if return_lse else out
 
 

@@ -94,8 +94,8 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, num_spl
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_left, window_right, num_splits, return_lse,
                      lse_layout, softcap=0.0, alibi_slopes=None, seqused_q=None,
-                     seqused_k=None):
-    out = q.new_empty(q.shape)
+                     seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
+    out = q.new_empty(q.shape, dtype=_out_dtype(q))
     shape = (0,)
     if return_lse and q.dim() == 3:
         if lse_layout == "packed":

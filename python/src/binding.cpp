@@ -302,17 +302,23 @@ void varlen_fwd_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     bool causal, int64_t window_left, int64_t window_right, int64_t num_splits,
                     bool return_lse, const std::string& lse_layout, double softcap,
                     const c10::optional<at::Tensor>& alibi_slopes, const OptionalTensor& seqused_q,
-    const OptionalTensor& seqused_k) {
+                    const OptionalTensor& seqused_k, const OptionalTensor& q_descale,
+                    const OptionalTensor& k_descale, const OptionalTensor& v_descale) {
   std::vector<at::Tensor> keep;
   run_launcher([&] {
     const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse),
-        used_q(seqused_q, "seqused_q", Role::index), used_k(seqused_k, "seqused_k", Role::index);
+        used_q(seqused_q, "seqused_q", Role::index), used_k(seqused_k, "seqused_k", Role::index),
+        qd(q_descale, "q_descale", Role::lse), kd(k_descale, "k_descale", Role::lse),
+        vd(v_descale, "v_descale", Role::lse);
     hipflash::VarlenOptions opts =
         varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, num_splits, return_lse, lse_layout, softcap);
     opts.alibi_slopes = alibi.get();
     opts.seqused_q = used_q.get();
     opts.seqused_k = used_k.get();
+    opts.q_descale = qd.get();
+    opts.k_descale = kd.get();
+    opts.v_descale = vd.get();
     const auto qr = to_ref(q, "q", Role::operand), kr = to_ref(k, "k", Role::operand),
                vr = to_ref(v, "v", Role::operand), outr = to_ref(out, "out", Role::operand);
     const auto cuq = to_ref(cu_seqlens_q, "cu_seqlens_q", Role::index);
@@ -372,13 +378,14 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     int64_t num_splits, bool return_lse, const std::string& lse_layout, double softcap,
     const c10::optional<at::Tensor>& alibi_slopes, const OptionalTensor& seqused_q,
-    const OptionalTensor& seqused_k) {
-  at::Tensor out = at::empty(q.sizes(), q.options());
+    const OptionalTensor& seqused_k, const OptionalTensor& q_descale,
+    const OptionalTensor& k_descale, const OptionalTensor& v_descale) {
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(out_dtype(q)));
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   varlen_fwd_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                  return_lse ? c10::optional<at::Tensor>(lse) : c10::nullopt, softmax_scale,
                  causal, window_left, window_right, num_splits, return_lse, lse_layout, softcap,
-                 alibi_slopes, seqused_q, seqused_k);
+                 alibi_slopes, seqused_q, seqused_k, q_descale, k_descale, v_descale);
   return {out, lse};
 }
 
@@ -601,12 +608,14 @@ TORCH_LIBRARY(hipflash, m) {
         "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, int window_left, "
         "int window_right, int num_splits, bool return_lse, str lse_layout, "
         "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? seqused_q=None, "
-        "Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
+        "Tensor? seqused_k=None, Tensor? q_descale=None, Tensor? k_descale=None, "
+        "Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
   m.def("varlen_fwd_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, Tensor(a!) out, Tensor(b!)? lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
         "bool return_lse, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None, "
-        "Tensor? seqused_q=None, Tensor? seqused_k=None) -> ()");
+        "Tensor? seqused_q=None, Tensor? seqused_k=None, Tensor? q_descale=None, "
+        "Tensor? k_descale=None, Tensor? v_descale=None) -> ()");
   m.def("varlen_fwd_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor block_table, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "

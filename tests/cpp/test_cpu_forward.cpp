@@ -334,6 +334,62 @@ TEST(CpuForwardFp8, DescalesAreOneByDefaultAndScaleTheScores) {
   EXPECT_FALSE(a.out.all_nan());
 }
 
+TEST(CpuForwardFp8, VarlenEachSequenceIsItsDenseCall) {
+  // Varlen fp8 with descales per (sequence, kv head): each sequence's rows and LSEs bitwise
+  // the dense fp8 call on that sequence alone with its descale row (one split each).
+  const std::vector<int32_t> lq = {29, 0, 7, 40}, lk = {113, 5, 40, 17};
+  const int64_t Hq = 4, Hkv = 2, D = 64, B = int64_t(lq.size());
+  for (bool causal : {false, true}) {
+    Varlen t(DType::e4m3, lq, lk, Hq, Hkv, D, LseLayout::packed, 7);
+    const int64_t total_q = t.q.ref.sizes[0];
+    t.out = HostTensor(DType::bf16, {total_q, Hq, D});
+    t.out.fill(kNaN);
+    HostTensor qd(DType::f32, {B, Hkv}), kd = qd, vd = qd;
+    for (int64_t i = 0; i < B * Hkv; ++i) {
+      qd.f32()[i] = 0.5f + 0.25f * float(i);
+      kd.f32()[i] = 1.5f - 0.125f * float(i);
+      vd.f32()[i] = 0.75f + 0.5f * float(i % 3);
+    }
+    t.opts.q_descale = &qd.ref, t.opts.k_descale = &kd.ref, t.opts.v_descale = &vd.ref;
+    t.opts.causal = causal;
+    t.opts.num_splits = 1;
+    t.run();
+    int64_t q0 = 0, k0 = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      Dense d(DType::e4m3, 1, lq[b], lk[b], Hq, Hkv, D, 1);
+      d.out = HostTensor(DType::bf16, {1, lq[b], Hq, D});
+      for (int64_t i = 0; i < lq[b] * Hq * D; ++i) d.q.set_raw(i, t.q.get_raw(q0 * Hq * D + i));
+      for (int64_t i = 0; i < lk[b] * Hkv * D; ++i) {
+        d.k.set_raw(i, t.k.get_raw(k0 * Hkv * D + i));
+        d.v.set_raw(i, t.v.get_raw(k0 * Hkv * D + i));
+      }
+      HostTensor dq(DType::f32, {1, Hkv}), dk = dq, dv = dq;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        dq.f32()[h] = qd.f32()[b * Hkv + h];
+        dk.f32()[h] = kd.f32()[b * Hkv + h];
+        dv.f32()[h] = vd.f32()[b * Hkv + h];
+      }
+      d.opts.q_descale = &dq.ref, d.opts.k_descale = &dk.ref, d.opts.v_descale = &dv.ref;
+      d.opts.causal = causal;
+      d.opts.num_splits = 1;
+      d.run();
+      int64_t differ = 0;
+      for (int64_t i = 0; i < lq[b] * Hq * D; ++i) {
+        const float x = t.out.get_raw(q0 * Hq * D + i), y = d.out.get_raw(i);
+        differ += !(x == y);
+      }
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t r = 0; r < lq[b]; ++r) {
+          const float x = t.lse.f32()[h * total_q + q0 + r], y = d.lse.f32()[h * lq[b] + r];
+          differ += !(x == y || (std::isinf(x) && x == y));
+        }
+      EXPECT_EQ(differ, 0) << "sequence " << b << (causal ? " causal" : "");
+      q0 += lq[b];
+      k0 += lk[b];
+    }
+  }
+}
+
 TEST(CpuForwardOptions, StridedViews) {
   // q, k, v as views of one packed QKV buffer [B, S, 3, H, D]; out as a view with a row gap.
   const int64_t B = 2, S = 113, H = 4, D = 64;

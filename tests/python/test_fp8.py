@@ -568,3 +568,45 @@ def test_fa3_all_e4m3_kvcache_call(device):
     for got, ref in zip(caches, want_caches):
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(caches[0][0, 10:14].view(torch.uint8), k[0].view(torch.uint8))
+
+
+@needs_fp8
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_fp8_equals_each_sequences_dense_call(causal):
+    # Varlen fp8 (CPU backend) with descales per (sequence, kv head): each sequence bitwise the
+    # dense fp8 call on it alone with its descale row; FA3's varlen spelling returns the same.
+    lens_q, lens_k, hq, hkv, d = [29, 0, 7], [113, 5, 40], 4, 2, 64
+    cu_q = torch.tensor([0, 29, 29, 36], dtype=torch.int32)
+    cu_k = torch.tensor([0, 113, 118, 158], dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = ((2 * torch.randn(n, h, d, generator=g)).to(E4M3)
+               for n, h in ((36, hq), (158, hkv), (158, hkv)))
+    qd, kd, vd = (torch.rand(3, hkv, generator=g) + 0.5 for _ in range(3))
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 29, 113, causal=causal,
+                                               num_splits=1, return_lse=True,
+                                               lse_layout="packed", q_descale=qd, k_descale=kd,
+                                               v_descale=vd)
+    assert out.dtype == BF16
+    for b in range(3):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        want, want_lse = hipflash.flash_attn_func(
+            q[None, rq], k[None, rk], v[None, rk], causal=causal, num_splits=1, return_lse=True,
+            q_descale=qd[b:b + 1], k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
+        assert_bitwise_equal(out[rq], want[0], f"out {b}")
+        assert_bitwise_equal(lse[:, rq], want_lse[0], f"lse {b}")
+    fa3_out, fa3_lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 29, 113, causal=causal,
+                                                  q_descale=qd, k_descale=kd, v_descale=vd,
+                                                  return_attn_probs=True)
+    assert_bitwise_equal(fa3_out, out, "fa3 out")
+
+
+@needs_fp8
+@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
+                    "kernels")
+def test_gpu_varlen_fp8_is_refused_before_writing():
+    cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    q = torch.ones(8, 2, 64, device="cuda").to(E4M3)
+    out = torch.full((8, 2, 64), float("nan"), dtype=BF16, device="cuda")
+    with pytest.raises(NotImplementedError, match="varlen"):
+        hipflash.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, out=out)
+    assert out.isnan().all()

@@ -10,8 +10,8 @@ Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic.
 
 Refused with NotImplementedError: qv, a value head dim other than q's, and q/k/v_descale (fp8)
-but in flash_attn_func (fp8 there runs where hipflash.flash_attn_func's q_descale does: CPU,
-Hopper, AMD gfx94x / gfx950). flash_attn_with_kvcache takes an all-e4m3 call without descales:
+in flash_attn_with_kvcache (fp8 runs where hipflash's descales do: flash_attn_func on CPU,
+Hopper, AMD gfx94x / gfx950; flash_attn_varlen_func on the CPU). flash_attn_with_kvcache takes an all-e4m3 call without descales:
 q and k / v widened to bfloat16 exactly, the cache read as hipflash's fp8 cache. attention_chunk
 runs as hipflash's (hipflash/_chunks.py: varlen pieces), not with fp8. Varlen queries against a
 KV cache (paged or contiguous, with cache_batch_idx, cache_leftpad, rotary and an append of
@@ -37,7 +37,7 @@ def _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=False):
     if not fp8:
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
                             ("v_descale", v_descale)):
-            refuse(name, value, None, "fp8 runs in flash_attn_func only for now")
+            refuse(name, value, None, "fp8 runs in flash_attn_func and flash_attn_varlen_func")
 
 
 def _splits(num_splits):
@@ -87,13 +87,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs=False):
     """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim); the LSE (nheads,
     total_q)."""
-    _refuse_common(q, v, qv, q_descale, k_descale, v_descale)
+    _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=True)
     return hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_attn_probs), lse_layout="packed",
         deterministic=deterministic, softcap=softcap_value(softcap), seqused_q=seqused_q,
-        seqused_k=seqused_k, attention_chunk=attention_chunk)
+        seqused_k=seqused_k, attention_chunk=attention_chunk, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
