@@ -229,6 +229,14 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return _first_order(dq, dk, dv) + (None,) * 15
 
 
+_E4M3 = getattr(torch, "float8_e4m3fn", None)  # None on PyTorch < 2.1
+
+
+def _fp8(q, descales):
+    """An fp8 call: float8_e4m3fn q, or descales given (refused by the launcher for others)."""
+    return q.dtype == _E4M3 or any(d is not None for d in descales)
+
+
 def _chunk(attention_chunk):
     """attention_chunk as an int >= 0 (0: off)."""
     return _bounded(_int(attention_chunk, "attention_chunk"), "attention_chunk", 0, _INT64_MAX)
@@ -351,9 +359,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     causal, return_lse = bool(causal), bool(return_lse)
     softcap = _softcap(softcap)
     descales = (q_descale, k_descale, v_descale)
+    fp8 = _fp8(q, descales)
     chunk = _chunk(attention_chunk)
     if chunk:
-        if q.dtype == getattr(torch, "float8_e4m3fn", None) or any(d is not None for d in descales):
+        if fp8:
             raise NotImplementedError("attention_chunk with fp8 q, k, v is not supported by "
                                       "hipflash yet (the pieces run as varlen calls: no fp8)")
         out, lse = _chunks.dense(flash_attn_varlen_func, q, k, v, chunk, out, alibi_slopes,
@@ -361,8 +370,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
                                            bool(deterministic), softcap))
         return (out, lse) if return_lse else out
 
-    if q.dtype == getattr(torch, "float8_e4m3fn", None) or any(d is not None for d in descales):
-        # fp8 is forward only (FlashAttention 3's): no autograd path.
+    if fp8:  # forward only (FlashAttention 3's): no autograd path.
         if out is None:
             out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits,
                              return_lse, softcap, alibi_slopes, *descales)
@@ -486,7 +494,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softcap = _softcap(softcap)
     chunk = _chunk(attention_chunk)
     descales = (q_descale, k_descale, v_descale)
-    fp8 = q.dtype == getattr(torch, "float8_e4m3fn", None) or any(d is not None for d in descales)
+    fp8 = _fp8(q, descales)
     if chunk:
         if used or fp8 or block_table is not None:
             raise NotImplementedError("attention_chunk with seqused_q / seqused_k, fp8 or a "
@@ -634,7 +642,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     chunk = _chunk(attention_chunk)
     if chunk:
         if k_scale is not None or v_scale is not None or \
-                k_cache.dtype == getattr(torch, "float8_e4m3fn", None):
+                k_cache.dtype == _E4M3:
             raise NotImplementedError("attention_chunk with an fp8 KV cache is not supported by "
                                       "hipflash yet")
         return _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,

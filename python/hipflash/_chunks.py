@@ -34,9 +34,36 @@ def pieces(seqlen_q, seqlen_k, chunk):
     return out
 
 
-def _prefix(lens, first, device):
+def split(lens_q, lens_k, chunk, keyed_only=False):
+    """Every sequence cut into its pieces (chunk 0: whole), in order: lists of the owning
+    sequence, the piece's query rows, its keys and its first key in the sequence. keyed_only:
+    pieces without query rows left out (a caller that reads each piece's keys through a table
+    of its own needs no place for them)."""
+    owner, rows_q, rows_k, key0 = [], [], [], []
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        j = 0
+        for nq, nk in (pieces(sq, sk, chunk) if chunk else [(sq, sk)]):
+            if nq or not keyed_only:
+                owner.append(b)
+                rows_q.append(nq)
+                rows_k.append(nk)
+                key0.append(j)
+            j += nk
+    return owner, rows_q, rows_k, key0
+
+
+def prefix(lens, first, device):
+    """int32 prefix sums of lens from `first` (cu_seqlens), on device."""
     cu = torch.tensor([first] + lens, dtype=torch.int64).cumsum(0)
     return cu.to(torch.int32).to(device)
+
+
+def per_piece(alibi_slopes, owner):
+    """ALiBi slopes per sequence ([B, H]) as slopes per piece; [H] ones as they are."""
+    if alibi_slopes is None or alibi_slopes.dim() != 2:
+        return alibi_slopes
+    return alibi_slopes.index_select(
+        0, torch.tensor(owner, dtype=torch.int64, device=alibi_slopes.device))
 
 
 def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, alibi_slopes,
@@ -44,19 +71,11 @@ def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, ali
     """Runs varlen_fn (hipflash.flash_attn_varlen_func) on packed q [Tq, H, D], k / v
     [Tk, Hkv, D] whose sequences have lengths lens_q / lens_k from rows first_q / first_k, each
     cut into its chunk pieces. Returns (out, lse packed [H, Tq])."""
-    rows_q, rows_k, owner = [], [], []
-    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
-        for nq, nk in pieces(sq, sk, chunk):
-            rows_q.append(nq)
-            rows_k.append(nk)
-            owner.append(b)
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per piece
-        alibi_slopes = alibi_slopes.index_select(
-            0, torch.tensor(owner, dtype=torch.int64, device=alibi_slopes.device))
-    return varlen_fn(q, k, v, _prefix(rows_q, first_q, q.device),
-                     _prefix(rows_k, first_k, q.device), max(rows_q, default=0),
+    owner, rows_q, rows_k, _ = split(lens_q, lens_k, chunk)
+    return varlen_fn(q, k, v, prefix(rows_q, first_q, q.device),
+                     prefix(rows_k, first_k, q.device), max(rows_q, default=0),
                      max(rows_k, default=0), return_lse=True, lse_layout="packed",
-                     alibi_slopes=alibi_slopes, **kw)
+                     alibi_slopes=per_piece(alibi_slopes, owner), **kw)
 
 
 def dense(varlen_fn, q, k, v, chunk, out, alibi_slopes, kw):

@@ -46,16 +46,8 @@ def _by_rows(q, k_cache, v_cache, table, cu_seqlens_q, first, lens, chunk, alibi
     offset, *host = torch.cat([cu_seqlens_q[:1], cu_seqlens_q[1:] - cu_seqlens_q[:-1],
                                lens]).tolist()
     batch = len(host) // 2
-    owner, rows_q, rows_k, key0 = [], [], [], []
-    for b, (sq, sk) in enumerate(zip(host[:batch], host[batch:])):
-        j = 0
-        for nq, nk in (_chunks.pieces(sq, sk, chunk) if chunk else [(sq, sk)]):
-            if nq:  # a piece without queries reads nothing: its keys need no place here
-                owner.append(b)
-                rows_q.append(nq)
-                rows_k.append(nk)
-                key0.append(j)
-            j += nk
+    owner, rows_q, rows_k, key0 = _chunks.split(host[:batch], host[batch:], chunk,
+                                                keyed_only=True)
     if not owner:  # no query row at all: one empty piece keeps the call's shape
         owner, rows_q, rows_k, key0 = [0], [0], [0], [0]
     dev = q.device
@@ -67,14 +59,11 @@ def _by_rows(q, k_cache, v_cache, table, cu_seqlens_q, first, lens, chunk, alibi
     row.clamp_(max=capacity - 1)  # past a piece's keys: never read
     pieces_table = (table.long()[owner_t].gather(1, torch.div(row, page, rounding_mode="floor"))
                     * page + row % page).to(torch.int32)
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per piece
-        alibi_slopes = alibi_slopes.index_select(0, owner_t.to(alibi_slopes.device))
-    cu_q = torch.tensor([offset] + rows_q, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
-    cu_k = torch.tensor([0] + rows_k, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
     return hipflash.flash_attn_varlen_func(
-        q, k_cache.reshape(-1, 1, *per_row), v_cache.reshape(-1, 1, *per_row), cu_q, cu_k,
-        max(rows_q), width, lse_layout="packed", block_table=pieces_table,
-        alibi_slopes=alibi_slopes, **kw)
+        q, k_cache.reshape(-1, 1, *per_row), v_cache.reshape(-1, 1, *per_row),
+        _chunks.prefix(rows_q, offset, dev), _chunks.prefix(rows_k, 0, dev), max(rows_q), width,
+        lse_layout="packed", block_table=pieces_table,
+        alibi_slopes=_chunks.per_piece(alibi_slopes, owner), **kw)
 
 
 def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,

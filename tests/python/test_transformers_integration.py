@@ -161,6 +161,17 @@ FAMILIES = {
 }
 
 
+def model_level(test):
+    """A model-level test: every family on every device, where transformers is installed."""
+    for mark in (pytest.mark.parametrize("device", DEVICES),
+                 pytest.mark.parametrize("family", list(FAMILIES)),
+                 pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed "
+                                    "here (it is on the GPU machine: scripts/gpu-check test runs "
+                                    "this)")):
+        test = mark(test)
+    return test
+
+
 def _tiny(family):
     """(model class, config) of a tiny random model of the family (2 layers, hidden 256, GQA
     4 / 2); the test skips where this transformers lacks the family."""
@@ -174,10 +185,7 @@ def _tiny(family):
     return getattr(transformers, model_name), cfg
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed here (it is on "
-                    "the GPU machine: scripts/gpu-check test runs this)")
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("device", DEVICES)
+@model_level
 def test_tiny_models_match_eager(device, family):
     # A tiny random model of each family through attn_implementation against transformers' own
     # eager attention (the one every feature of these families runs on: Gemma 2's softcap too),
@@ -224,10 +232,7 @@ def _teacher_forced_logits(model, ids, mask, steps):
     return torch.cat(logits)
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed here (it is on "
-                    "the GPU machine: scripts/gpu-check test runs this)")
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("device", DEVICES)
+@model_level
 def test_generation_error_within_one_percent_of_sdpa(device, family):
     # Issue 42's rule: a bf16 model with hipflash's attention, against the same weights in
     # fp32, errs on the logits of batched, left-padded generation (prefill and 8 steps against

@@ -11,12 +11,12 @@ scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heurist
 
 Refused with NotImplementedError: qv, a value head dim other than q's, and q/k/v_descale (fp8)
 in flash_attn_with_kvcache (fp8 runs where hipflash's descales do: flash_attn_func on CPU,
-Hopper, AMD gfx94x / gfx950; flash_attn_varlen_func on the CPU). flash_attn_with_kvcache takes an all-e4m3 call without descales:
-q and k / v widened to bfloat16 exactly, the cache read as hipflash's fp8 cache. attention_chunk
-runs as hipflash's (hipflash/_chunks.py: varlen pieces), not with fp8. Varlen queries against a
-KV cache (paged or contiguous, with cache_batch_idx, cache_leftpad, rotary and an append of
-packed new keys by cu_seqlens_k_new) run as hipflash's chunked prefill after the append and
-rotation by PyTorch ops (hipflash/_varlen_kv.py). seqused_q / seqused_k run on CPU tensors and
+Hopper, AMD gfx94x / gfx950; flash_attn_varlen_func on the CPU). flash_attn_with_kvcache takes
+an all-e4m3 call without descales: q and k / v widened to bfloat16 exactly, the cache read as
+hipflash's fp8 cache. attention_chunk runs as hipflash's (hipflash/_chunks.py: varlen pieces),
+not with fp8. Varlen queries against a KV cache (paged or contiguous, with cache_batch_idx,
+cache_leftpad, rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's
+chunked prefill after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py). seqused_q / seqused_k run on CPU tensors and
 in the NVIDIA GPU forward (the GPU backward refuses them); softcap runs on CPU tensors and
 NVIDIA GPUs, forward and backward.
 """
@@ -118,7 +118,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             bool(rotary_interleaved), softmax_scale, causal, window_size, _splits(num_splits),
             bool(return_softmax_lse), softcap_value(softcap), cache_leftpad, attention_chunk)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
-    if q.dtype == getattr(torch, "float8_e4m3fn", None):
+    if q.dtype == hipflash._E4M3:
         # FA3's fp8 KV-cache call (q, the cache and the new k / v in e4m3, no descales): q and
         # k / v widened to bfloat16 exactly (every e4m3 value is one), the cache read as
         # hipflash's fp8 cache with scales 1, out in bfloat16 as FA3's.

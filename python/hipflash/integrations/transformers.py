@@ -73,10 +73,6 @@ def _packed_bounds(position_ids, length):
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _wants_grad(*tensors):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _left_pads(mask):
     """Each row's count of leading False positions (int32), when every row of the [batch, len]
     bool mask is False then True (left padding, what generation batches are); else None."""
@@ -150,7 +146,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     mask = attention_mask.to(torch.bool)
     if mask.shape[1] < kv_len:  # a static cache longer than the mask: its first positions
         k, v, kv_len = k[:, :mask.shape[1]], v[:, :mask.shape[1]], mask.shape[1]
-    if causal and q_len < kv_len and torch.version.hip is None and not _wants_grad(q, k, v):
+    if causal and q_len < kv_len and torch.version.hip is None and not hipflash._wants_grad(q, k, v):
         # A generation step against the cache, left-padded: read in place from each sequence's
         # pad by the decode kernels (the varlen path below would copy every cached row out, per
         # layer and step). Prefill (q_len == kv_len) keeps the varlen path: its copies are
