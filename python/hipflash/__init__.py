@@ -82,14 +82,23 @@ def _check_same_device(q, named, first="q"):
             )
 
 
+def _window_int(v, window_size):
+    """One bound of a window as a Python int: an int, or a one-element integer tensor (FA3's own
+    tests pass ``torch.randint(0, seqlen_k, (2,))`` as the pair)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point() \
+            and not v.is_complex() and v.dtype != torch.bool:
+        return int(v.item())
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    return int(v)
+
+
 def _window(window_size):
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") \
             or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = (_window_int(v, window_size) for v in window_size)
     for v in (left, right):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
         if v < -1:
             raise ValueError("window_size must be (left, right) with -1 (unbounded) or values "
                              f">= 0, got ({int(left)}, {int(right)})")

@@ -79,6 +79,20 @@ def test_sliding_window(seqlens, window, causal):
     check_attention(out, lse, q, k, v, causal=causal, window_size=window)
 
 
+
+def test_window_as_an_integer_tensor():
+    """FA3's tests pass the window as ``torch.randint(0, seqlen_k, (2,))``: a pair of integer
+    elements in one tensor is that window, bitwise."""
+    q, k, v = make_qkv(1, 40, 130, 2, 1, 64, torch.bfloat16, seed=3)
+    want = hipflash.flash_attn_func(q, k, v, window_size=(5, 3), return_lse=True)
+    for window in (torch.tensor([5, 3]), torch.tensor([5, 3], dtype=torch.int32),
+                   (torch.tensor(5), 3)):
+        got = hipflash.flash_attn_func(q, k, v, window_size=window, return_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), window
+    for bad in (torch.tensor([5.0, 3.0]), torch.tensor([True, False])):
+        with pytest.raises(ValueError, match="pair of ints"):
+            hipflash.flash_attn_func(q, k, v, window_size=bad)
+
 def test_softmax_scale():
     q, k, v = make_qkv(1, 33, 47, 2, 2, 128, torch.bfloat16, seed=4)
     out, lse = hipflash.flash_attn_func(q, k, v, softmax_scale=0.3, return_lse=True)
