@@ -341,13 +341,16 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   // there is the caller's error (docs/spec.md §7).
   std::vector<int32_t> lens(size_t(batch), 0), pads(size_t(batch), 0);
   const bool capturing = gpu && gpu::stream_capturing(stream);
-  for (auto [t, host] : {std::pair{cache_seqlens, &lens}, {leftpad, &pads}}) {
+  bool known = true;  // every value the checks need is on the host
+  for (auto [t, held, host] : {std::tuple{cache_seqlens, opts.cache_seqlens_host, &lens},
+                               {leftpad, opts.cache_leftpad_host, &pads}}) {
     if (!t || batch == 0) continue;
-    if (!gpu) std::memcpy(host->data(), t->data, size_t(batch) * sizeof(int32_t));
-    else if (!capturing)
-      gpu::copy_to_host(host->data(), t->data, size_t(batch) * sizeof(int32_t), stream);
+    const size_t bytes = size_t(batch) * sizeof(int32_t);
+    if (!gpu || held) std::memcpy(host->data(), gpu ? held : t->data, bytes);
+    else if (!capturing) gpu::copy_to_host(host->data(), t->data, bytes, stream);
+    else known = false;
   }
-  for (int64_t b = 0; b < batch && !capturing; ++b) {
+  for (int64_t b = 0; b < batch && known; ++b) {
     const int64_t len = cache_seqlens ? int64_t(lens[size_t(b)]) : capacity;
     HIPFLASH_CHECK(len >= 0, "cache_seqlens[", b, "] = ", len, " is negative");
     const int64_t pad = pads[size_t(b)];

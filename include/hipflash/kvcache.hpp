@@ -29,8 +29,9 @@
 // CPU tensors run on the CPU backend. GPU tensors (NVIDIA; run on the H200): the append kernel
 // (kernels/kvcache), then the decode or generic kernel — its paged instantiation (reading K/V
 // through common::PagedRows) for a paged cache, never an sm90 kernel — split-K and LSE as for
-// forward(); cache_seqlens is copied to the host for the checks above (skipped while the stream
-// captures a graph), the block table is not: on the GPU an entry out of range is not detected
+// forward(); cache_seqlens is copied to the host for the checks above unless the caller passes
+// its values (KvCacheOptions::cache_seqlens_host; skipped while the stream captures a graph
+// without them), the block table is not: on the GPU an entry out of range is not detected
 // (a device fault). AMD GPUs: not_implemented.
 #pragma once
 
@@ -73,6 +74,14 @@ struct KvCacheOptions : FwdOptions {
   /// aligned to those keys; new rows are still appended at cache_seqlens[b]. Paged caches on
   /// CPU tensors only (a GPU call with a block_table raises not_implemented).
   const TensorRef* cache_leftpad = nullptr;
+  /// The values of cache_seqlens and cache_leftpad as the caller already holds them in host
+  /// memory (int32 [batch] each; nullptr: not held). A GPU call otherwise copies those tensors
+  /// back to check them, and the copy waits for every kernel queued before it: in a decode loop,
+  /// once per layer and step, the host then stops running ahead of the GPU. They must be the
+  /// device tensors' values (hipflash's Python layer uploads the device tensors from them); the
+  /// checks read them, also while a stream captures a graph.
+  const int32_t* cache_seqlens_host = nullptr;
+  const int32_t* cache_leftpad_host = nullptr;
 };
 
 /// Attention of q against a KV cache, after appending k_new / v_new (see the header comment).

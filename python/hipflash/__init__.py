@@ -567,7 +567,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             before attending. Needs cache_seqlens.
         cache_seqlens: int, or (batch_size,) int32 tensor on q's device: the keys each sequence
             holds before the append. None: every sequence fills its cache (seqlen_cache, or
-            max_blocks_per_seq * page_size).
+            max_blocks_per_seq * page_size). A GPU call copies the tensor back to check its
+            values, which waits for the GPU's queued work; an int, or a CPU tensor with GPU
+            q (uploaded here, without waiting), is checked on the host: a decode loop keeps
+            running ahead of the GPU.
         block_table: optional (batch_size, max_blocks_per_seq) int32 on q's device: row j of
             sequence b lives in page block_table[b, j // page_size]. Entries past what a
             sequence uses are never read.
@@ -594,7 +597,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             attends to rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1, causal and
             windows aligned to those keys; k / v are still appended at cache_seqlens[b].
             Contiguous and paged caches, on CPU tensors and NVIDIA GPUs (the GPU reads each
-            row through the block table from the leftpad row).
+            row through the block table from the leftpad row). A CPU tensor with GPU q is
+            checked on the host and uploaded, as cache_seqlens.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) on q's device
             (FlashAttention's rotary embedding on append; k and v must be given): the first
             rotary_dim (even, <= headdim) dims of k are rotated at positions cache_seqlens[b] + j
@@ -630,10 +634,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _check_tensor(k, "k")
         _check_tensor(v, "v")
         named += [("k", k), ("v", v)]
+    held = {}  # name -> the values of an index tensor the host holds (KvCacheOptions::*_host)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         n = _bounded(_int(cache_seqlens, "cache_seqlens"), "cache_seqlens", 0, _INT32_MAX)
-        cache_seqlens = torch.full((q.shape[0] if q.dim() >= 1 else 0,), n, dtype=torch.int32,
-                                   device=q.device)
+        batch = q.shape[0] if q.dim() >= 1 else 0
+        cache_seqlens = torch.full((batch,), n, dtype=torch.int32, device=q.device)
+        held["cache_seqlens"] = [n] * batch
+    cache_seqlens = _upload_held(cache_seqlens, "cache_seqlens", q, held)
+    cache_leftpad = _upload_held(cache_leftpad, "cache_leftpad", q, held)
     if cache_seqlens is not None:
         named.append(("cache_seqlens", cache_seqlens))
     if block_table is not None:
@@ -668,8 +676,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
                      _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx,
-                     cache_leftpad)
+                     cache_leftpad, held.get("cache_seqlens"), held.get("cache_leftpad"))
     return (out, lse) if return_lse else out
+
+
+def _upload_held(t, name, q, held):
+    """A CPU index tensor of a GPU call (cache_seqlens, cache_leftpad): its values kept in
+    `held` for the host-side checks, the tensor uploaded without waiting for the GPU."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or q.device.type == "cpu":
+        return t
+    if t.dtype == torch.int32 and t.dim() == 1:
+        held[name] = t.tolist()
+    return t.pin_memory().to(q.device, non_blocking=True)
 
 
 def _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,

@@ -36,6 +36,7 @@
 #endif  // HIPFLASH_TORCH_CUDA
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -404,6 +405,25 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states(const at::Tensor& outs, con
   return {out, lse};
 }
 
+/// A KV-cache index tensor's values as the caller holds them on the host (KvCacheOptions::
+/// cache_seqlens_host): one int32 per entry of the tensor, which must be given.
+std::vector<int32_t> host_values(at::OptionalIntArrayRef held, const OptionalTensor& t,
+                                 const char* name) {
+  if (!held) return {};
+  HIPFLASH_CHECK(t.has_value(), name, "_host was given without ", name);
+  HIPFLASH_CHECK(t->dim() == 1 && t->size(0) == int64_t(held->size()), name, "_host has ",
+                 held->size(), " values but ", name, " has shape ", shape_of(*t));
+  std::vector<int32_t> values;
+  values.reserve(held->size());
+  for (const int64_t v : *held) {
+    HIPFLASH_CHECK(v >= std::numeric_limits<int32_t>::min() &&
+                   v <= std::numeric_limits<int32_t>::max(), name, "_host value ", v,
+                   " is not an int32");
+    values.push_back(int32_t(v));
+  }
+  return values;
+}
+
 /// Attention against a KV cache (contiguous, or paged with a block table), after appending the
 /// optional k / v in place at cache_seqlens.
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
@@ -413,7 +433,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     int64_t num_splits, bool return_lse, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
     const OptionalTensor& k_scale, const OptionalTensor& v_scale,
-    const OptionalTensor& cache_batch_idx, const OptionalTensor& cache_leftpad) {
+    const OptionalTensor& cache_batch_idx, const OptionalTensor& cache_leftpad,
+    at::OptionalIntArrayRef cache_seqlens_host, at::OptionalIntArrayRef cache_leftpad_host) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = q.dim() == 4 ? alloc_lse(q, return_lse, {q.size(0), q.size(2), q.size(1)})
                                 : alloc_lse(q, return_lse, {-1});
@@ -432,6 +453,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     o.v_scale = vs.get();
     o.cache_batch_idx = bidx.get();
     o.cache_leftpad = lpad.get();
+    const std::vector<int32_t> held_lens = host_values(cache_seqlens_host, cache_seqlens,
+                                                       "cache_seqlens"),
+                               held_pads = host_values(cache_leftpad_host, cache_leftpad,
+                                                       "cache_leftpad");
+    if (cache_seqlens_host) o.cache_seqlens_host = held_lens.data();
+    if (cache_leftpad_host) o.cache_leftpad_host = held_pads.data();
     const auto qr = to_ref(q, "q", Role::operand), kc = to_ref(k_cache, "k_cache", Role::operand),
                vc = to_ref(v_cache, "v_cache", Role::operand), outr = to_ref(out, "out", Role::operand);
     std::optional<hipflash::TensorRef> kr, vr, sr, br, lr;
@@ -626,7 +653,8 @@ TORCH_LIBRARY(hipflash, m) {
         "Tensor? cache_seqlens, Tensor? block_table, float? softmax_scale, bool causal, "
         "int window_left, int window_right, int num_splits, bool return_lse, "
         "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None) -> "
+        "Tensor? v_scale=None, Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, "
+        "int[]? cache_seqlens_host=None, int[]? cache_leftpad_host=None) -> "
         "(Tensor out, Tensor lse)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? softmax_scale, bool causal, int window_left, int window_right, "

@@ -193,8 +193,9 @@ CASES = [
       "one entry per sequence"),
     C("kvcache-seqlens-overflow", lambda I: I.kvcache(cache_seqlens=I.seqlens + 12), ValueError,
       "cache holds"),
-    C("kvcache-seqlens-other-device",
-      lambda I: I.kvcache(cache_seqlens=I.seqlens.to(I.other_device())), ValueError,
+    # (CPU cache_seqlens / cache_leftpad with GPU q are the host-held lengths, SPEC §7)
+    C("kvcache-table-other-device",
+      lambda I: I.kvcache(paged=True, block_table=I.table.to(I.other_device())), ValueError,
       "same device", cross_device=True),
     C("kvcache-page-size", lambda I: I.kvcache(paged=True, k_cache=I.k_pages[:, :0],
                                                v_cache=I.v_pages[:, :0]), ValueError,

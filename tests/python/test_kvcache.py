@@ -342,6 +342,14 @@ def test_cache_leftpad_equals_the_call_on_the_shifted_cache(device, sq, page):
         cache_seqlens=i32([n - p for n, p in zip(lens, pads)]), **kw)
     assert_bitwise_equal(out, want, "out")
     assert_bitwise_equal(lse, want_lse, "lse")
+    if device == "cuda":  # the lengths as CPU tensors: checked on the host, uploaded (the same
+        # rows are appended again)
+        host = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+        got = hipflash.flash_attn_with_kvcache(dev(q), kc, vc, dev(k_new), dev(v_new),
+                                               cache_seqlens=host(lens), block_table=table,
+                                               cache_leftpad=host(pads), **kw)
+        assert_bitwise_equal(got[0], want, "out, host lengths")
+        assert_bitwise_equal(got[1], want_lse, "lse, host lengths")
     if not paged:  # the new rows land at cache_seqlens[b], the padding untouched
         for b, (n, p) in enumerate(zip(lens, pads)):
             assert_bitwise_equal(kc[b, n:n + 3].cpu(), k_new[b], f"appended k of {b}")
@@ -354,11 +362,14 @@ def test_cache_leftpad_equals_the_call_on_the_shifted_cache(device, sq, page):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bad_cache_leftpad_is_refused_and_nothing_is_written(device):
+@pytest.mark.parametrize("pads_on", ["device", "host"])
+def test_bad_cache_leftpad_is_refused_and_nothing_is_written(device, pads_on):
+    # pads_on="host": CPU tensors with GPU q are checked from their host values.
     q = torch.randn(2, 1, 4, 64).to(torch.bfloat16).to(device)
     k_cache = torch.zeros(2, 48, 2, 64, dtype=torch.bfloat16, device=device)
     k_new = torch.ones(2, 1, 2, 64, dtype=torch.bfloat16, device=device)
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    on = "cpu" if pads_on == "host" else device
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=on)  # noqa: E731
     for pads, error, match in (([5, 0], ValueError, r"cache_leftpad\[0\] = 5 is not in \[0, 4\]"),
                                ([-1, 0], ValueError, "cache_leftpad"),
                                ([0], ValueError, "one entry per sequence")):
@@ -366,6 +377,31 @@ def test_bad_cache_leftpad_is_refused_and_nothing_is_written(device):
             hipflash.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k_new, k_new.clone(),
                                              cache_seqlens=4, cache_leftpad=i32(pads))
         assert not k_cache.any(), "the append ran before the refusal"
+
+
+@pytest.mark.skipif(not GPU_OK, reason="needs a GPU visible to torch and a hipflash built with "
+                    f"GPU kernels (this build: {hipflash.build_info()!r})")
+def test_a_decode_step_with_host_lengths_does_not_wait_for_the_gpu():
+    # A decode loop (transformers' generation steps) passes cache_seqlens as an int and
+    # cache_leftpad as a CPU tensor: checked on the host, the call returns while earlier work
+    # is still running (device tensors are copied back, which waits for it).
+    dev, bf16 = "cuda", torch.bfloat16
+    q = torch.randn(4, 1, 8, 128, device=dev, dtype=bf16)
+    k_cache = torch.randn(4, 256, 2, 128, device=dev, dtype=bf16)
+    v_cache = torch.randn(4, 256, 2, 128, device=dev, dtype=bf16)
+    pads = torch.tensor([0, 3, 100, 17], dtype=torch.int32)
+    want = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=200,
+                                            cache_leftpad=pads.to(dev), causal=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's clock
+    busy = torch.cuda.Event()
+    busy.record()
+    got = hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=200,
+                                           cache_leftpad=pads, causal=True)
+    still_running = not busy.query()
+    torch.cuda.synchronize()
+    assert still_running, "the call waited for the GPU's queued work"
+    assert_bitwise_equal(got, want, "out")
 
 
 @pytest.mark.parametrize("bad, error, match", [

@@ -86,10 +86,11 @@ _last_mask = [None, None, None]  # (mask, its version, _left_pads of it): one st
 
 def _left_pads_of_step(attention_mask):
     """_left_pads of the mask transformers hands every layer of a forward step (the same
-    tensor): computed, and its host check synchronised, once per step rather than per layer."""
+    tensor), on the host: the mask is copied back once per step (the one wait for the GPU a
+    step makes), and the pads, a CPU tensor, let the kvcache call check them without waiting."""
     mask, version, pads = _last_mask
     if mask is not attention_mask or version != attention_mask._version:
-        pads = _left_pads(attention_mask.to(torch.bool))
+        pads = _left_pads(attention_mask.to("cpu", torch.bool))
         _last_mask[:] = attention_mask, attention_mask._version, pads
     return pads
 
@@ -143,9 +144,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         return done(out[None])
     if attention_mask is None:
         return done(hipflash.flash_attn_func(q, k, v, **kw))
-    mask = attention_mask.to(torch.bool)
-    if mask.shape[1] < kv_len:  # a static cache longer than the mask: its first positions
-        k, v, kv_len = k[:, :mask.shape[1]], v[:, :mask.shape[1]], mask.shape[1]
+    if attention_mask.shape[1] < kv_len:  # a static cache longer than the mask: its first rows
+        kv_len = attention_mask.shape[1]
+        k, v = k[:, :kv_len], v[:, :kv_len]
     if causal and q_len < kv_len and torch.version.hip is None and not hipflash._wants_grad(q, k, v):
         # A generation step against the cache, left-padded: read in place from each sequence's
         # pad by the decode kernels (the varlen path below would copy every cached row out, per
@@ -156,6 +157,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         if pads is not None:
             return done(hipflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=kv_len,
                                                          cache_leftpad=pads, **kw))
+    mask = attention_mask.to(torch.bool)
     idx_k, cu_k, max_k = _unpad(mask)
     k_rows = k.reshape(batch * kv_len, *k.shape[2:]).index_select(0, idx_k)
     v_rows = v.reshape(batch * kv_len, *v.shape[2:]).index_select(0, idx_k)
