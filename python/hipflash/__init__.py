@@ -435,7 +435,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             3's): sequence b uses only its first seqused_q[b] query rows and seqused_k[b] keys
             (each at most its cu_seqlens length; masks bottom-right aligned on the used
             lengths). Its other rows get out = 0 and LSE -inf, and zero gradients. CPU tensors
-            only for now (NotImplementedError on the GPU); not with a block_table.
+            and the NVIDIA GPU forward (the GPU backward raises NotImplementedError); not with
+            a block_table.
         lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
             past a sequence's length are -inf, or "packed" for (nheads, total_q), the layout of
             FlashAttention-2/3 and PyTorch.
@@ -449,8 +450,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             those keys gathered contiguously. CPU and NVIDIA GPU tensors; no out=, no
             gradients.
         attention_chunk: as for :func:`flash_attn_func`, within each sequence (the sequences'
-            bounds are copied to the host once); not with seqused_q / seqused_k or a
-            block_table.
+            bounds, and seqused_q / seqused_k, are copied to the host once); not with fp8 or
+            a block_table.
         q_descale, k_descale, v_descale: fp8, as for :func:`flash_attn_func` (float8_e4m3fn
             q, k, v; per (batch, kv head) is per (sequence, kv head)): forward only, out
             bfloat16; CPU tensors (GPU calls raise NotImplementedError), not with a
@@ -505,14 +506,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     descales = (q_descale, k_descale, v_descale)
     fp8 = _fp8(q, descales)
     if chunk:
-        if used or fp8 or block_table is not None:
-            raise NotImplementedError("attention_chunk with seqused_q / seqused_k, fp8 or a "
-                                      "block_table is not supported by hipflash yet")
+        if fp8 or block_table is not None:
+            raise NotImplementedError("attention_chunk with fp8 or a block_table is not "
+                                      "supported by hipflash yet")
         kw = _chunk_kw(scale, causal, left, right, num_splits, bool(deterministic), softcap)
         if out is not None:
             kw["out"] = out
         out, lse = _chunks.varlen(flash_attn_varlen_func, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                  max_seqlen_q, chunk, lse_layout, alibi_slopes, kw)
+                                  max_seqlen_q, chunk, lse_layout, alibi_slopes, kw, seqused_q,
+                                  seqused_k)
         return (out, lse) if return_lse else out
 
     if block_table is not None:  # chunked prefill: k and v are paged caches

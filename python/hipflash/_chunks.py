@@ -52,6 +52,24 @@ def split(lens_q, lens_k, chunk, keyed_only=False):
     return owner, rows_q, rows_k, key0
 
 
+def split_used(lens_q, lens_k, used_q, used_k, chunk):
+    """split() of sequences that use only their first used_q[b] rows and used_k[b] keys
+    (FlashAttention 3's seqused): the pieces cut the used rows and keys, and each sequence's
+    unused tail joins its last piece as that piece's unused rows and keys. Returns split()'s
+    lists (key0 left out) and each piece's used rows and keys."""
+    owner, rows_q, rows_k, piece_q, piece_k = [], [], [], [], []
+    for b, (sq, sk, uq, uk) in enumerate(zip(lens_q, lens_k, used_q, used_k)):
+        cut = pieces(uq, uk, chunk) or [(0, 0)]
+        for i, (nq, nk) in enumerate(cut):
+            last = i == len(cut) - 1
+            owner.append(b)
+            piece_q.append(nq)
+            piece_k.append(nk)
+            rows_q.append(nq + (sq - uq if last else 0))
+            rows_k.append(nk + (sk - uk if last else 0))
+    return owner, rows_q, rows_k, piece_q, piece_k
+
+
 def prefix(lens, first, device):
     """int32 prefix sums of lens from `first` (cu_seqlens), on device."""
     cu = torch.tensor([first] + lens, dtype=torch.int64).cumsum(0)
@@ -67,11 +85,17 @@ def per_piece(alibi_slopes, owner):
 
 
 def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, alibi_slopes,
-                kw):
+                kw, used=None):
     """Runs varlen_fn (hipflash.flash_attn_varlen_func) on packed q [Tq, H, D], k / v
     [Tk, Hkv, D] whose sequences have lengths lens_q / lens_k from rows first_q / first_k, each
-    cut into its chunk pieces. Returns (out, lse packed [H, Tq])."""
-    owner, rows_q, rows_k, _ = split(lens_q, lens_k, chunk)
+    cut into its chunk pieces; used: the sequences' (used rows, used keys) lists (seqused).
+    Returns (out, lse packed [H, Tq])."""
+    if used is None:
+        owner, rows_q, rows_k, _ = split(lens_q, lens_k, chunk)
+    else:
+        owner, rows_q, rows_k, piece_q, piece_k = split_used(lens_q, lens_k, *used, chunk)
+        as_tensor = lambda n: torch.tensor(n, dtype=torch.int32).to(q.device)  # noqa: E731
+        kw = dict(kw, seqused_q=as_tensor(piece_q), seqused_k=as_tensor(piece_k))
     return varlen_fn(q, k, v, prefix(rows_q, first_q, q.device),
                      prefix(rows_k, first_k, q.device), max(rows_q, default=0),
                      max(rows_k, default=0), return_lse=True, lse_layout="packed",
@@ -104,10 +128,26 @@ def dense(varlen_fn, q, k, v, chunk, out, alibi_slopes, kw):
     return (out if out is not None else o.view(batch, seqlen_q, heads, dim)), lse
 
 
+def _used(seqused, name, lens):
+    """seqused_q / seqused_k's values (the varlen call's own checks, made here because the
+    pieces' counts are derived from them), or the sequences' lengths when not given."""
+    if seqused is None:
+        return lens
+    if seqused.dtype != torch.int32 or seqused.shape != (len(lens),):
+        raise ValueError(f"{name} must be int32 of shape [batch] = [{len(lens)}], got "
+                         f"{seqused.dtype} {list(seqused.shape)}")
+    used = seqused.tolist()
+    for b, (u, n) in enumerate(zip(used, lens)):
+        if not 0 <= u <= n:
+            raise ValueError(f"{name}[{b}] = {u} must be in [0, {n}] (the sequence's cu_seqlens "
+                             "length)")
+    return used
+
+
 def varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, chunk, lse_layout,
-           alibi_slopes, kw):
-    """flash_attn_varlen_func's call with attention_chunk (the sequences' bounds copied to the
-    host once). Returns (out, lse in lse_layout)."""
+           alibi_slopes, kw, seqused_q=None, seqused_k=None):
+    """flash_attn_varlen_func's call with attention_chunk (the sequences' bounds, and seqused
+    when given, copied to the host once). Returns (out, lse in lse_layout)."""
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or \
             cu_seqlens_q.numel() < 1:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D of length batch + 1")
@@ -119,8 +159,11 @@ def varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, chunk, 
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be non-decreasing")
     if max(lens_q, default=0) > max_seqlen_q:
         raise ValueError(f"a sequence has more than max_seqlen_q = {max_seqlen_q} rows")
+    used = None
+    if seqused_q is not None or seqused_k is not None:
+        used = (_used(seqused_q, "seqused_q", lens_q), _used(seqused_k, "seqused_k", lens_k))
     o, lse = packed_call(varlen_fn, q, k, v, lens_q, lens_k, cu_q[0], cu_k[0], chunk,
-                         alibi_slopes, kw)
+                         alibi_slopes, kw, used)
     if lse_layout == "packed":
         return o, lse
     batch = len(lens_q)

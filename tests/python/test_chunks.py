@@ -83,6 +83,42 @@ def test_varlen_chunks_each_sequence(device, lse_layout, causal):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lse_layout", ["packed", "padded"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_chunks_with_seqused(device, lse_layout, causal):
+    # FA3's seqused_q / seqused_k with attention_chunk: the used rows and keys, packed alone,
+    # against the reference; the other rows out 0 and LSE -inf.
+    lens_q, lens_k = [5, 0, 33, 20, 1], [5, 12, 33, 9, 40]
+    used_q, used_k = [3, 0, 33, 10, 0], [5, 7, 20, 0, 25]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, 4, 2, 64, BF16, seed=3)
+    kw = dict(causal=causal, attention_chunk=8)
+    i32 = lambda n: torch.tensor(n, dtype=torch.int32)  # noqa: E731
+    out, lse = hipflash.flash_attn_varlen_func(
+        q.to(device), k.to(device), v.to(device), cu_q.to(device), cu_k.to(device),
+        max(lens_q), max(lens_k), seqused_q=i32(used_q).to(device),
+        seqused_k=i32(used_k).to(device), return_lse=True, lse_layout=lse_layout, **kw)
+    out, lse = out.cpu(), lse.cpu()
+    rows_q = torch.cat([torch.arange(a, a + u) for a, u in zip(cu_q[:-1].tolist(), used_q)])
+    rows_k = torch.cat([torch.arange(a, a + u) for a, u in zip(cu_k[:-1].tolist(), used_k)])
+    cu = lambda n: torch.tensor([0] + n).cumsum(0).to(torch.int32)  # noqa: E731
+    ref, ref_packed, _ = varlen_attention_ref(q[rows_q], k[rows_k], v[rows_k], cu(used_q),
+                                              cu(used_k), max(used_q), **kw)
+    low, _, _ = varlen_attention_ref(q[rows_q], k[rows_k], v[rows_k], cu(used_q), cu(used_k),
+                                     max(used_q), lowp=True, **kw)
+    check_out(out[rows_q], ref, low, "used rows")
+    unused = torch.ones(q.shape[0], dtype=torch.bool)
+    unused[rows_q] = False
+    assert (out[unused] == 0).all(), "an unused row was written"
+    packed = lse if lse_layout == "packed" else torch.cat(
+        [lse[b, :, :n] for b, n in enumerate(lens_q)], dim=1)
+    check_lse(packed[:, rows_q], ref_packed, "used rows")
+    assert torch.isneginf(packed[:, unused]).all()
+    with pytest.raises(ValueError, match=r"seqused_k\[3\] = 10 must be in \[0, 9\]"):
+        hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                        seqused_k=i32([5, 7, 20, 10, 25]), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", [(33, 33, True, 8), (20, 50, False, 16), (45, 30, True, 10)],
                          ids=lambda c: f"sq{c[0]}_sk{c[1]}_c{int(c[2])}_chunk{c[3]}")
 def test_gradients_match_fp64_autograd(device, case):
@@ -104,7 +140,7 @@ def test_refusals():
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="attention_chunk"):
         hipflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, attention_chunk=4,
-                                        seqused_k=torch.tensor([4], dtype=torch.int32))
+                                        block_table=torch.zeros(1, 1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device", DEVICES)
