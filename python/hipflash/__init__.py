@@ -682,6 +682,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return (out, lse) if return_lse else out
 
 
+def _kvcache_read(q, k_cache, v_cache, cache_seqlens, seqlens_host, cache_leftpad, leftpad_host,
+                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    """flash_attn_with_kvcache's read of a contiguous cache (no append) for a decode loop that
+    built the device lengths once from host values it passes too (seqlens_host, leftpad_host:
+    lists equal to cache_seqlens / cache_leftpad): each layer's call then uploads nothing and
+    waits for nothing. The launcher checks every argument, as for the public call."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad)):
+        _check_tensor(t, name)
+    left, right = _window(window_size)
+    out, _ = _call(_ops.fwd_kvcache, q, k_cache, v_cache, None, None, cache_seqlens, None,
+                   _scale(softmax_scale), bool(causal), left, right, 0, False, _softcap(softcap),
+                   None, None, None, None, cache_leftpad, seqlens_host, leftpad_host)
+    return out
+
+
 def _upload_held(t, name, q, held):
     """A CPU index tensor of a GPU call (cache_seqlens, cache_leftpad): its values kept in
     `held` for the host-side checks, the tensor uploaded without waiting for the GPU."""

@@ -81,18 +81,34 @@ def _left_pads(mask):
     return pads if bool(torch.equal(mask, left)) else None
 
 
-_last_mask = [None, None, None]  # (mask, its version, _left_pads of it): one step's layers
+# One step's layers: (mask, its version, _left_pads of it, {(kv_len, device): lengths}).
+_last_mask = [None, None, None, {}]
 
 
 def _left_pads_of_step(attention_mask):
     """_left_pads of the mask transformers hands every layer of a forward step (the same
     tensor), on the host: the mask is copied back once per step (the one wait for the GPU a
     step makes), and the pads, a CPU tensor, let the kvcache call check them without waiting."""
-    mask, version, pads = _last_mask
+    mask, version, pads, _ = _last_mask
     if mask is not attention_mask or version != attention_mask._version:
         pads = _left_pads(attention_mask.to("cpu", torch.bool))
-        _last_mask[:] = attention_mask, attention_mask._version, pads
+        _last_mask[:] = attention_mask, attention_mask._version, pads, {}
     return pads
+
+
+def _lengths_of_step(pads, kv_len, device):
+    """The kvcache read's lengths for this step's layers with kv_len cached keys: (cache_seqlens,
+    their host values, cache_leftpad, its host values), the device tensors made once per step
+    from the host values (the layers' calls then upload nothing and wait for nothing)."""
+    held = _last_mask[3]
+    key = (kv_len, device)
+    if key not in held:
+        pads_host = pads.tolist()
+        lens = torch.full((len(pads_host),), kv_len, dtype=torch.int32, device=device)
+        held[key] = (lens, [kv_len] * len(pads_host),
+                     pads.pin_memory().to(device, non_blocking=True) if device.type != "cpu"
+                     else pads, pads_host)
+    return held[key]
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -155,8 +171,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         # AMD GPUs read no KV cache yet.
         pads = _left_pads_of_step(attention_mask)
         if pads is not None:
-            return done(hipflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=kv_len,
-                                                         cache_leftpad=pads, **kw))
+            return done(hipflash._kvcache_read(q, k, v, *_lengths_of_step(pads, kv_len, q.device),
+                                               **kw))
     mask = attention_mask.to(torch.bool)
     idx_k, cu_k, max_k = _unpad(mask)
     k_rows = k.reshape(batch * kv_len, *k.shape[2:]).index_select(0, idx_k)
