@@ -101,7 +101,8 @@ def main():
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "none (CPU)",
             "model": "tiny Llama (runner test)" if args.tiny else
             "Llama, hidden 2048, 16 layers, 16 heads x 128, 4 kv heads, bf16, random",
-            "prompt": args.prompt, "new": args.new, "rounds": args.rounds}
+            "prompt": args.prompt, "new": args.new, "rounds": args.rounds,
+            "device": args.device, "suite": "generate"}
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         ids, mask = _prompts(batch, args.prompt, 32000, args.device, seed=batch)
@@ -125,7 +126,7 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    lines = [f"Generation (transformers {meta['transformers']}, torch {meta['torch']}, "
+    lines = ["## Generation tokens/s against SDPA", "", f"Generation (transformers {meta['transformers']}, torch {meta['torch']}, "
              f"{meta['gpu']}, commit {meta['commit']}): {meta['model']}; prompts of "
              f"{args.prompt} tokens left-padded, {args.new} new tokens, greedy; median of "
              f"{args.rounds} rounds, wall clock.", "", f"`{meta['command']}`", "",

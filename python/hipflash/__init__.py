@@ -257,6 +257,13 @@ def _chunk_kw(scale, causal, left, right, num_splits, deterministic, softcap):
                 num_splits=num_splits, deterministic=deterministic, softcap=softcap)
 
 
+def _forward_only(op, *args):
+    """An fp8 call (forward only, FlashAttention 3's): inputs that require grad are read as
+    they are, out carries no gradient (a backward through it raises PyTorch's error)."""
+    with torch.no_grad():
+        return _call(op, *args)
+
+
 def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -381,13 +388,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
     if fp8:  # forward only (FlashAttention 3's): no autograd path.
         if out is None:
-            out, lse = _call(_ops.fwd, q, k, v, scale, causal, left, right, num_splits,
-                             return_lse, softcap, alibi_slopes, *descales)
+            out, lse = _forward_only(_ops.fwd, q, k, v, scale, causal, left, right, num_splits,
+                                     return_lse, softcap, alibi_slopes, *descales)
             return (out, lse) if return_lse else out
         lse = (torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                            device=q.device) if return_lse and q.dim() == 4 else None)
-        _call(_ops.fwd_out, q, k, v, out, lse, scale, causal, left, right, num_splits,
-              return_lse, softcap, alibi_slopes, *descales)
+        _forward_only(_ops.fwd_out, q, k, v, out, lse, scale, causal, left, right, num_splits,
+                      return_lse, softcap, alibi_slopes, *descales)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v):
         out, lse = _call(_FlashAttnFunc.apply, q, k, v, scale, causal, left, right, num_splits,
@@ -531,10 +538,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          lse_layout, bool(deterministic), softcap, alibi_slopes, seqused_q,
                          seqused_k)
         return (out, lse) if return_lse else out
+    call = _forward_only if fp8 else _call
     if out is None:
-        out, lse = _call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, scale, causal, left, right, num_splits, return_lse,
-                         lse_layout, softcap, alibi_slopes, seqused_q, seqused_k, *descales)
+        out, lse = call(_ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, scale, causal, left, right, num_splits, return_lse,
+                        lse_layout, softcap, alibi_slopes, seqused_q, seqused_k, *descales)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse and q.dim() == 3:
@@ -545,9 +553,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 0 <= max_seqlen_q <= q.shape[0]:
             lse = torch.empty((cu_seqlens_q.numel() - 1, q.shape[1], max_seqlen_q),
                               dtype=torch.float32, device=q.device)
-    _call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-          out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout, softcap,
-          alibi_slopes, seqused_q, seqused_k, *descales)
+    call(_ops.varlen_fwd_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+         out, lse, scale, causal, left, right, num_splits, return_lse, lse_layout, softcap,
+         alibi_slopes, seqused_q, seqused_k, *descales)
     return (out, lse) if return_lse else out
 
 
