@@ -266,3 +266,9 @@ def test_left_pads_are_computed_once_per_step_and_follow_in_place_changes():
     mask[1, 0] = 0  # changed in place (a new step's mask may reuse the tensor)
     assert hf._left_pads_of_step(mask).tolist() == [2, 1]
     assert hf._left_pads_of_step(torch.tensor([[1, 0, 1, 1]])) is None  # not left padding
+    # The varlen path's packed-row indices: made by the step's first layer, reused by the next.
+    q, k, v, mask = _case("cpu", 3, 6, 6, 4, 2, 64, [2, 0, 5])
+    first, _ = hf.attention(_Layer(), q, k, v, mask, scaling=64 ** -0.5)
+    unpad = hf._last_mask[2]["unpad"]
+    second, _ = hf.attention(_Layer(), q, k, v, mask, scaling=64 ** -0.5)
+    assert hf._last_mask[2]["unpad"] is unpad and torch.equal(first, second)

@@ -81,34 +81,41 @@ def _left_pads(mask):
     return pads if bool(torch.equal(mask, left)) else None
 
 
-# One step's layers: (mask, its version, _left_pads of it, {(kv_len, device): lengths}).
-_last_mask = [None, None, None, {}]
+# One forward step's layers share its mask (the same tensor): what they derive from it is made
+# once per step. [mask, its version, {what: value}].
+_last_mask = [None, None, {}]
+
+
+def _of_step(attention_mask, what, make):
+    """make(), once per step: the value the step's first layer made for `what`."""
+    mask, version, memo = _last_mask
+    if mask is not attention_mask or version != attention_mask._version:
+        memo = {}
+        _last_mask[:] = attention_mask, attention_mask._version, memo
+    if what not in memo:
+        memo[what] = make()
+    return memo[what]
 
 
 def _left_pads_of_step(attention_mask):
-    """_left_pads of the mask transformers hands every layer of a forward step (the same
-    tensor), on the host: the mask is copied back once per step (the one wait for the GPU a
-    step makes), and the pads, a CPU tensor, let the kvcache call check them without waiting."""
-    mask, version, pads, _ = _last_mask
-    if mask is not attention_mask or version != attention_mask._version:
-        pads = _left_pads(attention_mask.to("cpu", torch.bool))
-        _last_mask[:] = attention_mask, attention_mask._version, pads, {}
-    return pads
+    """_left_pads of the step's mask, on the host: the mask is copied back once per step (the one
+    wait for the GPU a decode step makes), and the pads, a CPU tensor, let the kvcache call check
+    them without waiting."""
+    return _of_step(attention_mask, "pads",
+                    lambda: _left_pads(attention_mask.to("cpu", torch.bool)))
 
 
-def _lengths_of_step(pads, kv_len, device):
-    """The kvcache read's lengths for this step's layers with kv_len cached keys: (cache_seqlens,
+def _lengths_of_step(attention_mask, pads, kv_len, device):
+    """The kvcache read's lengths for the step's layers with kv_len cached keys: (cache_seqlens,
     their host values, cache_leftpad, its host values), the device tensors made once per step
     from the host values (the layers' calls then upload nothing and wait for nothing)."""
-    held = _last_mask[3]
-    key = (kv_len, device)
-    if key not in held:
+    def make():
         pads_host = pads.tolist()
         lens = torch.full((len(pads_host),), kv_len, dtype=torch.int32, device=device)
-        held[key] = (lens, [kv_len] * len(pads_host),
-                     pads.pin_memory().to(device, non_blocking=True) if device.type != "cpu"
-                     else pads, pads_host)
-    return held[key]
+        on_device = pads.pin_memory().to(device, non_blocking=True) if device.type != "cpu" \
+            else pads
+        return lens, [kv_len] * len(pads_host), on_device, pads_host
+    return _of_step(attention_mask, ("lengths", kv_len, device), make)
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -171,10 +178,11 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         # AMD GPUs read no KV cache yet.
         pads = _left_pads_of_step(attention_mask)
         if pads is not None:
-            return done(hipflash._kvcache_read(q, k, v, *_lengths_of_step(pads, kv_len, q.device),
-                                               **kw))
-    mask = attention_mask.to(torch.bool)
-    idx_k, cu_k, max_k = _unpad(mask)
+            lengths = _lengths_of_step(attention_mask, pads, kv_len, q.device)
+            return done(hipflash._kvcache_read(q, k, v, *lengths, **kw))
+    # The packed rows' indices and bounds: once per step (_unpad waits for the GPU).
+    idx_k, cu_k, max_k = _of_step(attention_mask, "unpad",
+                                  lambda: _unpad(attention_mask.to(torch.bool)))
     k_rows = k.reshape(batch * kv_len, *k.shape[2:]).index_select(0, idx_k)
     v_rows = v.reshape(batch * kv_len, *v.shape[2:]).index_select(0, idx_k)
     if q_len == kv_len:
@@ -184,7 +192,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         max_q = 1
     else:  # new tokens after a left-padded past: the mask's last q_len columns
-        idx_q, cu_q, max_q = _unpad(mask[:, -q_len:])
+        idx_q, cu_q, max_q = _of_step(attention_mask, ("unpad_q", q_len),
+                                      lambda: _unpad(attention_mask[:, -q_len:].to(torch.bool)))
     q_rows = q.reshape(batch * q_len, heads, dim).index_select(0, idx_q)
     out_rows = hipflash.flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k,
                                                **kw)
