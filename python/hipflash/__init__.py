@@ -644,14 +644,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _check_tensor(k, "k")
         _check_tensor(v, "v")
         named += [("k", k), ("v", v)]
-    held = {}  # name -> the values of an index tensor the host holds (KvCacheOptions::*_host)
+    seqlens_host = leftpad_host = None  # the values the host holds (KvCacheOptions::*_host)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         n = _bounded(_int(cache_seqlens, "cache_seqlens"), "cache_seqlens", 0, _INT32_MAX)
-        batch = q.shape[0] if q.dim() >= 1 else 0
-        cache_seqlens = torch.full((batch,), n, dtype=torch.int32, device=q.device)
-        held["cache_seqlens"] = [n] * batch
-    cache_seqlens = _upload_held(cache_seqlens, "cache_seqlens", q, held)
-    cache_leftpad = _upload_held(cache_leftpad, "cache_leftpad", q, held)
+        cache_seqlens, seqlens_host = _held_lengths(n, q.shape[0] if q.dim() >= 1 else 0,
+                                                    q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens, seqlens_host = _held_upload(cache_seqlens, q.device)
+    if isinstance(cache_leftpad, torch.Tensor):
+        cache_leftpad, leftpad_host = _held_upload(cache_leftpad, q.device)
     if cache_seqlens is not None:
         named.append(("cache_seqlens", cache_seqlens))
     if block_table is not None:
@@ -686,7 +687,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                      scale, bool(causal), left, right, num_splits, bool(return_lse),
                      _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx,
-                     cache_leftpad, held.get("cache_seqlens"), held.get("cache_leftpad"))
+                     cache_leftpad, seqlens_host, leftpad_host)
     return (out, lse) if return_lse else out
 
 
@@ -706,14 +707,19 @@ def _kvcache_read(q, k_cache, v_cache, cache_seqlens, seqlens_host, cache_leftpa
     return out
 
 
-def _upload_held(t, name, q, held):
-    """A CPU index tensor of a GPU call (cache_seqlens, cache_leftpad): its values kept in
-    `held` for the host-side checks, the tensor uploaded without waiting for the GPU."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or q.device.type == "cpu":
-        return t
-    if t.dtype == torch.int32 and t.dim() == 1:
-        held[name] = t.tolist()
-    return t.pin_memory().to(q.device, non_blocking=True)
+def _held_lengths(n, batch, device):
+    """cache_seqlens given as an int: (the int32 [batch] tensor on device, its host values)."""
+    return torch.full((batch,), n, dtype=torch.int32, device=device), [n] * batch
+
+
+def _held_upload(t, device):
+    """An index tensor (cache_seqlens, cache_leftpad) of a call on device: a CPU tensor of a GPU
+    call is uploaded without waiting for the GPU and its values kept for the host-side checks
+    -> (the tensor the launcher reads, its host values or None)."""
+    if t.device.type != "cpu" or device.type == "cpu":
+        return t, None
+    held = t.tolist() if t.dtype == torch.int32 and t.dim() == 1 else None
+    return t.pin_memory().to(device, non_blocking=True), held
 
 
 def _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,

@@ -109,13 +109,9 @@ def _lengths_of_step(attention_mask, pads, kv_len, device):
     """The kvcache read's lengths for the step's layers with kv_len cached keys: (cache_seqlens,
     their host values, cache_leftpad, its host values), the device tensors made once per step
     from the host values (the layers' calls then upload nothing and wait for nothing)."""
-    def make():
-        pads_host = pads.tolist()
-        lens = torch.full((len(pads_host),), kv_len, dtype=torch.int32, device=device)
-        on_device = pads.pin_memory().to(device, non_blocking=True) if device.type != "cpu" \
-            else pads
-        return lens, [kv_len] * len(pads_host), on_device, pads_host
-    return _of_step(attention_mask, ("lengths", kv_len, device), make)
+    return _of_step(attention_mask, ("lengths", kv_len, device),
+                    lambda: hipflash._held_lengths(kv_len, len(pads), device)
+                    + hipflash._held_upload(pads, device))
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
