@@ -3,6 +3,7 @@
 // Every check below runs before any output is touched or any kernel is launched.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <tuple>
@@ -254,19 +255,29 @@ void fill_window(FwdParams& p, const FwdOptions& opts) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/// Whether a TMA tensor map can describe the dense operands (Problem::tma_compatible): the
-/// 4-d map (head dim, row, head, batch) has no empty dimension (an empty key range, Sk = 0,
-/// takes a kernel that writes out = 0 and lse = -inf without one), and needs every stride of a
-/// dimension longer than one positive, a multiple of 16 bytes and below 2^40 bytes (a size-1
-/// dimension's is not used).
+/// Whether TMA tensor maps can describe q, k and v (Problem::tma_compatible): the 4-d map
+/// (head dim, row, head, batch) — a varlen call's packed rows as one batch — has no empty
+/// dimension (an empty key range, Sk = 0, takes a kernel that writes out = 0 and lse = -inf
+/// without one), rows that a box's int32 coordinate reaches, 16-byte aligned bases, and every
+/// stride of a dimension longer than one positive, a multiple of 16 bytes and below 2^40 bytes
+/// (a size-1 dimension's is not used).
 bool tma_describable(const FwdParams& p) {
-  if (p.is_varlen() || p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
+  const bool varlen = p.is_varlen();
+  const int64_t rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  const int64_t batch = varlen ? 1 : p.batch;
+  if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0 || rows_q == 0 || rows_k == 0)
+    return false;
+  if (rows_q > INT32_MAX || rows_k > INT32_MAX) return false;  // the boxes' int32 coordinates
   const int64_t bytes = dtype_size(p.dtype);
-  return tma_strides_ok(bytes, p.seqlen_q, p.q_row_stride, p.heads_q, p.q_head_stride, p.batch,
+  const auto aligned = [](const void* base) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0;
+  };
+  return aligned(p.q) && aligned(p.k) && aligned(p.v) &&
+         tma_strides_ok(bytes, rows_q, p.q_row_stride, p.heads_q, p.q_head_stride, batch,
                         p.q_batch_stride) &&
-         tma_strides_ok(bytes, p.seqlen_k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.batch,
+         tma_strides_ok(bytes, rows_k, p.k_row_stride, p.heads_kv, p.k_head_stride, batch,
                         p.k_batch_stride) &&
-         tma_strides_ok(bytes, p.seqlen_k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.batch,
+         tma_strides_ok(bytes, rows_k, p.v_row_stride, p.heads_kv, p.v_head_stride, batch,
                         p.v_batch_stride);
 }
 
@@ -572,6 +583,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   if (opts.seqused_q) p.seqused_q = static_cast<const int32_t*>(opts.seqused_q->data);
   if (opts.seqused_k) p.seqused_k = static_cast<const int32_t*>(opts.seqused_k->data);
   p.batch = batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
+  p.total_q = total_q; p.total_k = total_k;
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
   p.dtype = q.dtype;
   p.out_dtype = out.dtype;

@@ -72,13 +72,13 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
   };
   if (fp8) {
     // fp8 q, k and v: on NVIDIA the warp-specialised Hopper kernel's fp8 tiles (fp8 wgmma, V
-    // transposed in shared memory) for the dense calls it takes; on AMD the generic kernel's
-    // MFMA fp8 body (gfx94x, gfx950; compile-checked only).
+    // transposed in shared memory) for dense and varlen calls whose tensors a TMA map
+    // describes; on AMD the generic kernel's MFMA fp8 body (gfx94x, gfx950, dense calls;
+    // compile-checked only).
     const bool amd_fp8 = arch.version == 0x940 || arch.version == 0x941 ||
                          arch.version == 0x942 || arch.version == 0x950;
     if (arch.vendor == Arch::nvidia && arch.version == 90 && caps.sm90_ws &&
-        hd <= fp8_max_head_dim(KernelKind::sm90_ws) && !p.varlen && !p.kv_cache &&
-        p.tma_compatible) {
+        hd <= fp8_max_head_dim(KernelKind::sm90_ws) && !p.kv_cache && p.tma_compatible) {
       sel.kind = KernelKind::sm90_ws;
     } else if (arch.vendor == Arch::amd && amd_fp8 &&
                hd <= fp8_max_head_dim(KernelKind::generic) && !p.varlen && !p.kv_cache) {
@@ -87,11 +87,12 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
       sel.reason = "float8_e4m3fn q, k and v run on the CPU backend and, on the GPU, on NVIDIA "
                    "Hopper's sm90_ws kernel (sm_90, this build with sm_90a; head dims up to " +
                    std::to_string(fp8_max_head_dim(KernelKind::sm90_ws)) +
-                   ", dense tensors a TMA tensor map can describe) or AMD gfx94x / gfx950's "
+                   ", dense or varlen tensors a TMA tensor map can describe) or AMD gfx94x / "
+                   "gfx950's "
                    "generic kernel (dense calls; compile-checked only) (this call: " +
                    arch.name() + ", head dim " + std::to_string(p.head_dim) +
                    (p.varlen ? ", varlen" : "") + (p.kv_cache ? ", a KV cache" : "") +
-                   (!p.tma_compatible && !p.varlen ? ", strides TMA cannot describe" : "") + ")";
+                   (!p.tma_compatible ? ", strides or a base TMA cannot describe" : "") + ")";
     }
     return sel;
   }
@@ -102,8 +103,8 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     }
     // Few query rows per head (decode): the 16-row decode kernel. Otherwise Hopper (sm_90
     // exactly: wgmma does not exist on later archs) runs the TMA warp-specialised kernel for
-    // dense calls whose tensors TMA can describe, the cp.async wgmma kernel for the rest up to
-    // head dim 128 (varlen, odd strides), where they were built, and everything else the
+    // dense and varlen calls whose tensors TMA can describe, the cp.async wgmma kernel for the
+    // rest up to head dim 128 (odd strides), where they were built, and everything else the
     // generic mma.sync kernel. A KV cache is read only by the decode and generic loaders
     // (common::PagedRows, a compile-time choice of theirs): such calls never take an sm90 kernel.
     // Packed GQA decode with eight kv heads or more may take the head-group decode kernel, on
@@ -135,8 +136,7 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = head_group_decode(p, hd, arch, caps) ? KernelKind::decode_heads
                                                       : KernelKind::decode;
-    else if (arch.version == 90 && caps.sm90_ws && serves(KernelKind::sm90_ws) && !p.varlen &&
-             p.tma_compatible)
+    else if (arch.version == 90 && caps.sm90_ws && serves(KernelKind::sm90_ws) && p.tma_compatible)
       sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && serves(KernelKind::sm90))
       sel.kind = KernelKind::sm90;

@@ -86,6 +86,9 @@ struct FwdParams {
   int64_t batch = 0;
   int64_t seqlen_q = 0;  ///< dense Sq, or max_seqlen_q for varlen
   int64_t seqlen_k = 0;  ///< dense Sk, or max_seqlen_k for varlen
+  /// Varlen: the rows of q / out and of k / v (the packed tensors' extents, which a tensor map
+  /// of them describes as one batch); 0 for dense calls.
+  int64_t total_q = 0, total_k = 0;
   int64_t heads_q = 0, heads_kv = 0;
   int64_t head_dim = 0;
 

@@ -139,20 +139,11 @@ __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
-/// Zeroes rows [first, kRows) of a panelled SW128 tile (a row is 128 contiguous bytes of each
-/// 64-column panel, whatever its swizzle): the rows a varlen tile's TMA box read from the next
-/// sequence, which would otherwise reach this one's gradients as 0 x NaN. The consumer threads
-/// share the work; `sync` 1: they then fence and meet (else the caller does).
+/// Zeroes rows [first, kRows) of a tile (atom::sm90::zero_rows) by the consumer threads;
+/// `sync` 1: they then fence and meet (else the caller does).
 template <class Cfg, int kRows>
 __device__ __forceinline__ void zero_tail_rows(uint32_t tile, int first, int sync) {
-  const int lo = first < 0 ? 0 : first;
-  const int chunks = (kRows - lo) * 8 * Cfg::kPanels;  // 16-byte chunks to zero
-  for (int i = int(threadIdx.x); i < chunks; i += Cfg::kConsumerThreads) {
-    const int panel = i / ((kRows - lo) * 8), rest = i % ((kRows - lo) * 8);
-    const uint32_t addr = tile + uint32_t(panel) * kRows * 128 + uint32_t(lo + rest / 8) * 128 +
-                          uint32_t(rest % 8) * 16;
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-  }
+  zero_rows<kRows, Cfg::kPanels, Cfg::kConsumerThreads>(tile, first, int(threadIdx.x));
   if (sync) {
     fence_proxy_async();
     named_sync<Cfg::kConsumerThreads>(kTailZeroed);

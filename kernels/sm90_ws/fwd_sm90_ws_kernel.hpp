@@ -13,8 +13,11 @@
 //    softmax runs under the others' GEMMs.
 // The shared-memory tiles use the panelled 128-byte swizzle of atoms/sm90/wgmma.hpp, which is
 // the TMA's SWIZZLE_128B layout of [rows x 64] boxes. Masks, split-K and the LSE follow the
-// other schedules (common/block_info.hpp, common/epilogue.hpp). Dense calls only (the
-// selector's rule, checked by the launcher): no varlen sequence bounds, no padded LSE rows.
+// other schedules (common/block_info.hpp, common/epilogue.hpp). A varlen call's maps take its
+// packed rows as one batch, a tile's boxes starting at its sequence's first row: the rows a
+// box reads past its sequence are the next sequence's, which the mask keeps out of the scores
+// and which are zeroed in V before P V reads them (a neighbour's Inf must not reach this
+// sequence as 0 x Inf); its output rows are stored by the threads, bounded by the sequence.
 #pragma once
 
 #include <type_traits>
@@ -130,10 +133,11 @@ struct Smem {
 /// Named barriers (0 is __syncthreads): consumer warpgroup w issues its GEMMs after a sync on
 /// kTurn + w, then hands the turn to the next, round robin; kEpilogue (+ w where each
 /// warpgroup stages its own rows) syncs the epilogue's staging.
-enum NamedBarrier : int { kTurn = 1, kEpilogue = 1 + 3 };  // up to three consumers
+enum NamedBarrier : int { kTurn = 1, kEpilogue = 1 + 3, kTailZeroed = kEpilogue + 3 };
 
 /// The producer thread: Q into the next free Q stage, then K(n) and V(n) for the tile's key
 /// blocks from last to first (the consumers' order), each into the next free stage of its ring.
+/// Map rows: the sequence's (varlen: from its first packed row, in the maps' one batch).
 template <class Traits>
 __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
                                         const Smem<TileOf<Traits>>& sm, int64_t tile,
@@ -145,8 +149,10 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   const Info bi(p, tile, div, Traits::kMasked);
   const int m0 = bi.m_block * Cfg::kBlockM;
-  if (m0 >= bi.len_q) return;  // the consumers skip it too (Consumer::run; never: dense only)
-  const int h = int(bi.h), h_kv = int(bi.h_kv), b = int(bi.b);
+  if (m0 >= bi.len_q) return;  // past a varlen sequence: the consumers skip it too
+  const bool varlen = p.cu_seqlens_q != nullptr;  // FwdParams::is_varlen, on the device
+  const int h = int(bi.h), h_kv = int(bi.h_kv), b = varlen ? 0 : int(bi.b);
+  const int q0 = int(bi.q_start), k0 = int(bi.k_start);
 
   const int qs = q_pos.stage();
   sm.q_empty(qs).wait(q_pos.parity() ^ 1u);
@@ -154,7 +160,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 #pragma unroll
   for (int c = 0; c < Cfg::kPanels; ++c)
     tma::load_4d(sm.q(qs) + c * Cfg::kBlockM * Cfg::kRowBytes, &maps.q, sm.q_full(qs),
-                 Cfg::kPanelElems * c, m0, h, b);
+                 Cfg::kPanelElems * c, q0 + m0, h, b);
   ++q_pos.it;
 
   // The key block at `row` of K (kV false) or V into the next free stage of its ring.
@@ -168,7 +174,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 #pragma unroll
     for (int c = 0; c < Cfg::kPanels; ++c)
       tma::load_4d((kV ? sm.v(s) : sm.k(s)) + c * Cfg::kBlockN * Cfg::kRowBytes,
-                   kV ? &maps.v : &maps.k, full, Cfg::kPanelElems * c, row, h_kv, b);
+                   kV ? &maps.v : &maps.k, full, Cfg::kPanelElems * c, k0 + row, h_kv, b);
     ++pos.it;
   };
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
@@ -190,9 +196,12 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 /// even rows of its chunk for g < 4 and the odd ones above, so that its eight rows fall in
 /// eight different 16-byte bank groups under the swizzle). The measured alternative, 32-bit
 /// loads and stores a 4 x 4 byte block, issued as many instructions again as the consumers and
-/// held the kernel at 0.73x bf16 (docs/design-decisions.md#fp8-forward).
-template <class Cfg>
-__device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id, int lane) {
+/// held the kernel at 0.73x bf16 (docs/design-decisions.md#fp8-forward). Keys from `valid` on
+/// (kTail: a key block past its sequence's end, a varlen neighbour's rows) are written as
+/// zeros; that path is not unrolled, so that the transposing warps' 40 registers hold it.
+template <class Cfg, bool kTail>
+__device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id, int lane,
+                                            int valid) {
   constexpr int kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim, kRB = Cfg::kRowBytes;
   static_assert(kBN == 128, "Vt: one 128-key-byte row a head-dim row");
   constexpr int kSteps = (kBN / 16) * (kHD / 32);  // (16-key group, 32-byte head-dim pair)
@@ -202,7 +211,7 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
   // the byte selections of the odd and even words, swapped there.
   const bool upper = lane / 4 >= 4;
   const uint32_t sel_a = upper ? 0x7531 : 0x6420, sel_b = upper ? 0x6420 : 0x7531;
-#pragma unroll 4
+#pragma unroll(kTail ? 1 : 4)
   for (int i = 0; i < kPerWarp; ++i) {
     const int step = w_id + i * Cfg::kTransposers;
     if (kSteps % Cfg::kTransposers != 0 && step >= kSteps) break;
@@ -217,8 +226,17 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
                  : "r"(sV + (chunk / (kRB / 16)) * kBN * kRB + key * kRB + ((pc ^ sw) * 16)));
     // Vt rows 16 chunk + 2g (0x6420: the even bytes) and + 1 (0x7531), slots 4t .. 4t + 3 of
     // group k16: the words of matrices 0 .. 3 as this lane holds them.
-    const uint32_t w0 = __byte_perm(v[0], v[1], sel_a), w1 = __byte_perm(v[0], v[1], sel_b);
-    const uint32_t w2 = __byte_perm(v[2], v[3], sel_a), w3 = __byte_perm(v[2], v[3], sel_b);
+    uint32_t w0 = __byte_perm(v[0], v[1], sel_a), w1 = __byte_perm(v[0], v[1], sel_b);
+    uint32_t w2 = __byte_perm(v[2], v[3], sel_a), w3 = __byte_perm(v[2], v[3], sel_b);
+    if (kTail) {  // byte i of each word is key 16 k16 + 2t + (i & 1) + 8 (i >> 1)
+      const int below = valid - 16 * k16 - 2 * (lane % 4);
+      const uint32_t keep = (below > 0 ? 0xffu : 0u) | (below > 1 ? 0xff00u : 0u) |
+                            (below > 8 ? 0xff0000u : 0u) | (below > 9 ? 0xff000000u : 0u);
+      w0 &= keep;
+      w1 &= keep;
+      w2 &= keep;
+      w3 &= keep;
+    }
     // stmatrix rows: matrix m is chunk 2 pair + m / 2's rows 2r + (r >= 4) (m even) or
     // 2r + (r < 4) (m odd); its data, this lane's row g of it.
     const int row = 16 * chunk + 2 * r + ((m & 1) ^ (r >= 4 ? 1 : 0));
@@ -240,12 +258,16 @@ __device__ __forceinline__ void transpose_tile(const FwdParams& p, const Smem<Ti
   using Cfg = TileOf<Traits>;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   const Info bi(p, tile, div, Traits::kMasked);
-  if (bi.m_block * Cfg::kBlockM >= bi.len_q) return;  // (never: dense only; as produce())
+  if (bi.m_block * Cfg::kBlockM >= bi.len_q) return;  // past a varlen sequence (as produce())
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
     const int s = pos.stage();
     sm.v_full(s).wait(pos.parity());
     sm.vt_empty(s).wait(pos.parity() ^ 1u);
-    transpose_v<Cfg>(sm.v(s), sm.vt(s), w_id, lane);
+    const int64_t valid = bi.len_k - int64_t(n) * Cfg::kBlockN;
+    if (valid < Cfg::kBlockN)
+      transpose_v<Cfg, true>(sm.v(s), sm.vt(s), w_id, lane, int(valid));
+    else
+      transpose_v<Cfg, false>(sm.v(s), sm.vt(s), w_id, lane, Cfg::kBlockN);
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) {
@@ -492,8 +514,8 @@ struct Consumer {
       const int me = stager();
       bool stored = false;  // by TMA
       if constexpr (kTmaStore) stored = tma_store(bi, first, me);
-      if (!stored)
-        staged(first).template store<kStageRows, kStagers, false>(p, bi, m0_of(bi) + first, me);
+      if (!stored)  // (varlen: bounded by the sequence, and the padded LSE layout's tail)
+        staged(first).template store<kStageRows, kStagers, true>(p, bi, m0_of(bi) + first, me);
       // Staged over Q: the next tile's Q (an async-proxy write) may land over sO once every
       // warp has read it.
       if constexpr (!Cfg::kOwnStaging) fence_proxy_async();
@@ -513,6 +535,18 @@ struct Consumer {
     }
     stage(bi, O, softmax);
     store(bi);
+  }
+
+  /// A varlen tile's last key block V(n_hi), the next stage of V, has rows from `keys` on that
+  /// are the next sequence's: zeroed by all consumer threads (they meet here once per such
+  /// tile, each after its first turn) before any P V reads the stage.
+  __device__ __forceinline__ void zero_v_tail(int keys) const {
+    static_assert(Cfg::kRowBytes == 128, "V's rows: 128 bytes of each panel (16-bit elements)");
+    const int vs = v_pos.stage();
+    sm.v_full(vs).wait(v_pos.parity());
+    zero_rows<kBN, Cfg::kPanels, kThreads>(sm.v(vs), keys, consumer::thread_index());
+    fence_proxy_async();
+    named_sync<kThreads>(kTailZeroed);
   }
 
   /// The tile's last P V, in a turn of its own, and waited for.
@@ -543,7 +577,10 @@ struct Consumer {
   __device__ __forceinline__ void run(int64_t tile, Acc& acc) const {
     const Info bi = info(tile);
     const int64_t m0 = m0_of(bi);
-    if (m0 >= bi.len_q) return;  // (never: dense calls only, no padded LSE rows to write)
+    // Past a varlen sequence: no rows, only the padded LSE layout's to write (-inf).
+    if (common::block_past_sequence<Traits, kBM, kThreads>(p, bi.b, bi.h, m0, bi.len_q,
+                                                           consumer::thread_index()))
+      return;
     const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
     const LeanMask lean = lean_mask_of(bi);
     Acc local;
@@ -600,6 +637,10 @@ struct Consumer {
       first_block(std::true_type{});
     else
       first_block(std::false_type{});
+    if constexpr (!kFp8) {  // (fp8: the transposing warps zero Vt's keys instead)
+      const int64_t keys = bi.len_k - int64_t(n_hi) * kBN;
+      if (p.cu_seqlens_q != nullptr && keys < kBN) zero_v_tail(int(keys));
+    }
     for (int n = n_hi; n > n_lo; --n) {
       float S[kBN / 2];
       const int ks = k_pos.stage(), vs = v_pos.stage();

@@ -29,20 +29,23 @@ struct Sm90WsLaunch {
     HIPFLASH_CHECK(tiles <= 0x7fffffff, "problem too large for the sm90_ws kernel: ", tiles,
                    " work tiles (batch * heads_q * query blocks * splits) exceed 2^31 - 1");
     sm90_ws::TmaMaps maps;
-    // Boxes of [rows x one panel row] (128 bytes; 64 for fp8 at hd64).
+    // Boxes of [rows x one panel row] (128 bytes; 64 for fp8 at hd64). A varlen call's maps
+    // take its packed rows as one batch (the kernel offsets the rows by cu_seqlens).
     constexpr int kCols = Tile::kPanelElems;
-    maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                              p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tile::kBlockM,
-                              kCols);
-    maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                              p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tile::kBlockN,
-                              kCols);
-    maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                              p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tile::kBlockN,
-                              kCols);
-    // hd64 (hd128 with its hook): out's map for the TMA store (a warpgroup's 64 rows a box),
-    // where one describes it; else the consumers store the rows themselves (o_ok 0).
-    if (sm90_ws::kOutByTma<Traits::kHeadDim> && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+    const bool varlen = p.is_varlen();
+    const int64_t rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+    const int64_t batch = varlen ? 1 : p.batch;
+    maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, rows_q, p.heads_q, batch, p.q_row_stride,
+                              p.q_head_stride, p.q_batch_stride, Tile::kBlockM, kCols);
+    maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, rows_k, p.heads_kv, batch, p.k_row_stride,
+                              p.k_head_stride, p.k_batch_stride, Tile::kBlockN, kCols);
+    maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, rows_k, p.heads_kv, batch, p.v_row_stride,
+                              p.v_head_stride, p.v_batch_stride, Tile::kBlockN, kCols);
+    // hd64: out's map for the TMA store (a warpgroup's 64 rows a box), where one describes it;
+    // else the consumers store the rows themselves (o_ok 0) — always for varlen, whose boxes
+    // would write into the next sequence's rows.
+    if (sm90_ws::kOutByTma<Traits::kHeadDim> && !varlen &&
+        reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
         tma_strides_ok(dtype_size(p.out_dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
                        p.o_head_stride, p.batch, p.o_batch_stride)) {
       maps.o = tma_host::encode(p.out, p.out_dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
@@ -58,8 +61,8 @@ struct Sm90WsLaunch {
 /// blocks); the launch says so (note_long_row_tile) for the kernel's name.
 template <class Traits>
 void launch_sm90_ws_fwd(const FwdParams& p, port::stream_t stream) {
-  HIPFLASH_CHECK_AS(runtime_error, !p.is_varlen() && !p.is_kvcache(),
-                    "the sm90_ws kernel takes dense calls only (the selector's rule)");
+  HIPFLASH_CHECK_AS(runtime_error, !p.is_kvcache(),
+                    "the sm90_ws kernel reads no KV cache (the selector's rule)");
   if constexpr (sm90_ws::kHasLongRowTile<Traits>) {
     int device = 0;
     port::check(port::get_device(&device), "querying the current device");

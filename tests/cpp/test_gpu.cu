@@ -213,8 +213,8 @@ INSTANTIATE_TEST_SUITE_P(DecodeKernel, GpuForward, ::testing::ValuesIn(decode_ke
 TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
   // GQA decode (32/8 packs 4 rows) and Sq <= 16 take the decode kernel; longer queries on
   // Hopper where built (unless HIPFLASH_DISABLE_SM90=1): the TMA warp-specialised kernel for
-  // dense calls (unless HIPFLASH_DISABLE_SM90_WS=1), the cp.async wgmma kernel for varlen; else
-  // generic.
+  // dense and varlen calls (unless HIPFLASH_DISABLE_SM90_WS=1), else the cp.async wgmma kernel;
+  // elsewhere generic.
   int device = 0, major = 0, minor = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
@@ -238,6 +238,12 @@ TEST_F(Gpu, KernelKindFollowsTheQueryRows) {
     Dense t = make({DType::bf16, 1, sq, 300, hq, hkv, d, false, -1, -1, 1});
     run_gpu(t);
     EXPECT_EQ(last_kernel_name().rfind(kind, 0), 0u) << last_kernel_name() << " for Sq=" << sq;
+  }
+  {  // varlen: its packed rows are one batch of the TMA kernel's maps
+    Varlen t(DType::bf16, {300, 17}, {300, 400}, 4, 4, 128, LseLayout::packed);
+    run_gpu(t);
+    EXPECT_EQ(last_kernel_name().rfind(tma, 0), 0u) << last_kernel_name() << " for varlen";
+    EXPECT_REF_OK(t.check()) << last_kernel_name();
   }
   // Packed GQA decode with eight kv heads or more: the head-group decode kernel on sm_90 for
   // every such call where HIPFLASH_DECODE_HEADS=1 (head dims 64 and 128), else the decode
@@ -537,6 +543,37 @@ TEST_F(Gpu, VarlenWithZeroLengthSequences) {
           ref::check(t.problem(), t.out.ref, &t.lse.ref, co);
       EXPECT_REF_OK(r) << " layout " << int(layout) << " causal " << c.causal << " splits "
                        << c.splits;
+    }
+}
+
+TEST_F(Gpu, VarlenNeighboursNonFiniteRowsStayOut) {
+  // On Hopper the TMA kernel's boxes read past a sequence's last key (and query row) into the
+  // next sequence's rows: NaN in a neighbour's q and k and Inf in its v must reach that
+  // neighbour's rows only (the mask keeps its scores out, V's rows are zeroed: 0 x Inf), and
+  // the kernel is named.
+  int i = 0;
+  for (int64_t d : {64, 128, 256})
+    for (bool causal : {false, true}) {
+      const LseLayout layout = i % 2 ? LseLayout::packed : LseLayout::padded;
+      Varlen t(i++ % 3 ? DType::bf16 : DType::f16, {100, 77, 130}, {130, 90, 200}, 4, 2, d,
+               layout);
+      t.opts.causal = causal;
+      auto plant = [&](HostTensor& x, int64_t row0, int64_t row1, float value) {
+        for (int64_t row = row0; row < row1; ++row)
+          for (int64_t h = 0; h < x.ref.sizes[1]; ++h)
+            for (int64_t c = 0; c < d; c += 7)
+              x.set_raw(x.base() + row * x.ref.strides[0] + h * x.ref.strides[1] + c, value);
+      };
+      plant(t.q, 100, 104, kNaN);    // sequence 1's first query rows
+      plant(t.k, 130, 134, kNaN);    // and its first keys
+      plant(t.v, 134, 150, kInf);    // and values
+      run_gpu(t);
+      ref::CheckOptions co;
+      co.lse_layout = layout;
+      co.nan_inputs = true;
+      co.max_rows = 1024;
+      EXPECT_REF_OK(ref::check(t.problem(), t.out.ref, &t.lse.ref, co))
+          << "d " << d << " causal " << causal << " " << last_kernel_name();
     }
 }
 

@@ -188,7 +188,7 @@ TEST(Selector, HopperTakesTheWgmmaKernelWhereBuilt) {
   EXPECT_STREQ(kernel_kind_name(KernelKind::sm90), "sm90");
 }
 
-TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
+TEST(Selector, HopperTakesTheTmaKernelForDenseAndVarlenCalls) {
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   auto dense = [](int d) {
@@ -206,11 +206,16 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseCalls) {
       short_causal.head_dim = d;
       EXPECT_EQ(select_kernel(short_causal, kSm90, caps).kind, KernelKind::sm90_ws) << rows << d;
     }
-  Problem varlen = dense(128);  // TMA cannot stop at a sequence's end: cp.async zero-fills
-  varlen.varlen = true;
-  EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90);
-  varlen.head_dim = 256;
-  EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::generic);
+  // Varlen: the packed rows as one batch of the maps (the kernel zeroes what a box reads past
+  // its sequence); where a map cannot describe them, the cp.async kernel up to hd128.
+  for (int d : {64, 128, 256}) {
+    Problem varlen = dense(d);
+    varlen.varlen = true;
+    EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90_ws) << d;
+    varlen.tma_compatible = false;
+    EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind,
+              d <= 128 ? KernelKind::sm90 : KernelKind::generic) << d;
+  }
   Problem odd = dense(128);  // strides a tensor map cannot describe
   odd.tma_compatible = false;
   EXPECT_EQ(select_kernel(odd, kSm90, caps).kind, KernelKind::sm90);
@@ -298,9 +303,10 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
 
 TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
   // fp8 q, k and v (e4m3): the sm90_ws kernel's fp8 tiles (kernels.def: fp8_head_dim 128), for
-  // dense TMA-describable calls on Hopper, short query blocks included; on AMD gfx94x / gfx950
-  // the generic kernel's MFMA fp8 body (fp8_head_dim 256); everything else — hd256 on NVIDIA,
-  // varlen, odd strides, a KV cache, other archs, builds without it — refused with why.
+  // dense and varlen TMA-describable calls on Hopper, short query blocks included; on AMD
+  // gfx94x / gfx950 the generic kernel's MFMA fp8 body (fp8_head_dim 256, dense calls);
+  // everything else — hd256 on NVIDIA, odd strides, a KV cache, AMD varlen, other archs,
+  // builds without it — refused with why.
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   EXPECT_EQ(fp8_max_head_dim(KernelKind::sm90_ws), 128);
@@ -330,7 +336,9 @@ TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
   refused(fp8(256), kSm90, caps, "hd256");
   Problem varlen = fp8(128);
   varlen.varlen = true;
-  refused(varlen, kSm90, caps, "varlen");
+  EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90_ws);
+  varlen.tma_compatible = false;
+  refused(varlen, kSm90, caps, "varlen strides");
   Problem odd = fp8(128);
   odd.tma_compatible = false;
   refused(odd, kSm90, caps, "strides");

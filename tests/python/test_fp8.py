@@ -298,7 +298,8 @@ def test_gpu_fp8_forward_nan_reaches_its_rows(where):
 @pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
                     f"kernels (this build: {hipflash.build_info()!r})")
 def test_the_gpu_refuses_what_it_does_not_run_before_writing():
-    # varlen fp8 (everywhere) and ALiBi with fp8 (the GPU): refused, nothing written.
+    # ALiBi with fp8 (the GPU), and on GPUs without the fp8 kernels every fp8 call: refused,
+    # nothing written.
     q, k, v = (t.cuda() for t in fp8_case(1, 8, 8, 2, 2, 64))
     out = torch.full((1, 8, 2, 64), float("nan"), dtype=BF16, device="cuda")
     with pytest.raises(NotImplementedError, match="alibi_slopes with float8_e4m3fn"):
@@ -601,22 +602,29 @@ def test_fa3_all_e4m3_kvcache_call(device):
 
 
 @needs_fp8
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_fp8_gpu)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_fp8_equals_each_sequences_dense_call(causal):
-    # Varlen fp8 (CPU backend) with descales per (sequence, kv head): each sequence bitwise the
-    # dense fp8 call on it alone with its descale row; FA3's varlen spelling returns the same.
+def test_varlen_fp8_equals_each_sequences_dense_call(causal, device):
+    # Varlen fp8 with descales per (sequence, kv head): each sequence bitwise the dense fp8 call
+    # on it alone with its descale row (on the GPU the same sm90_ws tiles, the keys a box reads
+    # past a sequence zeroed as the dense map's edge zero-fills them); FA3's varlen spelling
+    # returns the same. Sequence 1's keys and values are NaN and e4m3's largest: they must
+    # reach no other sequence (0 x NaN in P V).
     lens_q, lens_k, hq, hkv, d = [29, 0, 7], [113, 5, 40], 4, 2, 64
-    cu_q = torch.tensor([0, 29, 29, 36], dtype=torch.int32)
-    cu_k = torch.tensor([0, 113, 118, 158], dtype=torch.int32)
+    cu_q = torch.tensor([0, 29, 29, 36], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 113, 118, 158], dtype=torch.int32, device=device)
     g = torch.Generator().manual_seed(2)
-    q, k, v = ((2 * torch.randn(n, h, d, generator=g)).to(E4M3)
+    q, k, v = (2 * torch.randn(n, h, d, generator=g)
                for n, h in ((36, hq), (158, hkv), (158, hkv)))
-    qd, kd, vd = (torch.rand(3, hkv, generator=g) + 0.5 for _ in range(3))
+    k[113:118], v[113:116], v[116:118] = float("nan"), float("nan"), 448.0
+    q, k, v = (t.to(E4M3).to(device) for t in (q, k, v))
+    qd, kd, vd = ((torch.rand(3, hkv, generator=g) + 0.5).to(device) for _ in range(3))
     out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 29, 113, causal=causal,
                                                num_splits=1, return_lse=True,
                                                lse_layout="packed", q_descale=qd, k_descale=kd,
                                                v_descale=vd)
     assert out.dtype == BF16
+    assert not out.isnan().any()  # sequence 1 has no rows
     for b in range(3):
         rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         want, want_lse = hipflash.flash_attn_func(
@@ -631,12 +639,12 @@ def test_varlen_fp8_equals_each_sequences_dense_call(causal):
 
 
 @needs_fp8
-@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
-                    "kernels")
+@pytest.mark.skipif(not GPU or FP8_GPU, reason="needs a GPU without the sm90_ws fp8 kernels "
+                    "(where they are, test_varlen_fp8_equals_each_sequences_dense_call runs it)")
 def test_gpu_varlen_fp8_is_refused_before_writing():
     cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
     q = torch.ones(8, 2, 64, device="cuda").to(E4M3)
     out = torch.full((8, 2, 64), float("nan"), dtype=BF16, device="cuda")
-    with pytest.raises(NotImplementedError, match="varlen"):
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn q, k and v run on the CPU"):
         hipflash.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, out=out)
     assert out.isnan().all()

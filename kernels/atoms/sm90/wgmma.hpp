@@ -74,6 +74,24 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/// Zeroes rows [first, kRows) of a tile of kPanels panels with 128-byte rows (the TMA's
+/// [kRows x 64] boxes of 16-bit elements: a row is 128 contiguous bytes of each panel, whatever
+/// the swizzle), shared by kThreads threads, `thread` this one's index among them: the rows a
+/// varlen tile's box read from the next sequence, whose Inf or NaN would otherwise reach this
+/// one's sums as 0 x Inf. The caller fences (fence_proxy_async) and meets before a wgmma reads
+/// the tile.
+template <int kRows, int kPanels, int kThreads>
+__device__ __forceinline__ void zero_rows(uint32_t tile, int first, int thread) {
+  const int lo = first < 0 ? 0 : first;
+  const int per_panel = (kRows - lo) * 8;  // 16-byte chunks
+  for (int i = thread; i < per_panel * kPanels; i += kThreads) {
+    const int panel = i / per_panel, rest = i % per_panel;
+    const uint32_t addr = tile + uint32_t(panel * kRows + lo + rest / 8) * 128 +
+                          uint32_t(rest % 8) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+  }
+}
+
 #endif  // HIPFLASH_HAS_WGMMA
 
 }  // namespace hipflash::atom::sm90
