@@ -258,15 +258,15 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /// Whether TMA tensor maps can describe q, k and v (Problem::tma_compatible): the 4-d map
 /// (head dim, row, head, batch) — a varlen call's packed rows as one batch — has no empty
 /// dimension (an empty key range, Sk = 0, takes a kernel that writes out = 0 and lse = -inf
-/// without one), rows that a box's int32 coordinate reaches, 16-byte aligned bases, and every
+/// without one; a call without query rows launches nothing and needs none), rows that a box's int32 coordinate reaches, 16-byte aligned bases, and every
 /// stride of a dimension longer than one positive, a multiple of 16 bytes and below 2^40 bytes
 /// (a size-1 dimension's is not used).
 bool tma_describable(const FwdParams& p) {
   const bool varlen = p.is_varlen();
   const int64_t rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   const int64_t batch = varlen ? 1 : p.batch;
-  if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0 || rows_q == 0 || rows_k == 0)
-    return false;
+  if (p.batch == 0 || p.seqlen_q == 0) return true;  // nothing to launch: no map is made
+  if (p.seqlen_k == 0 || rows_k == 0) return false;
   if (rows_q > INT32_MAX || rows_k > INT32_MAX) return false;  // the boxes' int32 coordinates
   const int64_t bytes = dtype_size(p.dtype);
   const auto aligned = [](const void* base) {

@@ -87,7 +87,7 @@ TEST_P(GpuCombine, LaunchShapesAgreeBitwiseAndWithTheHost) {
   const int64_t part_rows = int64_t(c.splits) * batch * heads * rows;
 
   FwdParams p;
-  p.dtype = c.dtype;
+  p.dtype = p.out_dtype = c.dtype;  // (the combine writes out_dtype)
   p.batch = batch, p.heads_q = heads, p.heads_kv = heads, p.seqlen_q = rows;
   p.head_dim = c.head_dim, p.num_splits = c.splits, p.return_lse = c.lse;
   std::vector<int32_t> cu{0};
