@@ -291,6 +291,7 @@ Problem make_problem(const FwdParams& p) {
   prob.varlen = p.is_varlen();
   prob.num_splits = p.num_splits;
   prob.query_rows = p.gpu_query_rows();
+  if (p.is_varlen()) prob.mean_query_rows = p.batch > 0 ? p.total_q / p.batch : 0;
   prob.tma_compatible = tma_describable(p);
   prob.kv_cache = p.is_kvcache();
   prob.kv_dtype = p.kv_dtype;

@@ -103,8 +103,9 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     }
     // Few query rows per head (decode): the 16-row decode kernel. Otherwise Hopper (sm_90
     // exactly: wgmma does not exist on later archs) runs the TMA warp-specialised kernel for
-    // dense and varlen calls whose tensors TMA can describe, the cp.async wgmma kernel for the
-    // rest up to head dim 128 (odd strides), where they were built, and everything else the
+    // dense and varlen calls whose tensors TMA can describe (but short varlen sequences at head
+    // dim 64: kWsVarlenHd64MinMeanRows), the cp.async wgmma kernel for the rest up to head dim
+    // 128 (odd strides), where they were built, and everything else the
     // generic mma.sync kernel. A KV cache is read only by the decode and generic loaders
     // (common::PagedRows, a compile-time choice of theirs): such calls never take an sm90 kernel.
     // Packed GQA decode with eight kv heads or more may take the head-group decode kernel, on
@@ -136,7 +137,10 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     if (p.query_rows <= kDecodeMaxRows)
       sel.kind = head_group_decode(p, hd, arch, caps) ? KernelKind::decode_heads
                                                       : KernelKind::decode;
-    else if (arch.version == 90 && caps.sm90_ws && serves(KernelKind::sm90_ws) && p.tma_compatible)
+    else if (arch.version == 90 && caps.sm90_ws && serves(KernelKind::sm90_ws) &&
+             p.tma_compatible &&
+             !(p.varlen && hd == 64 && p.mean_query_rows < kWsVarlenHd64MinMeanRows &&
+               caps.sm90))
       sel.kind = KernelKind::sm90_ws;
     else if (arch.version == 90 && caps.sm90 && serves(KernelKind::sm90))
       sel.kind = KernelKind::sm90;

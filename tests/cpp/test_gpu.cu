@@ -555,7 +555,9 @@ TEST_F(Gpu, VarlenNeighboursNonFiniteRowsStayOut) {
   for (int64_t d : {64, 128, 256})
     for (bool causal : {false, true}) {
       const LseLayout layout = i % 2 ? LseLayout::packed : LseLayout::padded;
-      Varlen t(i++ % 3 ? DType::bf16 : DType::f16, {100, 77, 130}, {130, 90, 200}, 4, 2, d,
+      // Sequences long enough for the TMA kernel at every head dim (kWsVarlenHd64MinMeanRows),
+      // each ending inside a query block and a key block.
+      Varlen t(i++ % 3 ? DType::bf16 : DType::f16, {700, 450, 630}, {530, 590, 700}, 4, 2, d,
                layout);
       t.opts.causal = causal;
       auto plant = [&](HostTensor& x, int64_t row0, int64_t row1, float value) {
@@ -564,9 +566,9 @@ TEST_F(Gpu, VarlenNeighboursNonFiniteRowsStayOut) {
             for (int64_t c = 0; c < d; c += 7)
               x.set_raw(x.base() + row * x.ref.strides[0] + h * x.ref.strides[1] + c, value);
       };
-      plant(t.q, 100, 104, kNaN);    // sequence 1's first query rows
-      plant(t.k, 130, 134, kNaN);    // and its first keys
-      plant(t.v, 134, 150, kInf);    // and values
+      plant(t.q, 700, 704, kNaN);    // sequence 1's first query rows
+      plant(t.k, 530, 534, kNaN);    // and its first keys
+      plant(t.v, 534, 550, kInf);    // and values
       run_gpu(t);
       ref::CheckOptions co;
       co.lse_layout = layout;

@@ -206,12 +206,20 @@ TEST(Selector, HopperTakesTheTmaKernelForDenseAndVarlenCalls) {
       short_causal.head_dim = d;
       EXPECT_EQ(select_kernel(short_causal, kSm90, caps).kind, KernelKind::sm90_ws) << rows << d;
     }
+  BuildCaps no_cpasync = caps;  // a build without the cp.async kernel
+  no_cpasync.sm90 = false;
   // Varlen: the packed rows as one batch of the maps (the kernel zeroes what a box reads past
   // its sequence); where a map cannot describe them, the cp.async kernel up to hd128.
   for (int d : {64, 128, 256}) {
     Problem varlen = dense(d);
     varlen.varlen = true;
+    varlen.mean_query_rows = kWsVarlenHd64MinMeanRows;
     EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90_ws) << d;
+    varlen.mean_query_rows = kWsVarlenHd64MinMeanRows - 1;  // short sequences: hd64 on cp.async
+    EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind,
+              d == 64 ? KernelKind::sm90 : KernelKind::sm90_ws) << d;
+    EXPECT_EQ(select_kernel(varlen, kSm90, no_cpasync).kind, KernelKind::sm90_ws) << d;
+    varlen.mean_query_rows = kWsVarlenHd64MinMeanRows;
     varlen.tma_compatible = false;
     EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind,
               d <= 128 ? KernelKind::sm90 : KernelKind::generic) << d;

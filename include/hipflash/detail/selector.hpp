@@ -68,6 +68,9 @@ struct Problem {
   /// Query rows per (batch, head) as the kernel sees them: Sq (max_seqlen_q for varlen), or
   /// Hq / Hkv for GQA decode, whose query heads are packed into the rows of one block.
   int64_t query_rows = 128;
+  /// Varlen: the mean query rows of a sequence (total_q / batch; the packed rows the kernels
+  /// walk in tiles sized for the longest), 0 for dense calls.
+  int64_t mean_query_rows = 0;
   /// GQA decode whose query heads the GPU launcher packs into query rows (FwdParams::
   /// packs_gqa_decode: one query row, no window, not varlen, Hq > Hkv).
   bool gqa_decode = false;
@@ -80,6 +83,16 @@ struct Problem {
   /// as a view.
   bool kv_heads_in_rows = true;
 };
+
+/// Varlen at head dim 64 takes the TMA kernel (sm90_ws) from this mean sequence length on, the
+/// cp.async wgmma kernel below it (H100, varlen suite, 16k tokens, 32 heads; the cp.async
+/// kernel's 64-row blocks, several resident a multiprocessor, against the persistent 128-row
+/// tiles, about half of whose (query block, head, sequence) tiles lie past a short sequence's
+/// end and each of whose sequences ends inside a key block: docs/design-decisions.md#varlen-
+/// on-the-tma-kernel): at a mean of 264 rows (16..512) sm90_ws ran at 0.78x / 0.73x the
+/// cp.async kernel (causal), at 1638 (128..4k) 1.23x / 1.11x; hd128 gained at both (1.06x /
+/// 1.16x, 1.49x / 1.44x). The threshold lies between the two measured means.
+inline constexpr int64_t kWsVarlenHd64MinMeanRows = 512;
 
 /// The first NVIDIA arch with the e4m3 conversions the fp8 KV cache's decode kernel uses.
 inline constexpr int kFp8KvMinSm = 89;
