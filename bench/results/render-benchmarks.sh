@@ -6,13 +6,15 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 python3 bench/make_report.py \
-  bench/results/h200-2026-12-01j/full:fa-grid,head-dims,lse-overhead,varlen,host-overhead \
+  bench/results/h200-2026-12-01j/full:fa-grid,head-dims,lse-overhead,host-overhead \
+  bench/results/h100-2026-12-05/varlen \
   bench/results/h200-2026-12-02b/decode \
   bench/results/h200-2026-12-04g/serving \
   bench/results/h200-2026-12-04e/decode-fp8 \
   bench/results/h200-2026-12-04f/fwd-fp8 \
   --allow-partial \
   --append bench/results/h200-2026-12-04e/train \
+  --append bench/results/h100-2026-12-05/train \
   --append bench/results/h200-2026-12-04/merge \
   --append bench/results/h200-2026-12-05/generate \
   --note-file bench/results/benchmarks-note.md
