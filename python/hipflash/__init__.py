@@ -331,13 +331,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             q_i . k_j * q_descale * k_descale * softmax_scale (the LSE is theirs) and out is
             softmax . v * v_descale, in bfloat16. None: 1. Descales must be positive and finite
             (not checked on the GPU). Forward only; the CPU backend (it dequantises: the
-            reference), NVIDIA Hopper (dense calls, head dims up to 128, no ALiBi) and AMD
-            gfx94x / gfx950 (compile-checked only); other GPU calls raise NotImplementedError.
+            reference), NVIDIA Hopper (head dims up to 128, no ALiBi) and AMD
+            gfx94x / gfx950 (dense calls; compile-checked only); other GPU calls raise
+            NotImplementedError.
         attention_chunk: int >= 0 (FlashAttention 3's; Llama 4's chunked attention). C > 0:
             query i, at key position p = i + seqlen_k - seqlen_q, sees only keys in
             [p - p mod C, p - p mod C + C), besides what causal / window_size allow. 0 (the
             default) is off. Runs as varlen attention over the chunks (packed views, no
-            copies; the varlen kernels' speed), gradients included; not with fp8.
+            copies; the varlen kernels' speed), gradients included (fp8: forward only).
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -378,10 +379,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     fp8 = _fp8(q, descales)
     chunk = _chunk(attention_chunk)
     if chunk:
-        if fp8:
-            raise NotImplementedError("attention_chunk with fp8 q, k, v is not supported by "
-                                      "hipflash yet (the pieces run as varlen calls: no fp8)")
-        out, lse = _chunks.dense(flash_attn_varlen_func, q, k, v, chunk, out, alibi_slopes,
+        per_batch = dict(alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
+                         v_descale=v_descale)
+        out, lse = _chunks.dense(flash_attn_varlen_func, q, k, v, chunk, out, per_batch,
                                  _chunk_kw(scale, causal, left, right, num_splits,
                                            bool(deterministic), softcap))
         return (out, lse) if return_lse else out
@@ -457,12 +457,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             those keys gathered contiguously. CPU and NVIDIA GPU tensors; no out=, no
             gradients.
         attention_chunk: as for :func:`flash_attn_func`, within each sequence (the sequences'
-            bounds, and seqused_q / seqused_k, are copied to the host once); not with fp8 or
-            a block_table.
+            bounds, and seqused_q / seqused_k, are copied to the host once); not with a
+            block_table.
         q_descale, k_descale, v_descale: fp8, as for :func:`flash_attn_func` (float8_e4m3fn
             q, k, v; per (batch, kv head) is per (sequence, kv head)): forward only, out
-            bfloat16; CPU tensors (GPU calls raise NotImplementedError), not with a
-            block_table.
+            bfloat16; the CPU backend and NVIDIA Hopper (head dims up to 128, no ALiBi); not
+            with a block_table.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not
@@ -513,14 +513,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     descales = (q_descale, k_descale, v_descale)
     fp8 = _fp8(q, descales)
     if chunk:
-        if fp8 or block_table is not None:
-            raise NotImplementedError("attention_chunk with fp8 or a block_table is not "
-                                      "supported by hipflash yet")
+        if block_table is not None:
+            raise NotImplementedError("attention_chunk with a block_table is not supported by "
+                                      "hipflash yet")
         kw = _chunk_kw(scale, causal, left, right, num_splits, bool(deterministic), softcap)
         if out is not None:
             kw["out"] = out
+        per_batch = dict(alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
+                         v_descale=v_descale)
         out, lse = _chunks.varlen(flash_attn_varlen_func, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                  max_seqlen_q, chunk, lse_layout, alibi_slopes, kw, seqused_q,
+                                  max_seqlen_q, chunk, lse_layout, per_batch, kw, seqused_q,
                                   seqused_k)
         return (out, lse) if return_lse else out
 

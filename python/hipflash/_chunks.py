@@ -8,8 +8,9 @@ views (no copies) and a varlen batch is its own packing refined; rows before the
 (p < 0) are a piece without keys, and keys no query sees (before the first query's chunk) a
 piece without queries. Each piece keeps the call's alignment: its last query row and its last
 key are as far apart as in the whole call, so causal, windows, ALiBi's distances and the
-softcap apply within it unchanged. The kernels are the varlen ones: a dense call with chunks
-runs at varlen speed (and its gradients by the varlen backward).
+softcap apply within it unchanged, and a sequence's ALiBi slopes and fp8 descales are its
+pieces'. The kernels are the varlen ones: a dense call with chunks runs at varlen speed (and its
+gradients by the varlen backward; fp8 is forward only).
 """
 import torch
 
@@ -76,20 +77,26 @@ def prefix(lens, first, device):
     return cu.to(torch.int32).to(device)
 
 
-def per_piece(alibi_slopes, owner):
-    """ALiBi slopes per sequence ([B, H]) as slopes per piece; [H] ones as they are."""
-    if alibi_slopes is None or alibi_slopes.dim() != 2:
-        return alibi_slopes
-    return alibi_slopes.index_select(
-        0, torch.tensor(owner, dtype=torch.int64, device=alibi_slopes.device))
+def per_piece(per_sequence, owner):
+    """A per-sequence argument ([B, ...]: ALiBi slopes [B, H], fp8 descales [B, Hkv]) as one
+    per piece, its sequence's row; shared ones ([H] slopes, [] / [1] descales) as they are."""
+    if per_sequence is None or per_sequence.dim() != 2:
+        return per_sequence
+    return per_sequence.index_select(
+        0, torch.tensor(owner, dtype=torch.int64, device=per_sequence.device))
 
 
-def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, alibi_slopes,
+def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, per_batch,
                 kw, used=None):
     """Runs varlen_fn (hipflash.flash_attn_varlen_func) on packed q [Tq, H, D], k / v
     [Tk, Hkv, D] whose sequences have lengths lens_q / lens_k from rows first_q / first_k, each
-    cut into its chunk pieces; used: the sequences' (used rows, used keys) lists (seqused).
+    cut into its chunk pieces; per_batch: {argument name: tensor or None} of the per-sequence
+    arguments (per_piece); used: the sequences' (used rows, used keys) lists (seqused).
     Returns (out, lse packed [H, Tq])."""
+    for name, t in per_batch.items():  # checked here: a piece's row is its sequence's
+        if t is not None and t.dim() == 2 and t.shape[0] != len(lens_q):
+            raise ValueError(f"{name} must have a row per sequence: [batch = {len(lens_q)}, "
+                             f"...], got {list(t.shape)}")
     if used is None:
         owner, rows_q, rows_k, _ = split(lens_q, lens_k, chunk)
     else:
@@ -99,10 +106,10 @@ def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, ali
     return varlen_fn(q, k, v, prefix(rows_q, first_q, q.device),
                      prefix(rows_k, first_k, q.device), max(rows_q, default=0),
                      max(rows_k, default=0), return_lse=True, lse_layout="packed",
-                     alibi_slopes=per_piece(alibi_slopes, owner), **kw)
+                     **{name: per_piece(t, owner) for name, t in per_batch.items()}, **kw)
 
 
-def dense(varlen_fn, q, k, v, chunk, out, alibi_slopes, kw):
+def dense(varlen_fn, q, k, v, chunk, out, per_batch, kw):
     """flash_attn_func's call with attention_chunk: q [B, Sq, H, D], k / v [B, Sk, Hkv, D].
     Returns (out [B, Sq, H, D], lse [B, H, Sq])."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:2] != v.shape[:2] or \
@@ -123,7 +130,7 @@ def dense(varlen_fn, q, k, v, chunk, out, alibi_slopes, kw):
                              "[batch * seqlen_q, nheads, headdim] (contiguous over batch and "
                              "seqlen)") from None
     o, lse = packed_call(varlen_fn, *flat, [seqlen_q] * batch, [seqlen_k] * batch, 0, 0, chunk,
-                         alibi_slopes, kw)
+                         per_batch, kw)
     lse = lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     return (out if out is not None else o.view(batch, seqlen_q, heads, dim)), lse
 
@@ -145,7 +152,7 @@ def _used(seqused, name, lens):
 
 
 def varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, chunk, lse_layout,
-           alibi_slopes, kw, seqused_q=None, seqused_k=None):
+           per_batch, kw, seqused_q=None, seqused_k=None):
     """flash_attn_varlen_func's call with attention_chunk (the sequences' bounds, and seqused
     when given, copied to the host once). Returns (out, lse in lse_layout)."""
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or \
@@ -163,7 +170,7 @@ def varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, chunk, 
     if seqused_q is not None or seqused_k is not None:
         used = (_used(seqused_q, "seqused_q", lens_q), _used(seqused_k, "seqused_k", lens_k))
     o, lse = packed_call(varlen_fn, q, k, v, lens_q, lens_k, cu_q[0], cu_k[0], chunk,
-                         alibi_slopes, kw, used)
+                         per_batch, kw, used)
     if lse_layout == "packed":
         return o, lse
     batch = len(lens_q)

@@ -137,6 +137,13 @@ def test_refusals():
     q, k, v = make_qkv(1, 8, 8, 2, 2, 64, BF16)
     with pytest.raises(ValueError, match="attention_chunk"):
         hipflash.flash_attn_func(q, k, v, attention_chunk=-1)
+    # Per-sequence slopes for another batch: a piece takes its sequence's row, so the rows must
+    # be the sequences' (not silently the first ones); nothing written.
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(ValueError, match="alibi_slopes must have a row per sequence"):
+        hipflash.flash_attn_func(q, k, v, attention_chunk=4, alibi_slopes=torch.ones(2, 2),
+                                 out=out)
+    assert out.isnan().all()
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="attention_chunk"):
         hipflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, attention_chunk=4,

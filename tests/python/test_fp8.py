@@ -639,6 +639,48 @@ def test_varlen_fp8_equals_each_sequences_dense_call(causal, device):
 
 
 @needs_fp8
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_fp8_gpu)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_chunk_takes_each_sequences_descales(causal, device):
+    # attention_chunk runs as varlen pieces, a piece with its sequence's descale row: each
+    # chunk's rows bitwise the dense fp8 call on that chunk alone (Sq = Sk: a chunk's rows see
+    # its keys only), the varlen spelling bitwise the dense one, and on the CPU (which
+    # dequantises) the bf16 chunked call on dequantised values; a descale of another batch is
+    # refused before anything is written.
+    b, s, hq, hkv, d, c = 2, 40, 4, 2, 64, 16
+    q, k, v = (t.to(device) for t in fp8_case(b, s, s, hq, hkv, d))
+    qd, kd, vd = (t.to(device) for t in descales(b, hkv, True))
+    kw = dict(causal=causal, num_splits=1, return_lse=True)
+    out, lse = hipflash.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
+                                        attention_chunk=c, **kw)
+    for i in range(b):
+        for r0 in range(0, s, c):
+            rows = slice(r0, min(r0 + c, s))
+            want, want_lse = hipflash.flash_attn_func(
+                q[i:i + 1, rows], k[i:i + 1, rows], v[i:i + 1, rows], q_descale=qd[i:i + 1],
+                k_descale=kd[i:i + 1], v_descale=vd[i:i + 1], **kw)
+            assert_bitwise_equal(out[i:i + 1, rows], want, f"out {i} {r0}")
+            assert_bitwise_equal(lse[i:i + 1, :, rows], want_lse, f"lse {i} {r0}")
+    cu = torch.tensor([0, s, 2 * s], dtype=torch.int32, device=device)
+    flat = lambda t: t.flatten(0, 1)  # noqa: E731
+    vout, vlse = hipflash.flash_attn_varlen_func(
+        flat(q), flat(k), flat(v), cu, cu, s, s, q_descale=qd, k_descale=kd, v_descale=vd,
+        attention_chunk=c, lse_layout="padded", **kw)
+    assert_bitwise_equal(vout, flat(out), "varlen out")
+    assert_bitwise_equal(vlse, lse, "varlen lse")
+    if device == "cpu":
+        qb, kb, vb = (dequantised(t, sc, hq).to(BF16) for t, sc in ((q, qd), (k, kd), (v, vd)))
+        want, want_lse = hipflash.flash_attn_func(qb, kb, vb, attention_chunk=c, **kw)
+        assert_bitwise_equal(out, want, "bf16 out")
+        assert_bitwise_equal(lse, want_lse, "bf16 lse")
+    sink = torch.full((b, s, hq, d), float("nan"), dtype=BF16, device=device)
+    with pytest.raises(ValueError, match="q_descale must have a row per sequence"):
+        hipflash.flash_attn_func(q, k, v, q_descale=torch.ones(b + 1, hkv, device=device),
+                                 attention_chunk=c, out=sink)
+    assert sink.isnan().all()
+
+
+@needs_fp8
 @pytest.mark.skipif(not GPU or FP8_GPU, reason="needs a GPU without the sm90_ws fp8 kernels "
                     "(where they are, test_varlen_fp8_equals_each_sequences_dense_call runs it)")
 def test_gpu_varlen_fp8_is_refused_before_writing():
