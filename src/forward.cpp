@@ -262,9 +262,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /// stride of a dimension longer than one positive, a multiple of 16 bytes and below 2^40 bytes
 /// (a size-1 dimension's is not used).
 bool tma_describable(const FwdParams& p) {
-  const bool varlen = p.is_varlen();
-  const int64_t rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
-  const int64_t batch = varlen ? 1 : p.batch;
+  const int64_t rows_q = p.map_rows_q(), rows_k = p.map_rows_k(), batch = p.map_batch();
   if (p.batch == 0 || p.seqlen_q == 0) return true;  // nothing to launch: no map is made
   if (p.seqlen_k == 0 || rows_k == 0) return false;
   if (rows_q > INT32_MAX || rows_k > INT32_MAX) return false;  // the boxes' int32 coordinates

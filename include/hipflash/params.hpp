@@ -145,7 +145,12 @@ struct FwdParams {
     return alibi_slopes ? alibi_slopes[b * alibi_batch_stride + h] : 0.f;
   }
 
-  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  HIPFLASH_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  /// The rows and batches of q's and of k's (v's) TMA tensor maps: a varlen call's packed rows
+  /// as one batch, else (Sq or Sk, B).
+  int64_t map_rows_q() const { return is_varlen() ? total_q : seqlen_q; }
+  int64_t map_rows_k() const { return is_varlen() ? total_k : seqlen_k; }
+  int64_t map_batch() const { return is_varlen() ? 1 : batch; }
   bool is_kvcache() const { return seqlens_k != nullptr || block_table != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   /// GQA decode (one query row, no window, dense): the GPU launcher packs the query heads that

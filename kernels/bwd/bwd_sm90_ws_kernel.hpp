@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     return StepPos<kBM>{w.kb.hk * w.kb.groups, w.kb.row_lo, w.kb.row_lo, w.row_end};
   };
 
-  const bool varlen = p.cu_seqlens_q != nullptr;  // FwdParams::is_varlen, on the device
+  const bool varlen = p.is_varlen();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Smem<Cfg> sm{(smem_addr(smem_raw) + 1023u) & ~1023u};
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;

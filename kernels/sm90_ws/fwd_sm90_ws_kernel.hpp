@@ -150,8 +150,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
   const Info bi(p, tile, div, Traits::kMasked);
   const int m0 = bi.m_block * Cfg::kBlockM;
   if (m0 >= bi.len_q) return;  // past a varlen sequence: the consumers skip it too
-  const bool varlen = p.cu_seqlens_q != nullptr;  // FwdParams::is_varlen, on the device
-  const int h = int(bi.h), h_kv = int(bi.h_kv), b = varlen ? 0 : int(bi.b);
+  const int h = int(bi.h), h_kv = int(bi.h_kv), b = p.is_varlen() ? 0 : int(bi.b);
   const int q0 = int(bi.q_start), k0 = int(bi.k_start);
 
   const int qs = q_pos.stage();
@@ -639,7 +638,7 @@ struct Consumer {
       first_block(std::false_type{});
     if constexpr (!kFp8) {  // (fp8: the transposing warps zero Vt's keys instead)
       const int64_t keys = bi.len_k - int64_t(n_hi) * kBN;
-      if (p.cu_seqlens_q != nullptr && keys < kBN) zero_v_tail(int(keys));
+      if (p.is_varlen() && keys < kBN) zero_v_tail(int(keys));
     }
     for (int n = n_hi; n > n_lo; --n) {
       float S[kBN / 2];

@@ -251,6 +251,12 @@ def _chunk(attention_chunk):
     return _bounded(_int(attention_chunk, "attention_chunk"), "attention_chunk", 0, _INT64_MAX)
 
 
+def _per_sequence(alibi_slopes, descales):
+    """The arguments an attention_chunk call's pieces take per sequence (_chunks.per_piece)."""
+    return dict(alibi_slopes=alibi_slopes, q_descale=descales[0], k_descale=descales[1],
+                v_descale=descales[2])
+
+
 def _chunk_kw(scale, causal, left, right, num_splits, deterministic, softcap):
     """The arguments every piece of an attention_chunk call takes (see _chunks)."""
     return dict(softmax_scale=scale, causal=causal, window_size=(left, right),
@@ -379,9 +385,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     fp8 = _fp8(q, descales)
     chunk = _chunk(attention_chunk)
     if chunk:
-        per_batch = dict(alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
-                         v_descale=v_descale)
-        out, lse = _chunks.dense(flash_attn_varlen_func, q, k, v, chunk, out, per_batch,
+        out, lse = _chunks.dense(flash_attn_varlen_func, q, k, v, chunk, out,
+                                 _per_sequence(alibi_slopes, descales),
                                  _chunk_kw(scale, causal, left, right, num_splits,
                                            bool(deterministic), softcap))
         return (out, lse) if return_lse else out
@@ -519,11 +524,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         kw = _chunk_kw(scale, causal, left, right, num_splits, bool(deterministic), softcap)
         if out is not None:
             kw["out"] = out
-        per_batch = dict(alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
-                         v_descale=v_descale)
         out, lse = _chunks.varlen(flash_attn_varlen_func, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                  max_seqlen_q, chunk, lse_layout, per_batch, kw, seqused_q,
-                                  seqused_k)
+                                  max_seqlen_q, chunk, lse_layout,
+                                  _per_sequence(alibi_slopes, descales), kw, seqused_q, seqused_k)
         return (out, lse) if return_lse else out
 
     if block_table is not None:  # chunked prefill: k and v are paged caches

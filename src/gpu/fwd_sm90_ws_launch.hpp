@@ -32,9 +32,7 @@ struct Sm90WsLaunch {
     // Boxes of [rows x one panel row] (128 bytes; 64 for fp8 at hd64). A varlen call's maps
     // take its packed rows as one batch (the kernel offsets the rows by cu_seqlens).
     constexpr int kCols = Tile::kPanelElems;
-    const bool varlen = p.is_varlen();
-    const int64_t rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
-    const int64_t batch = varlen ? 1 : p.batch;
+    const int64_t rows_q = p.map_rows_q(), rows_k = p.map_rows_k(), batch = p.map_batch();
     maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, rows_q, p.heads_q, batch, p.q_row_stride,
                               p.q_head_stride, p.q_batch_stride, Tile::kBlockM, kCols);
     maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, rows_k, p.heads_kv, batch, p.k_row_stride,
@@ -44,7 +42,7 @@ struct Sm90WsLaunch {
     // hd64: out's map for the TMA store (a warpgroup's 64 rows a box), where one describes it;
     // else the consumers store the rows themselves (o_ok 0) — always for varlen, whose boxes
     // would write into the next sequence's rows.
-    if (sm90_ws::kOutByTma<Traits::kHeadDim> && !varlen &&
+    if (sm90_ws::kOutByTma<Traits::kHeadDim> && !p.is_varlen() &&
         reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
         tma_strides_ok(dtype_size(p.out_dtype), p.seqlen_q, p.o_row_stride, p.heads_q,
                        p.o_head_stride, p.batch, p.o_batch_stride)) {
