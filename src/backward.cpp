@@ -184,13 +184,6 @@ BwdParams gpu_params(const FwdParams& fp, const TensorRef& dout, const TensorRef
   return p;
 }
 
-/// What the GPU backward cannot run yet, refused before anything is written.
-void refuse_on_gpu(const FwdParams& p) {
-  HIPFLASH_CHECK_AS(not_implemented, p.seqused_q == nullptr && p.seqused_k == nullptr,
-                    "seqused_q / seqused_k in the backward run on the CPU backend only: the GPU "
-                    "backward kernels do not read them yet (the GPU forward does)");
-}
-
 FwdOptions forward_options(const BwdOptions& opts) {
   FwdOptions fo;
   fo.softmax_scale = opts.softmax_scale;
@@ -214,7 +207,6 @@ void backward(const TensorRef& dout, const TensorRef& q, const TensorRef& k, con
   const FwdParams p = make_dense_params(q, k, v, out, &lse, forward_options(opts));
   check_grads(dout, q, k, v, out, lse, dq, dk, dv, {{opts.alibi_slopes, "alibi_slopes"}});
   if (q.loc.kind == Location::gpu) {
-    refuse_on_gpu(p);
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
                       workspace, 0, 0);
     return;
@@ -240,7 +232,6 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
                {opts.alibi_slopes, "alibi_slopes"}, {opts.seqused_q, "seqused_q"},
                {opts.seqused_k, "seqused_k"}});
   if (q.loc.kind == Location::gpu) {  // the launcher zeroes the rows outside every sequence
-    refuse_on_gpu(p);
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
                       workspace, q.sizes[0], k.sizes[0]);
     return;

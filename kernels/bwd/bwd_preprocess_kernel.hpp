@@ -102,17 +102,31 @@ __global__ void __launch_bounds__(kConvertThreads)
 }
 
 /// Grid: ceil(total * H * D / 8 / kConvertThreads) blocks; a thread owns 8 elements of one
-/// (row, head) and zeroes them when the row lies outside [cu[0], cu[batch]).
+/// (row, head) and zeroes them when the row is in no sequence's used rows: outside
+/// [cu[0], cu[batch]), or (`used`, FlashAttention 3's seqused) at or past its sequence's
+/// cu[b] + used[b] — the rows no other pass writes.
 template <DType kDType>
 __global__ void __launch_bounds__(kConvertThreads)
     bwd_zero_outside_kernel(typename common::Bits<kDType>::word* base, int64_t row_stride,
                             int64_t head_stride, int64_t total, int64_t heads, int head_dim,
-                            const int32_t* __restrict__ cu, int64_t batch) {
+                            const int32_t* __restrict__ cu, const int32_t* __restrict__ used,
+                            int64_t batch) {
   using W = typename common::Bits<kDType>::word;
   const int pieces = head_dim / 8;
   const int64_t i = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
   const int64_t row = i / (heads * pieces), h = (i / pieces) % heads;
-  if (row >= total || (row >= cu[0] && row < cu[batch])) return;
+  if (row >= total) return;
+  if (row >= cu[0] && row < cu[batch]) {
+    if (used == nullptr) return;
+    // The sequence holding the row: the last b with cu[b] <= row (cu non-decreasing, so the
+    // empty sequences before it are passed over).
+    int64_t lo = 0, hi = batch;  // cu[lo] <= row < cu[hi]
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      (cu[mid] <= row ? lo : hi) = mid;
+    }
+    if (row < cu[lo] + used[lo]) return;
+  }
   const W zero[8] = {};
   common::store_words<W, 8>(base + row * row_stride + h * head_stride + (i % pieces) * 8, zero);
 }

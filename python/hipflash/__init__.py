@@ -274,16 +274,6 @@ def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _refuse_gpu_grad(q, seqused):
-    """The GPU forward reads seqused, its backward does not yet: a call that will need
-    gradients is refused before it runs (not at backward time)."""
-    if q.device.type != "cpu" and seqused:
-        raise NotImplementedError(
-            "seqused_q / seqused_k in the backward run on the CPU backend only: the GPU backward "
-            "kernels do not apply it yet (the GPU forward does: call it under torch.no_grad() "
-            "for inference)")
-
-
 # ---- Public API ------------------------------------------------------------------------------
 
 
@@ -446,9 +436,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         seqused_q, seqused_k: optional (batch_size,) int32 tensors on q's device (FlashAttention
             3's): sequence b uses only its first seqused_q[b] query rows and seqused_k[b] keys
             (each at most its cu_seqlens length; masks bottom-right aligned on the used
-            lengths). Its other rows get out = 0 and LSE -inf, and zero gradients. CPU tensors
-            and the NVIDIA GPU forward (the GPU backward raises NotImplementedError); not with
-            a block_table.
+            lengths). Its other rows get out = 0 and LSE -inf, and zero gradients. CPU and
+            NVIDIA GPU tensors, forward and backward; not with a block_table.
         lse_layout: "padded" (default) for a (batch_size, nheads, max_seqlen_q) LSE whose rows
             past a sequence's length are -inf, or "packed" for (nheads, total_q), the layout of
             FlashAttention-2/3 and PyTorch.
@@ -537,7 +526,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_lse, lse_layout, softcap, alibi_slopes)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v) and not fp8:  # fp8 is forward only (FA3's)
-        _refuse_gpu_grad(q, seqused_q is not None or seqused_k is not None)
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
                          lse_layout, bool(deterministic), softcap, alibi_slopes, seqused_q,

@@ -5,7 +5,7 @@
 // pass (on Hopper the warp-specialised kernel, adding dq in key-block order when deterministic;
 // the cp.async one for strides no tensor map describes; elsewhere dq added atomically unless
 // deterministic) -> dq pass (deterministic, not warp-specialised) or dq conversion ->
-// zero the rows outside every sequence (varlen).
+// zero the rows outside every sequence's used rows (varlen; seqused).
 #pragma once
 
 #include <algorithm>
@@ -40,8 +40,8 @@ inline void check_launch(const char* what) {
 
 template <DType kDType>
 void zero_outside(void* base, int64_t row_stride, int64_t head_stride, int64_t total,
-                  int64_t heads, int head_dim, const int32_t* cu, int64_t batch,
-                  port::stream_t stream) {
+                  int64_t heads, int head_dim, const int32_t* cu, const int32_t* used,
+                  int64_t batch, port::stream_t stream) {
   using W = typename common::Bits<kDType>::word;
   const int64_t threads = total * heads * (head_dim / 8);
   if (threads == 0) return;
@@ -49,7 +49,7 @@ void zero_outside(void* base, int64_t row_stride, int64_t head_stride, int64_t t
   bwd::bwd_zero_outside_kernel<kDType><<<grid_of(blocks, "varlen zero-fill"), bwd::kConvertThreads,
                                          0, stream>>>(static_cast<W*>(base), row_stride,
                                                       head_stride, total, heads, head_dim, cu,
-                                                      batch);
+                                                      used, batch);
   check_launch("varlen zero-fill");
 }
 
@@ -202,11 +202,11 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
 
   if (p.is_varlen()) {
     zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, how.total_q, p.heads_q,
-                      int(p.head_dim), p.cu_seqlens_q, p.batch, stream);
+                      int(p.head_dim), p.cu_seqlens_q, p.seqused_q, p.batch, stream);
     zero_outside<kDT>(p.dk, p.dk_row_stride, p.dk_head_stride, how.total_k, p.heads_kv,
-                      int(p.head_dim), p.cu_seqlens_k, p.batch, stream);
+                      int(p.head_dim), p.cu_seqlens_k, p.seqused_k, p.batch, stream);
     zero_outside<kDT>(p.dv, p.dv_row_stride, p.dv_head_stride, how.total_k, p.heads_kv,
-                      int(p.head_dim), p.cu_seqlens_k, p.batch, stream);
+                      int(p.head_dim), p.cu_seqlens_k, p.seqused_k, p.batch, stream);
   }
 }
 

@@ -2,8 +2,7 @@
 its first seqused_q[b] query rows and seqused_k[b] keys, masks aligned on the used lengths; its
 other rows get out = 0, LSE -inf and zero gradients. The used rows bitwise equal the call on the
 used rows packed on their own, which is checked against the reference — on the CPU backend and
-in the NVIDIA forward kernels; the GPU backward refuses them (NotImplementedError) before
-anything runs."""
+in the NVIDIA kernels, forward and backward."""
 import pytest
 import torch
 
@@ -144,13 +143,47 @@ def test_gpu_used_rows_equal_the_used_sequences_alone(causal, layout, num_splits
 
 
 @needs_gpu
-def test_the_gpu_backward_refuses_them_before_running():
-    q, k, v, cu_q, cu_k, uq, uk = (t.cuda() for t in case())
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    with pytest.raises(NotImplementedError, match="seqused_q / seqused_k in the backward"):
-        hipflash.flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, 40, 50, seqused_k=uk)
-    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 50, seqused_q=uq,
-                                               return_lse=True)
-    with pytest.raises(NotImplementedError, match="seqused_q / seqused_k in the backward"):
-        torch.ops.hipflash.varlen_bwd(out, q, k, v, out, lse, cu_q, cu_k, 40, 50, None, False,
-                                      -1, -1, False, "padded", 0.0, None, uq)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_gradients_of_unused_rows_are_zero_and_used_ones_match(D, causal, deterministic):
+    # Several query and key blocks a sequence, GQA, a sequence with no used keys (its used rows
+    # see nothing) and one with no rows: the used rows' gradients are the used sequences' own
+    # call's (dk, dv bitwise; dq bitwise where its additions are ordered), the others exactly 0
+    # (the allocator's blocks of the gradients' sizes poisoned with NaN first).
+    lens_q, lens_k = [300, 0, 517, 64, 129], [400, 66, 517, 64, 200]
+    used_q, used_k = [250, 0, 517, 1, 100], [399, 2, 300, 0, 129]
+    q, k, v, cu_q, cu_k = (t.cuda() for t in make_varlen(lens_q, lens_k, 4, 2, D, BF16, seed=9))
+    uq, uk = (torch.tensor(u, dtype=I32, device="cuda") for u in (used_q, used_k))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(BF16).cuda()
+    kw = dict(causal=causal, deterministic=deterministic)
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 517, 517, seqused_q=uq,
+                                               seqused_k=uk, return_lse=True, **kw)
+    poison = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    del poison
+    g = torch.ops.hipflash.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, 517, 517, None,
+                                      causal, -1, -1, deterministic, "padded", 0.0, None, uq, uk)
+    _, g_autograd = grads(lambda *a: hipflash.flash_attn_varlen_func(
+        *a, cu_q, cu_k, 517, 517, seqused_q=uq, seqused_k=uk, **kw), q, k, v, dout)
+    rq, rk = (used_rows(c.cpu(), u.cpu()).cuda() for c, u in ((cu_q, uq), (cu_k, uk)))
+    cq, ck = cu_of(used_q).cuda(), cu_of(used_k).cuda()
+    _, gu = grads(lambda *a: hipflash.flash_attn_varlen_func(*a, cq, ck, 517, 399, **kw),
+                  q[rq], k[rk], v[rk], dout[rq])
+    for name, full, via, alone, rows in (("dq", g[0], g_autograd[0], gu[0], rq),
+                                         ("dk", g[1], g_autograd[1], gu[1], rk),
+                                         ("dv", g[2], g_autograd[2], gu[2], rk)):
+        if name == "dq" and not deterministic:  # atomic additions: any order
+            torch.testing.assert_close(full[rows], alone, atol=2e-2, rtol=2e-2)
+        else:
+            assert_bitwise_equal(full[rows], alone, name)
+            assert_bitwise_equal(via, full, f"{name} through autograd")
+        rest = torch.ones(full.shape[0], dtype=torch.bool, device="cuda")
+        rest[rows] = False
+        assert (full[rest] == 0).all(), f"{name}: unused rows not zero"
+    # and against the CPU backend's gradients of the same call
+    _, g_cpu = grads(lambda *a: hipflash.flash_attn_varlen_func(
+        *a, cu_q.cpu(), cu_k.cpu(), 517, 517, seqused_q=uq.cpu(), seqused_k=uk.cpu(), **kw),
+        q.cpu(), k.cpu(), v.cpu(), dout.cpu())
+    for name, gpu, cpu in zip(("dq", "dk", "dv"), g, g_cpu):
+        torch.testing.assert_close(gpu.cpu().float(), cpu.float(), atol=5e-2, rtol=5e-2,
+                                   msg=lambda m: f"{name} vs the CPU backend: {m}")
