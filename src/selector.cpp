@@ -113,8 +113,9 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // gives): where it was measured ahead by default (kDecodeHeadsMin*), every such call
     // with HIPFLASH_DECODE_HEADS=1.
     if (fp8_kv) {
-      // An fp8 KV cache: the decode kernel alone reads one (dequantised in registers by cvt,
-      // sm_89 and newer).
+      // An fp8 KV cache (widened by cvt, sm_89 and newer): the decode kernel for up to 16 query
+      // rows per kv head, the generic kernel (K / V widened to q's dtype in shared memory) for
+      // more — chunked prefill and varlen queries against the cache.
       if (arch.version < kFp8KvMinSm || !arch.fp8_cvt) {
         sel.reason = "an fp8 (float8_e4m3fn) KV cache needs sm_89+ machine code for the GPU (the "
                      "kernels convert it with cvt.e4m3x2): " + arch.name() +
@@ -124,14 +125,15 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
                                                                "HIPFLASH_CUDA_ARCHS including it"));
         return sel;
       }
-      if (p.query_rows > kDecodeMaxRows || !reads_fp8_kv_cache(KernelKind::decode)) {
-        sel.reason = "an fp8 (float8_e4m3fn) KV cache is read by the decode kernel only, which "
-                     "takes up to " + std::to_string(kDecodeMaxRows) + " query rows per kv head "
-                     "(seqlen_q, or heads_q / heads_kv with one query row); this call has " +
-                     std::to_string(p.query_rows);
+      const KernelKind kind =
+          p.query_rows <= kDecodeMaxRows ? KernelKind::decode : KernelKind::generic;
+      if (!reads_fp8_kv_cache(kind) || !serves(kind)) {
+        sel.reason = std::string("an fp8 (float8_e4m3fn) KV cache: the ") +
+                     kernel_kind_name(kind) + " kernel this call needs does not read one at "
+                     "head dim " + std::to_string(p.head_dim);
         return sel;
       }
-      sel.kind = KernelKind::decode;
+      sel.kind = kind;
       return sel;
     }
     if (p.query_rows <= kDecodeMaxRows)

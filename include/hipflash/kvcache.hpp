@@ -56,9 +56,9 @@ struct KvCacheOptions : FwdOptions {
   /// bfloat16 / float16 q, holding K / k_scale and V / v_scale; fp32 [] / [1] scales, nullptr: 1.
   /// The scores are q.(k * k_scale), out is softmax . (v * v_scale) in q's dtype; appended rows
   /// are quantised in place as k / k_scale (v / v_scale), rounded to nearest even and saturated
-  /// to +-448 (a NaN stays NaN). Refused with other cache dtypes. The CPU backend and, in decode
-  /// calls (up to 16 query rows per kv head), NVIDIA GPUs running sm_89+ code of the build
-  /// (Arch::fp8_cvt).
+  /// to +-448 (a NaN stays NaN). Refused with other cache dtypes. The CPU backend and NVIDIA GPUs
+  /// running sm_89+ code of the build (Arch::fp8_cvt): the decode kernel up to 16 query rows per
+  /// kv head, the generic kernel beyond.
   const TensorRef* k_scale = nullptr;
   const TensorRef* v_scale = nullptr;
   /// FlashAttention's cache_batch_idx: int32 [batch] on q's device, or nullptr. With a

@@ -70,6 +70,34 @@ __device__ __forceinline__ void cp_async_wait() {
 
 using common::pack2;  // two floats -> one register of two 16-bit values
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define HIPFLASH_HAS_E4M3_CVT 1  // cvt.rn.f16x2.e4m3x2 (PTX 7.8, sm_89)
+inline constexpr bool kHasE4m3Cvt = true;
+#else
+inline constexpr bool kHasE4m3Cvt = false;
+#endif
+
+/// Four e4m3 bytes -> two f16x2 registers: bytes 0-1 -> lo, bytes 2-3 -> hi (exact; NaN stays
+/// NaN). Only kernels instantiated for sm_89+ call it (kHasE4m3Cvt).
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
+#if defined(HIPFLASH_HAS_E4M3_CVT)
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+#else
+  lo = hi = x;
+  port::trap();  // the callers trap first below sm_89 (kHasE4m3Cvt)
+#endif
+}
+
+/// An f16x2 register as bf16x2 (exact for every value an e4m3 byte holds; NaN stays NaN).
+__device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t h) {
+  __half2 v;
+  *reinterpret_cast<uint32_t*>(&v) = h;
+  return pack2<DType::bf16>(__low2float(v), __high2float(v));
+}
+
 /// Rows as their source gives them, at each copy (src.row(j)): nothing to resolve ahead.
 struct RowsAsGiven {
   template <class Src>
@@ -217,6 +245,48 @@ __device__ __forceinline__ void load_tile(T* smem, const Rows& src, int64_t row0
                                           int head_dim) {
   load_tile<Tile, kRows>(smem, src, RowsAsGiven{}, row0, len, head_dim);
 }
+
+/// An e4m3 operand (an fp8 KV cache) into a kDT tile of load_tile's layout, in two steps so
+/// that the global loads overlap the caller's MMAs: `fetch` reads rows [row0, row0 + kRows)
+/// (8 bytes a chunk: the chunk load_tile would copy, in the same thread's hands) into
+/// registers, rows >= len and columns >= head_dim as zeros; `store` widens them to kDT —
+/// exactly, every e4m3 value is one in f16 and bf16 — into the swizzled tile. The scales stay
+/// out (the kernel applies them to the scores and to O). sm_89+ (kHasE4m3Cvt).
+template <class Tile, int kRows, DType kDT>
+struct Fp8Tile {
+  static constexpr int kTotal = kRows * Tile::kChunks;  // chunks of 8 elements
+  static constexpr int kPerThread = kTotal / Tile::kThreads;
+  static_assert(kTotal % Tile::kThreads == 0, "whole chunks per thread");
+  uint2 raw[kPerThread];
+
+  template <class Rows>
+  __device__ __forceinline__ void fetch(const Rows& src, int64_t row0, int64_t len,
+                                        int head_dim) {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int idx = int(threadIdx.x) + i * Tile::kThreads;
+      const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
+      raw[i] = row0 + r < len && c * 8 < head_dim
+                   ? __ldg(reinterpret_cast<const uint2*>(src.row(row0 + r) + c * 8))
+                   : make_uint2(0u, 0u);
+    }
+  }
+  template <class T>
+  __device__ __forceinline__ void store(T* smem) const {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int idx = int(threadIdx.x) + i * Tile::kThreads;
+      const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
+      uint4 w;
+      e4m3x4_to_f16(raw[i].x, w.x, w.y);
+      e4m3x4_to_f16(raw[i].y, w.z, w.w);
+      if constexpr (kDT == DType::bf16)
+        w = make_uint4(f16x2_to_bf16x2(w.x), f16x2_to_bf16x2(w.y), f16x2_to_bf16x2(w.z),
+                       f16x2_to_bf16x2(w.w));
+      *reinterpret_cast<uint4*>(smem + common::swizzle<Tile::kChunks, 8>(r, c)) = w;
+    }
+  }
+};
 
 #endif  // HIPFLASH_HAS_MMA_SYNC
 

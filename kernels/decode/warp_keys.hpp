@@ -114,29 +114,12 @@ __device__ __forceinline__ void warp_keys_step(const uint32_t (&qf)[Cfg::kDSteps
 // |q| in [2^14, 2^15), undone with the K scale on the fp32 scores; P is f16 scaled by 2^15
 // (kFp8PScale), undone with the V scale on O: neither rounds more than bf16 operands would.
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define HIPFLASH_HAS_E4M3_CVT 1  // cvt.rn.f16x2.e4m3x2 (PTX 7.8, sm_89)
-inline constexpr bool kHasE4m3Cvt = true;
-#else
-inline constexpr bool kHasE4m3Cvt = false;
-#endif
+// e4m3 pairs to f16 (sm_89's cvt): atom::sm80.
+using ::hipflash::atom::sm80::e4m3x4_to_f16;
+using ::hipflash::atom::sm80::kHasE4m3Cvt;
 
 /// P's scale in the fp8 step's f16 P operand: P in [0, 1] times 2^15 keeps 2^-39 and up.
 inline constexpr float kFp8PScale = 32768.f;
-
-/// Four e4m3 bytes -> two f16x2 registers: bytes 0-1 -> lo, bytes 2-3 -> hi (exact; NaN stays
-/// NaN).
-__device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
-#if defined(HIPFLASH_HAS_E4M3_CVT)
-  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
-      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(x));
-#else
-  lo = hi = x;
-  port::trap();  // never instantiated below sm_89 (fwd_decode_kernel's kHasE4m3Cvt)
-#endif
-}
 
 /// Two 16-bit values of one register as floats (low half first).
 template <DType kDT>

@@ -2,6 +2,8 @@
 // schedule). One thread block: kBlockM query rows, kNWarps warps of kMTiles 16-row MMA tiles.
 #pragma once
 
+#include <type_traits>
+
 #include "common/block_info.hpp"
 #include "common/element.hpp"
 #include "common/epilogue.hpp"
@@ -18,6 +20,10 @@ template <class Traits, common::KvRows kKv>
 __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int num_m_blocks) {
   using Cfg = Tile<Traits::kHeadDim>;
   using T = typename Element<Traits::kDType>::type;
+  // An fp8 KV cache: e4m3 K / V travel as bytes, fetched into registers a step early and widened
+  // to q's dtype in shared memory (Fp8Tile); the K scale applies to the scores, V's to O.
+  constexpr bool kFp8Kv = Traits::kKvDType == DType::e4m3;
+  using KvT = std::conditional_t<kFp8Kv, uint8_t, T>;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kMT = Cfg::kMTiles;
   constexpr int kRows = 2 * kMT;  // fragment rows per thread
 
@@ -35,8 +41,18 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   const int hd = int(p.head_dim);
   // Row sources of this block's (batch, head) in q, k and v (common/kv_source.hpp).
   const auto q_src = bi.template q_source<T>(p);
-  const auto k_src = bi.template k_source_of<T, kKv>(p);  // contiguous or paged (KV cache)
-  const auto v_src = bi.template v_source_of<T, kKv>(p);
+  const auto k_src = bi.template k_source_of<KvT, kKv>(p);  // contiguous or paged (KV cache)
+  const auto v_src = bi.template v_source_of<KvT, kKv>(p);
+  Fp8Tile<Cfg, kBN, Traits::kDType> k8, v8;  // (unused for 16-bit K / V)
+  const float k_scale = kFp8Kv ? p.k_descale.at(bi.b, bi.h_kv) : 1.f;
+  // K or V rows [n0, n0 + kBN): a cp.async copy, or (fp8) the register fetch that `land` stores.
+  auto load_kv = [&](T* smem, Fp8Tile<Cfg, kBN, Traits::kDType>& staged, const auto& src,
+                     int64_t n0) {
+    if constexpr (kFp8Kv)
+      staged.fetch(src, n0, bi.len_k, hd);
+    else
+      load_tile<Cfg, kBN>(smem, src, n0, bi.len_k, hd);
+  };
 
   float O[kRows][2 * Cfg::kDTiles];
 #pragma unroll
@@ -55,17 +71,25 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
   int n = bi.n_block_max - 1;
   if (n >= bi.n_block_min) {
     load_tile<Cfg, kBM>(sQ, q_src, m0, bi.len_q, hd);
-    load_tile<Cfg, kBN>(sK, k_src, int64_t(n) * kBN, bi.len_k, hd);
+    load_kv(sK, k8, k_src, int64_t(n) * kBN);
+    if constexpr (kFp8Kv) k8.store(sK);
     cp_async_commit();
   }
   for (; n >= bi.n_block_min; --n) {
     cp_async_wait<0>();
     __syncthreads();  // K(n) landed; every warp is done with V(n+1)
-    load_tile<Cfg, kBN>(sV, v_src, int64_t(n) * kBN, bi.len_k, hd);
+    load_kv(sV, v8, v_src, int64_t(n) * kBN);
     cp_async_commit();
 
     float S[kRows][2 * Cfg::kNTiles];
     gemm_qk<Cfg, Traits::kDType>(S, smem_addr(sQ), smem_addr(sK), warp, lane);
+    if constexpr (kFp8Kv) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < 2 * Cfg::kNTiles; ++c) S[r][c] *= k_scale;
+      v8.store(sV);  // (every warp finished P V(n + 1) before this step's first barrier)
+    }
     cap.apply(S);
     bias.apply(S, frag_row, bi.diag, int64_t(n) * kBN + 2 * t);
     if (bi.needs_mask(p, n, Traits::kMasked)) {
@@ -83,7 +107,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     cp_async_wait<0>();
     __syncthreads();  // V(n) landed; every warp is done with K(n)
     if (n > bi.n_block_min) {
-      load_tile<Cfg, kBN>(sK, k_src, int64_t(n - 1) * kBN, bi.len_k, hd);
+      load_kv(sK, k8, k_src, int64_t(n - 1) * kBN);
       cp_async_commit();
     }
 
@@ -94,8 +118,12 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
 #pragma unroll
       for (int c = 0; c < 2 * Cfg::kDTiles; ++c) O[r][c] *= rescale[r];
     gemm_pv<Cfg, Traits::kDType>(O, S, smem_addr(sV), lane);
+    if constexpr (kFp8Kv)
+      if (n > bi.n_block_min) k8.store(sK);  // (every warp finished Q K^T(n): the barrier above)
   }
   softmax.finalize();
+  // An fp8 cache's O is P times the e4m3 values: the V scale applies with 1 / l.
+  const float o_scale = kFp8Kv ? p.v_descale.at(bi.b, bi.h_kv) : 1.f;
 
   // ---- Epilogue (common/epilogue.hpp), fragments in mma.sync order ----
   if constexpr (Traits::kSplit) {
@@ -105,7 +133,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
       const int64_t row = frag_row(r);
       if (row >= bi.len_q) continue;
       const auto out = ep.row(row, 2 * t);
-      const float inv = softmax.inv_sum(r);
+      const float inv = softmax.inv_sum(r) * o_scale;
 #pragma unroll
       for (int c = 0; c < 2 * Cfg::kDTiles; c += 2)
         out.put((c / 2) * 8, {O[r][c] * inv, O[r][c + 1] * inv});
@@ -118,7 +146,7 @@ __device__ __forceinline__ void fwd_block(const FwdParams& p, int64_t tile, int 
     const StagedTile<Traits, Cfg::kChunks> tile{sQ, reinterpret_cast<float*>(sK)};
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const float inv = softmax.inv_sum(r);
+      const float inv = softmax.inv_sum(r) * o_scale;
       const int srow = warp * Cfg::kWarpRows + (r / 2) * 16 + (r % 2) * 8 + g;
       tile.lse(srow, softmax.lse(r));
 #pragma unroll

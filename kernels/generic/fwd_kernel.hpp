@@ -5,7 +5,7 @@
 // cores (S = Q K^T, O += P V) around the shared online softmax. Flags (FwdTraits): kReturnLse
 // adds the LSE store, kMasked the causal/window mask, kSplit writes fp32 partials for the
 // combine kernel. The body is per matrix-core atom:
-//   fwd_block_sm80.hpp  NVIDIA mma.sync (sm_80+)      — runs on the H200
+//   fwd_block_sm80.hpp  NVIDIA mma.sync (sm_80+; an fp8 KV cache from sm_89) — runs on the H200
 //   fwd_block_cdna.hpp  AMD MFMA (gfx90a/gfx94x/gfx950; fp8 q, k, v on gfx94x/gfx950) —
 //                       compile-checked only
 // A target with neither compiles to a trapping stub.
@@ -31,11 +31,15 @@ __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads)
 #if defined(HIPFLASH_HAS_MMA_SYNC)
   if constexpr (Traits::kDType == DType::e4m3)
     port::trap();  // fp8 q, k, v run on the sm90_ws kernel on NVIDIA (the selector's rule)
+  else if constexpr (Traits::kKvDType == DType::e4m3 && !atom::sm80::kHasE4m3Cvt)
+    port::trap();  // an fp8 KV cache needs sm_89's cvt; the selector knows (kFp8KvMinSm)
   else
     Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits, kKv>(p, tile, num_m_blocks); });
 #elif defined(HIPFLASH_HAS_MFMA)
   static_assert(kKv == common::KvRows::contiguous, "the CDNA body reads contiguous K/V only");
-  if constexpr (Traits::kDType == DType::e4m3)
+  if constexpr (Traits::kKvDType != Traits::kDType)
+    port::trap();  // no KV cache on AMD (the selector's rule)
+  else if constexpr (Traits::kDType == DType::e4m3)
     Scheduler::run([&](int64_t tile) { cdna::fwd_block_fp8<Traits>(p, tile, num_m_blocks); });
   else
     Scheduler::run([&](int64_t tile) { cdna::fwd_block<Traits>(p, tile, num_m_blocks); });

@@ -586,9 +586,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             q . (k_cache * k_scale), out is softmax . (v_cache * v_scale) in q's dtype; k / v
             are appended as k / k_scale (v / v_scale) rounded to float8_e4m3fn, saturated to
             +-448. On NVIDIA GPUs running sm_89+ code of the build (Hopper by default; others
-            with HIPFLASH_CUDA_ARCHS listing them) the decode kernel reads an fp8 cache in
+            with HIPFLASH_CUDA_ARCHS listing them): the decode kernel reads an fp8 cache in
             calls with up to 16 query rows per kv head (seqlen_q, or the GQA group with one
-            query row); other GPU calls raise NotImplementedError before the append.
+            query row), the generic kernel in longer ones (chunked prefill; K / V widened to
+            q's dtype in shared memory).
         cache_batch_idx: optional (batch_size,) int32 on q's device (FlashAttention's): with a
             contiguous cache of any batch size, sequence b reads and appends to cache entry
             cache_batch_idx[b]; with a block_table of any number of rows, through row

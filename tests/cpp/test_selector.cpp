@@ -370,15 +370,17 @@ TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
 }
 
 TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
-  // An fp8 (e4m3) cache: the decode kernel alone reads one (kernels.def: cache_fp8), where the
-  // device runs sm_89+ code of this build (its cvt); never the head-group kernel; longer
-  // queries, older archs or code and AMD are refused with a reason.
+  // An fp8 (e4m3) cache: the decode kernel reads one in decode calls, the generic kernel in
+  // longer ones (kernels.def: cache_fp8), where the device runs sm_89+ code of this build (their
+  // cvt); never the head-group or sm90 kernels; older archs or code and AMD are refused with a
+  // reason.
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   caps.decode_heads = HeadGroupDecode::always;
   EXPECT_TRUE(reads_fp8_kv_cache(KernelKind::decode));
+  EXPECT_TRUE(reads_fp8_kv_cache(KernelKind::generic));
   EXPECT_FALSE(reads_fp8_kv_cache(KernelKind::decode_heads));
-  EXPECT_FALSE(reads_fp8_kv_cache(KernelKind::generic));
+  EXPECT_FALSE(reads_fp8_kv_cache(KernelKind::sm90_ws));
   Arch sm89{Arch::nvidia, 89, 128}, sm90 = kSm90;
   sm89.fp8_cvt = sm90.fp8_cvt = true;  // the device runs this build's sm_89+ code
 
@@ -403,10 +405,15 @@ TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
       EXPECT_EQ(older_code.kind, KernelKind::unsupported);
       EXPECT_NE(older_code.reason.find("HIPFLASH_CUDA_ARCHS"), std::string::npos)
           << older_code.reason;
+      // Longer queries (chunked prefill): the generic kernel, which widens the cache in shared
+      // memory; still sm_89+ code only.
       p.query_rows = kDecodeMaxRows + 1;
-      const Selection longer = select_kernel(p, sm90, caps);
-      EXPECT_EQ(longer.kind, KernelKind::unsupported) << d;
-      EXPECT_NE(longer.reason.find("decode kernel only"), std::string::npos) << longer.reason;
+      for (Arch a : {sm90, sm89}) {
+        const Selection longer = select_kernel(p, a, caps);
+        EXPECT_EQ(longer.kind, KernelKind::generic) << d << " " << longer.reason;
+        EXPECT_NE(longer.key.name().find("_kvfp8"), std::string::npos) << longer.key.name();
+      }
+      EXPECT_EQ(select_kernel(p, kSm80, caps).kind, KernelKind::unsupported);
       const Selection amd = select_kernel(p, kGfx942, kHip);
       EXPECT_EQ(amd.kind, KernelKind::unsupported);
     }

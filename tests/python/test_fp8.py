@@ -4,8 +4,8 @@ softmax . v * v_descale, the LSE that of the descaled scores. The CPU backend de
 reference); on the GPU the sm90_ws kernel runs them on Hopper (fp8 wgmma, the probabilities in
 e4m3: judged against a reference that rounds them so, SPEC §6), other GPU calls raise
 NotImplementedError before anything is written. An fp8 KV cache
-(vLLM's kv_cache_dtype="fp8") runs on the CPU backend and, in decode calls, on NVIDIA GPUs from
-sm_89 (the GPU cases at the end). Needs a PyTorch with torch.float8_e4m3fn (2.1+)."""
+(vLLM's kv_cache_dtype="fp8") runs on the CPU backend and on NVIDIA GPUs from sm_89 (decode
+calls on the decode kernel, longer queries on the generic kernel; the GPU cases at the end). Needs a PyTorch with torch.float8_e4m3fn (2.1+)."""
 import pytest
 import torch
 
@@ -359,7 +359,8 @@ def test_fp8_cache_equals_the_bf16_cache_of_its_dequantised_values(paged):
     assert first_new[0, 0].float() == 448.0
 
 
-# ---- An fp8 KV cache on the GPU: the decode kernel (sm_89+), up to 16 query rows per kv head.
+# ---- An fp8 KV cache on the GPU (sm_89+): the decode kernel up to 16 query rows per kv head,
+# the generic kernel beyond.
 
 needs_gpu_fp8 = pytest.mark.skipif(
     E4M3 is None or not GPU or (GPU and torch.cuda.get_device_capability() < (8, 9)),
@@ -529,19 +530,43 @@ def test_gpu_fp8_cache_with_score_modifiers(mod):
     check_fp8_cache_call(out.cpu(), lse.cpu(), q, kc, vc, lens, ks, vs, **kw)
 
 
+def unpage(kp, table):
+    """A paged cache's rows as a contiguous [B, cap, Hkv, D] cache (the block table's order)."""
+    b, pages = table.shape
+    return kp.view(torch.uint8)[table.flatten().long()].reshape(
+        b, pages * kp.shape[1], *kp.shape[2:]).view(E4M3)
+
+
 @needs_gpu_fp8
-def test_gpu_fp8_cache_refuses_long_queries_before_writing():
-    # 32 query rows per kv head: the decode kernel's block holds 16; nothing is appended.
-    lens, cap, hkv, d = [10], 64, 2, 64
-    kc, vc, _ = fp8_cache(lens, cap, hkv, d, 1.0, 1.0)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_fp8_cache_prefill_runs_on_the_generic_kernel(d, dtype, num_splits, paged):
+    # More than 16 query rows per kv head (chunked prefill: 40 new rows appended and attended,
+    # causal): the generic kernel widens the e4m3 rows to q's dtype in shared memory. Rows past
+    # each sequence's keys hold NaN bytes, which it must not read.
+    lens, cap, hkv, hq, sq, ks, vs = [100, 0, 333], 384, 2, 4, 40, 0.04, 0.03
+    kc, vc, table = fp8_cache(lens, cap, hkv, d, ks, vs, page=16 if paged else None)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(len(lens), sq, hq, d, generator=g).to(dtype)
+    k_new = torch.randn(len(lens), sq, hkv, d, generator=g).to(dtype)
+    v_new = torch.randn(len(lens), sq, hkv, d, generator=g).to(dtype)
     kc, vc = kc.cuda(), vc.cuda()
-    before = kc.view(torch.uint8).clone()
-    q = torch.randn(1, 32, 2, d).to(BF16).cuda()
-    k_new = torch.randn(1, 2, hkv, d).to(BF16).cuda()
-    with pytest.raises(NotImplementedError, match="decode kernel only"):
-        hipflash.flash_attn_with_kvcache(q, kc, vc, k_new, k_new.clone(),
-                                         cache_seqlens=torch.tensor(lens, dtype=torch.int32).cuda())
-    assert torch.equal(kc.view(torch.uint8), before)
+    out, lse = hipflash.flash_attn_with_kvcache(
+        q.cuda(), kc, vc, k_new.cuda(), v_new.cuda(),
+        cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        block_table=None if table is None else table.cuda(), causal=True, return_lse=True,
+        num_splits=num_splits, k_scale=torch.tensor(ks, device="cuda"),
+        v_scale=torch.tensor([vs], device="cuda"))
+    name = hipflash.last_kernel_name()
+    assert name.startswith("fwd_generic_") and "_kvfp8_" in name, name
+    assert out.dtype == dtype
+    k8, v8 = kc.cpu(), vc.cpu()  # the cache after the append
+    if paged:
+        k8, v8 = unpage(k8, table), unpage(v8, table)
+    check_fp8_cache_call(out.cpu(), lse.cpu(), q, k8, v8, [n + sq for n in lens], ks, vs,
+                         causal=True)
 
 
 def quantise_per_tensor(x):
