@@ -160,10 +160,11 @@ void append_on_cpu(const FwdParams& p, const TensorRef& src, void* cache, int64_
 
 /// An fp8 cache's scales (KvCacheOptions::k_scale / v_scale): fp32 [] / [1] on q's device, not
 /// written by the call; into p's k_descale / v_descale. Refused for other cache dtypes.
-void fill_cache_scales(FwdParams& p, const KvCacheOptions& opts, const TensorRef& q,
+void fill_cache_scales(FwdParams& p, const TensorRef* k_scale, const TensorRef* v_scale,
+                       const TensorRef& q,
                        std::initializer_list<std::pair<const TensorRef*, const char*>> written) {
-  for (auto [t, dst, name] : {std::tuple{opts.k_scale, &p.k_descale, "k_scale"},
-                              std::tuple{opts.v_scale, &p.v_descale, "v_scale"}}) {
+  for (auto [t, dst, name] : {std::tuple{k_scale, &p.k_descale, "k_scale"},
+                              std::tuple{v_scale, &p.v_descale, "v_scale"}}) {
     if (t == nullptr) continue;
     HIPFLASH_CHECK(p.kv_dtype == DType::e4m3, name, " applies to float8_e4m3fn caches only (the "
                    "cache is ", dtype_name(p.kv_dtype), ")");
@@ -264,7 +265,7 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
   }
   FwdParams p = make_dense_params(q, k_view, v_view, out, lse, opts);
   p.kv_dtype = k_cache.dtype;
-  fill_cache_scales(p, opts, q, {{&out, "out"}, {opts.return_lse ? lse : nullptr, "lse"},
+  fill_cache_scales(p, opts.k_scale, opts.v_scale, q, {{&out, "out"}, {opts.return_lse ? lse : nullptr, "lse"},
                                  {k_new ? &k_cache : nullptr, "k_cache"},
                                  {k_new ? &v_cache : nullptr, "v_cache"}});
   if (paged || fp8 || batch_idx) {
@@ -392,13 +393,15 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
 void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,
                           const TensorRef& out, const TensorRef* lse, const TensorRef& cu_seqlens_q,
                           const TensorRef& cu_seqlens_k, const TensorRef& block_table,
-                          const VarlenOptions& opts, Stream stream, Workspace workspace) {
+                          const PagedVarlenOptions& opts, Stream stream, Workspace workspace) {
   const char* layout = "[num_blocks, page_size, heads_kv, head_dim] with a block_table";
   HIPFLASH_CHECK_AS(not_implemented, q.dtype != DType::e4m3,
                     "float8_e4m3fn queries against a paged KV cache are not implemented (an fp8 "
-                    "cache with bfloat16 / float16 queries runs: flash_attn_with_kvcache)");
-  check_operand(k_cache, "k_cache", q, layout);
-  check_operand(v_cache, "v_cache", q, layout);
+                    "cache takes bfloat16 / float16 queries)");
+  check_operand(k_cache, "k_cache", q, layout, true);
+  check_operand(v_cache, "v_cache", q, layout, true);
+  HIPFLASH_CHECK_AS(dtype_error, v_cache.dtype == k_cache.dtype, "v_cache must have dtype ",
+                    dtype_name(k_cache.dtype), " (k_cache's), got ", dtype_name(v_cache.dtype));
   for (int i = 0; i < 4; ++i)
     HIPFLASH_CHECK(v_cache.sizes[i] == k_cache.sizes[i], "k_cache and v_cache must have the same "
                    "shape: k_cache ", shape_str(k_cache), ", v_cache ", shape_str(v_cache));
@@ -420,6 +423,7 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
   // shape and dtype checks apply, each sequence's length against its pages is checked below).
   TensorRef k_view = k_cache, v_view = v_cache;
   for (TensorRef* t : {&k_view, &v_view}) {
+    t->dtype = q.dtype;  // (an fp8 cache: its dtype is checked above)
     t->rank = 3;
     t->sizes[0] = int64_t(1) << 31;
     t->sizes[1] = k_cache.sizes[2];
@@ -431,6 +435,9 @@ void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const Te
   std::vector<int32_t> cu_k;  // cu_seqlens_k on the host (empty while a graph is captured)
   FwdParams p = make_varlen_params(q, k_view, v_view, out, lse, cu_seqlens_q, cu_seqlens_k, opts,
                                    stream, &cu_k);
+  p.kv_dtype = k_cache.dtype;
+  fill_cache_scales(p, opts.k_scale, opts.v_scale, q,
+                    {{&out, "out"}, {opts.return_lse ? lse : nullptr, "lse"}});
   for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
     check_disjoint(out, "out", *t, name);
     if (opts.return_lse) check_disjoint(*lse, "lse", *t, name);

@@ -54,9 +54,9 @@ struct VarlenOptions : FwdOptions {
   /// FlashAttention 3's seqused_q / seqused_k: int32 [batch] on q's device, or nullptr. Sequence
   /// b uses only its first seqused_q[b] query rows and seqused_k[b] keys (each at most its
   /// cu_seqlens length; masks bottom-right aligned on the used lengths); its other rows get
-  /// out = 0 and LSE -inf (and zero gradients). The CPU backend and the NVIDIA forward kernels
-  /// (the values copied back for their checks, as cu_seqlens are); the GPU backward and AMD
-  /// GPUs raise not_implemented.
+  /// out = 0 and LSE -inf (and zero gradients). The CPU backend and the NVIDIA kernels, forward
+  /// and backward (the values copied back for their checks, as cu_seqlens are); AMD GPUs raise
+  /// not_implemented.
   const TensorRef* seqused_q = nullptr;
   const TensorRef* seqused_k = nullptr;
 };

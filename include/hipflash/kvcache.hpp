@@ -92,6 +92,16 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                      Stream stream = nullptr, Workspace workspace = {});
 
 /// Chunked prefill (SPEC §7): varlen queries against a paged KV cache, FlashAttention-2's
+/// The options of varlen queries against a paged cache: varlen_forward's, and an fp8 cache's
+/// scales (KvCacheOptions::k_scale / v_scale: float8_e4m3fn k_cache / v_cache holding K / k_scale
+/// and V / v_scale; nullptr: 1).
+struct PagedVarlenOptions : VarlenOptions {
+  PagedVarlenOptions() = default;
+  PagedVarlenOptions(const VarlenOptions& o) : VarlenOptions(o) {}  // NOLINT: no scales
+  const TensorRef* k_scale = nullptr;
+  const TensorRef* v_scale = nullptr;
+};
+
 /// `flash_attn_varlen_func(..., block_table=...)`. q / out [total_q, Hq, D] with cu_seqlens_q as
 /// for varlen_forward; k_cache / v_cache [num_blocks, page_size, Hkv, D] (any page_size >= 1);
 /// block_table int32 [B, max_blocks]; cu_seqlens_k int32 [B + 1]: sequence b
@@ -102,11 +112,12 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
 /// same out and LSE, bitwise, as varlen_forward on the sequences' keys gathered contiguously.
 /// On NVIDIA GPUs the paged instantiations of the decode and generic kernels read it (as for
 /// kvcache_forward, the block-table entries of a GPU call are not copied back to be checked:
-/// an entry out of range is the caller's error, docs/spec.md §7); AMD: not_implemented.
+/// an entry out of range is the caller's error, docs/spec.md §7); AMD: not_implemented. An fp8
+/// cache (bfloat16 / float16 q) as kvcache_forward reads one: the CPU backend, NVIDIA sm_89+.
 void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,
                           const TensorRef& out, const TensorRef* lse, const TensorRef& cu_seqlens_q,
                           const TensorRef& cu_seqlens_k, const TensorRef& block_table,
-                          const VarlenOptions& opts, Stream stream = nullptr,
+                          const PagedVarlenOptions& opts, Stream stream = nullptr,
                           Workspace workspace = {});
 
 }  // namespace hipflash

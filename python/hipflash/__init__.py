@@ -414,7 +414,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_lse=False, lse_layout="padded", out=None, deterministic=False,
                            block_table=None, softcap=0.0, alibi_slopes=None, seqused_q=None,
                            seqused_k=None, attention_chunk=0, q_descale=None, k_descale=None,
-                           v_descale=None):
+                           v_descale=None, k_scale=None, v_scale=None):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -457,6 +457,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             q, k, v; per (batch, kv head) is per (sequence, kv head)): forward only, out
             bfloat16; the CPU backend and NVIDIA Hopper (head dims up to 128, no ALiBi); not
             with a block_table.
+        k_scale, v_scale: with a block_table, an fp8 paged cache (float8_e4m3fn k and v,
+            bfloat16 / float16 q), as for :func:`flash_attn_with_kvcache`: float32 () or (1,)
+            scales (None: 1); the CPU backend and NVIDIA GPUs running sm_89+ code of the build.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not
@@ -487,6 +490,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if used and block_table is not None:
         raise NotImplementedError(f"{used[0][0]} with a block_table (chunked prefill) is not "
                                   "supported by hipflash yet")
+    scales = [(n, t) for n, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is not None]
+    for name, t in scales:
+        _check_tensor(t, name)
+        if block_table is None:
+            raise ValueError(f"{name} applies to an fp8 paged cache (with a block_table); fp8 "
+                             "q, k, v take q_descale / k_descale / v_descale")
+    used += scales
     if lse_layout not in _LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be 'padded' or 'packed', got {lse_layout!r}")
     _check_same_device(q, [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
@@ -523,7 +533,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError("out= is not supported with a block_table")
         out, lse = _call(_ops.varlen_fwd_paged, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
                          max_seqlen_q, max_seqlen_k, scale, causal, left, right, num_splits,
-                         return_lse, lse_layout, softcap, alibi_slopes)
+                         return_lse, lse_layout, softcap, alibi_slopes, k_scale, v_scale)
         return (out, lse) if return_lse else out
     if out is None and _wants_grad(q, k, v) and not fp8:  # fp8 is forward only (FA3's)
         out, lse = _call(_FlashAttnVarlenFunc.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,

@@ -344,22 +344,26 @@ at::Tensor varlen_lse(const at::Tensor& q, const at::Tensor& cu_seqlens_q, int64
   return alloc_lse(q, false, {});
 }
 
-/// Chunked prefill: varlen queries against a paged KV cache (CPU tensors so far).
+/// Chunked prefill: varlen queries against a paged KV cache (an fp8 one with its scales).
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& block_table,
     int64_t max_seqlen_q, int64_t max_seqlen_k, c10::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, int64_t num_splits, bool return_lse,
-    const std::string& lse_layout, double softcap, const c10::optional<at::Tensor>& alibi_slopes) {
+    const std::string& lse_layout, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
+    const OptionalTensor& k_scale, const OptionalTensor& v_scale) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = varlen_lse(q, cu_seqlens_q, max_seqlen_q, return_lse, lse_layout);
   std::vector<at::Tensor> keep;
   run_launcher([&] {
-    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse);
-    hipflash::VarlenOptions opts =
+    const OptionalRef alibi(alibi_slopes, "alibi_slopes", Role::lse),
+        ks(k_scale, "k_scale", Role::lse), vs(v_scale, "v_scale", Role::lse);
+    hipflash::PagedVarlenOptions opts =
         varlen_options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, num_splits, return_lse, lse_layout, softcap);
     opts.alibi_slopes = alibi.get();
+    opts.k_scale = ks.get();
+    opts.v_scale = vs.get();
     std::optional<hipflash::TensorRef> lser;
     if (return_lse) lser = to_ref(lse, "lse", Role::lse);
     hipflash::varlen_paged_forward(
@@ -646,8 +650,8 @@ TORCH_LIBRARY(hipflash, m) {
   m.def("varlen_fwd_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor block_table, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, int num_splits, "
-        "bool return_lse, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None) "
-        "-> (Tensor out, Tensor lse)");
+        "bool return_lse, str lse_layout, float softcap=0.0, Tensor? alibi_slopes=None, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
   m.def("merge_attn_states(Tensor outs, Tensor lses) -> (Tensor out, Tensor lse)");
   m.def("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
         "Tensor? cache_seqlens, Tensor? block_table, float? softmax_scale, bool causal, "

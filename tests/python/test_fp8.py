@@ -125,6 +125,18 @@ def test_descales_on_other_dtypes_are_refused():
         fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=4, q_descale=torch.ones(1))
 
 
+def test_cache_scales_of_a_varlen_call_are_refused_without_an_fp8_paged_cache():
+    # Runs on any PyTorch: k_scale / v_scale belong to a block_table's fp8 cache.
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 64, BF16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_scale applies to an fp8 paged cache"):
+        hipflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, k_scale=torch.ones(1))
+    pages, table = k.reshape(1, 8, 2, 64), torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="v_scale applies to float8_e4m3fn caches only"):
+        hipflash.flash_attn_varlen_func(q[0], pages, pages, cu, cu, 8, 8, block_table=table,
+                                        v_scale=torch.ones(1))
+
+
 @needs_fp8
 @pytest.mark.parametrize("breaks, error, match", [
     (lambda q, k, v, kw: (q, k.to(BF16), v, kw), TypeError, "k must have dtype float8_e4m3fn"),
@@ -624,6 +636,68 @@ def test_fa3_all_e4m3_kvcache_call(device):
     for got, ref in zip(caches, want_caches):
         assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(caches[0][0, 10:14].view(torch.uint8), k[0].view(torch.uint8))
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu_fp8)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_queries_against_an_fp8_paged_cache(device, d):
+    # Chunked prefill with an fp8 cache (flash_attn_varlen_func with a block_table, k_scale and
+    # v_scale): each sequence's rows against the reference on its dequantised keys (its cache's
+    # first cu_seqlens_k lengths; NaN bytes past them), causal bottom-right. On the GPU the
+    # generic kernel (more than 16 rows of a sequence) or the decode kernel (the short call).
+    lens_k, cap, hkv, hq, ks, vs = [100, 0, 333, 17], 352, 2, 4, 0.04, 0.03
+    k8, v8, _ = fp8_cache(lens_k, cap, hkv, d, ks, vs)
+    kp, vp, table = fp8_cache(lens_k, cap, hkv, d, ks, vs, page=16)
+    for lens_q in ([40, 0, 33, 17], [3, 0, 1, 2]):
+        q = torch.randn(sum(lens_q), hq, d, generator=torch.Generator().manual_seed(7)).to(BF16)
+        cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+        cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+        out, lse = hipflash.flash_attn_varlen_func(
+            q.to(device), kp.to(device), vp.to(device), cu_q.to(device), cu_k.to(device),
+            max(lens_q), max(lens_k), causal=True, return_lse=True, block_table=table.to(device),
+            k_scale=torch.tensor(ks, device=device), v_scale=torch.tensor([vs], device=device))
+        assert out.dtype == BF16
+        out, lse = out.cpu(), lse.cpu()
+        for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+            if nq == 0:
+                continue
+            rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+            check_attention(out[None, rows], lse[b:b + 1, :, :nq], q[None, rows],
+                            k8[b:b + 1, :nk].float() * ks, v8[b:b + 1, :nk].float() * vs,
+                            what=f"sequence {b} of {lens_q}", causal=True)
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu_fp8)])
+def test_fa3_all_e4m3_varlen_kvcache_call(device):
+    # FA3's fp8 flash_attn_with_kvcache with varlen queries and a page table (q, the cache and
+    # the new k / v all e4m3): bitwise hipflash's paged varlen call with q widened to bf16 on
+    # the cache after the append, which copies the new rows' bytes.
+    lens, cap, hkv, hq, d = [20, 5], 64, 2, 4, 64
+    kp, vp, table = fp8_cache(lens, cap, hkv, d, 1.0, 1.0, page=16)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(30, hq, d, generator=g).to(E4M3)
+    k_new = torch.randn(30, hkv, d, generator=g).to(E4M3)
+    v_new = torch.randn(30, hkv, d, generator=g).to(E4M3)
+    cu_q = torch.tensor([0, 18, 30], dtype=torch.int32)
+    dev = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    kc, vc = dev(kp.clone(), vp.clone())
+    out, lse = fa3.flash_attn_with_kvcache(
+        *dev(q), kc, vc, *dev(k_new, v_new), cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                                        device=device),
+        page_table=table.to(device), cu_seqlens_q=cu_q.to(device),
+        cu_seqlens_k_new=cu_q.to(device), max_seqlen_q=18, causal=True, return_softmax_lse=True)
+    assert out.dtype == BF16
+    new_lens = [n + m for n, m in zip(lens, (18, 12))]
+    cu_k = torch.tensor([0, new_lens[0], sum(new_lens)], dtype=torch.int32)
+    want, want_lse = hipflash.flash_attn_varlen_func(
+        *dev(q.to(BF16), kc, vc, cu_q, cu_k), 18, max(new_lens), causal=True, return_lse=True,
+        lse_layout="packed", block_table=table.to(device))
+    assert_bitwise_equal(out, want, "out")
+    assert_bitwise_equal(lse, want_lse, "lse")
+    k8 = unpage(kc.cpu(), table)
+    assert torch.equal(k8[0, 20:38].view(torch.uint8), k_new[:18].view(torch.uint8))
 
 
 @needs_fp8
