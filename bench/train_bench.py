@@ -98,19 +98,23 @@ def _sdpa(kind):
 
 
 def _attention(name, hf, lens=None):
-    """The backend's attention(q, k, v, causal) on [B, S, H, D] tensors; with `lens`, the packed
-    sequences of q[0] (hipflash's varlen call; the SDPA peers have none)."""
+    """The backend's attention(q, k, v, causal) on [B, S, H, D] tensors; with `lens`, on packed
+    [total, H, D] ones, as a varlen user holds them (hipflash's varlen call, cu_seqlens on the
+    device from the first call on; the SDPA peers have none)."""
     det = name == "hipflash-det"
     if name in ("hipflash", "hipflash-det") and lens is None:
         return lambda q, k, v, causal: hf.flash_attn_func(q, k, v, causal=causal,
                                                           deterministic=det)
     if name in ("hipflash", "hipflash-det"):
         cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+        on_device = {}
 
         def varlen(q, k, v, causal):
-            c = cu.to(q.device)
-            return hf.flash_attn_varlen_func(q[0], k[0], v[0], c, c, max(lens), max(lens),
-                                             causal=causal, deterministic=det)[None]
+            c = on_device.get(q.device)
+            if c is None:
+                c = on_device[q.device] = cu.to(q.device)
+            return hf.flash_attn_varlen_func(q, k, v, c, c, max(lens), max(lens),
+                                             causal=causal, deterministic=det)
         return varlen
     if lens is not None:
         raise NotImplementedError("no varlen attention in SDPA")
@@ -163,7 +167,8 @@ def run_train_suite(args, device, timer, meta, out_dir):
         g = torch.Generator(device=device).manual_seed(zlib.crc32(label.encode()))
         per_set = 2 * b * s * (2 * h + 2 * hkv) * d
         nsets = max(1, min(8, math.ceil(3 * l2 / per_set))) if device == "cuda" else 1
-        sets = [[torch.randn(b, s, n, d, device=device, dtype=dtype, generator=g)
+        rows_shape = (s,) if lens else (b, s)  # varlen: the packed rows (b is 1)
+        sets = [[torch.randn(*rows_shape, n, d, device=device, dtype=dtype, generator=g)
                  for n in (h, hkv, hkv, h)] for _ in range(nsets)]
         for st in sets:
             for t in st[:3]:
@@ -186,9 +191,10 @@ def run_train_suite(args, device, timer, meta, out_dir):
 
                 got = run(0)
                 if ref is None:
-                    q, k, v, dout = sets[0]
-                    ref = (_reference(q, k, v, dout, causal, torch.float32, lens),
-                           _reference(q, k, v, dout, causal, dtype, lens))
+                    q, k, v, dout = (t.view(b, s, *t.shape[-2:]) for t in sets[0])
+                    ref = tuple(tuple(g.view(t.shape) for g, t in zip(r, sets[0][:3]))
+                                for r in (_reference(q, k, v, dout, causal, torch.float32, lens),
+                                          _reference(q, k, v, dout, causal, dtype, lens)))
                 for gname, ours, r32, rlp in zip("qkv", got, *ref):
                     err = (ours.float() - r32).abs().max().item()
                     tol = 2 * (rlp.float() - r32).abs().max().item() + 1e-3 * r32.abs().max().item()

@@ -18,14 +18,15 @@ namespace hipflash {
 /// The launcher's validation (SPEC §4) and FwdParams of a dense / varlen call, before the
 /// kernel is selected and num_splits resolved (p.num_splits is 1). Internal: the host tests of
 /// the kernel schedules build their parameters with them. make_varlen_params reads cu_seqlens
-/// to the host to check them (unless the stream captures a graph); `host_cu_k`, when given,
-/// receives that copy of cu_seqlens_k (empty while capturing).
+/// to the host to check them (unless the stream captures a graph); `host_cu_k` / `host_cu_q`,
+/// when given, receive those copies (empty while capturing).
 FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                             const TensorRef& out, const TensorRef* lse, const FwdOptions& opts);
 FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                              const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
                              const TensorRef& cu_k, const VarlenOptions& opts, Stream stream,
-                             std::vector<int32_t>* host_cu_k = nullptr);
+                             std::vector<int32_t>* host_cu_k = nullptr,
+                             std::vector<int32_t>* host_cu_q = nullptr);
 
 /// The select and split steps of dispatch_forward alone: throws what dispatch_forward would
 /// throw before launching (a kernel or head dim this build lacks, a workspace too large).
@@ -87,9 +88,10 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device, 
 
 /// Launches the backward passes for `params` (validated; the grads' checks done) on `stream`:
 /// alignment checked first, the fp32 workspace taken from `ws` or allocated on the stream.
-/// total_q / total_k: rows of the varlen tensors (0 for dense calls).
+/// total_q / total_k: rows of the varlen tensors (0 for dense calls); zero_q / zero_k: whether
+/// some row of dq / of dk and dv lies outside every sequence's used rows (the zero-fill pass).
 void run_backward(const BwdParams& params, int device, Stream stream, Workspace ws,
-                  int64_t total_q, int64_t total_k);
+                  int64_t total_q, int64_t total_k, bool zero_q = true, bool zero_k = true);
 
 /// Launches the merge_attn_states kernel for `p` (validated, on GPU `device`) on `stream`.
 void run_merge(const MergeParams& p, int device, Stream stream);

@@ -226,14 +226,25 @@ void varlen_backward(const TensorRef& dout, const TensorRef& q, const TensorRef&
   vo.lse_layout = opts.lse_layout;
   vo.seqused_q = opts.seqused_q;
   vo.seqused_k = opts.seqused_k;
-  const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo, stream);
+  std::vector<int32_t> host_cu_k, host_cu_q;
+  const FwdParams p = make_varlen_params(q, k, v, out, &lse, cu_seqlens_q, cu_seqlens_k, vo,
+                                         stream, &host_cu_k, &host_cu_q);
   check_grads(dout, q, k, v, out, lse, dq, dk, dv,
               {{&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"},
                {opts.alibi_slopes, "alibi_slopes"}, {opts.seqused_q, "seqused_q"},
                {opts.seqused_k, "seqused_k"}});
-  if (q.loc.kind == Location::gpu) {  // the launcher zeroes the rows outside every sequence
+  if (q.loc.kind == Location::gpu) {
+    // The launcher zeroes the rows outside every sequence's used rows: none where the sequences
+    // cover the tensor's rows and use them all (cu_seqlens as read for the checks; while a
+    // graph is captured they are unknown: always).
+    const auto rows_outside = [](const std::vector<int32_t>& cu, const TensorRef* used,
+                                 int64_t total) {
+      return used != nullptr || cu.empty() || cu.front() > 0 || cu.back() < total;
+    };
     gpu::run_backward(gpu_params(p, dout, dq, dk, dv, opts.deterministic), q.loc.index, stream,
-                      workspace, q.sizes[0], k.sizes[0]);
+                      workspace, q.sizes[0], k.sizes[0],
+                      rows_outside(host_cu_q, opts.seqused_q, q.sizes[0]),
+                      rows_outside(host_cu_k, opts.seqused_k, k.sizes[0]));
     return;
   }
   // Rows outside every sequence (before cu_seqlens[0], from cu_seqlens[B] on) and a

@@ -486,7 +486,7 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
 FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                              const TensorRef& out, const TensorRef* lse, const TensorRef& cu_q,
                              const TensorRef& cu_k, const VarlenOptions& opts, Stream stream,
-                             std::vector<int32_t>* host_cu_k) {
+                             std::vector<int32_t>* host_cu_k, std::vector<int32_t>* host_cu_q) {
   check_rank(q, "q", 3, "[total_q, heads_q, head_dim]");
   check_rank(k, "k", 3, "[total_k, heads_kv, head_dim]");
   check_rank(v, "v", 3, "[total_k, heads_kv, head_dim]");
@@ -570,6 +570,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   }
   check_seqused(opts, q, out, lse, batch, hq, hk, stream, capturing);
   if (host_cu_k != nullptr) *host_cu_k = capturing ? std::vector<int32_t>{} : std::move(hk);
+  if (host_cu_q != nullptr) *host_cu_q = capturing ? std::vector<int32_t>{} : std::move(hq);
 
   FwdParams p;
   p.q = q.data; p.k = k.data; p.v = v.data; p.out = out.data;

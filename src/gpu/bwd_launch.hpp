@@ -200,9 +200,10 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
          ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads), p.heads_q,
          bwd::kConvertThreads, 0, "dq conversion");
 
-  if (p.is_varlen()) {
+  if (p.is_varlen() && how.zero_q)
     zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, how.total_q, p.heads_q,
                       int(p.head_dim), p.cu_seqlens_q, p.seqused_q, p.batch, stream);
+  if (p.is_varlen() && how.zero_k) {
     zero_outside<kDT>(p.dk, p.dk_row_stride, p.dk_head_stride, how.total_k, p.heads_kv,
                       int(p.head_dim), p.cu_seqlens_k, p.seqused_k, p.batch, stream);
     zero_outside<kDT>(p.dv, p.dv_row_stride, p.dv_head_stride, how.total_k, p.heads_kv,

@@ -343,7 +343,7 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
 }
 
 void run_backward(const BwdParams& params, int device, Stream stream_arg, Workspace ws,
-                  int64_t total_q, int64_t total_k) {
+                  int64_t total_q, int64_t total_k, bool zero_q, bool zero_k) {
   auto stream = static_cast<port::stream_t>(stream_arg);
   BwdParams p = params;
   check_operand_alignment(p);
@@ -401,6 +401,8 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   p.dq_semaphore = ordered ? reinterpret_cast<int32_t*>(p.dq_accum + rows * hd) : nullptr;
   how.total_q = total_q;
   how.total_k = total_k;
+  how.zero_q = zero_q;
+  how.zero_k = zero_k;
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
     HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
       HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {

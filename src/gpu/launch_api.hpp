@@ -45,7 +45,8 @@ void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream);
 struct BwdLaunch {
   bool portable = false;
   bool sm90 = false;  ///< the wgmma dk/dv pass (sm_90a builds, Hopper, head dims <= 128)
-  int64_t total_q = 0, total_k = 0;
+  int64_t total_q = 0, total_k = 0;  ///< varlen: the tensors' rows
+  bool zero_q = true, zero_k = true;  ///< varlen: rows outside every used row to zero (dq; dk, dv)
 };
 
 /// Launches the backward passes for `p` (validated, workspace set; see gpu/bwd_launch.hpp).

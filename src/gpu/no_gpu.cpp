@@ -23,6 +23,8 @@ void run_merge(const MergeParams&, int, Stream) { no_gpu(); }
 void run_kvcache_append(const FwdParams&, const TensorRef&, const TensorRef&, int, Stream) {
   no_gpu();
 }
-void run_backward(const BwdParams&, int, Stream, Workspace, int64_t, int64_t) { no_gpu(); }
+void run_backward(const BwdParams&, int, Stream, Workspace, int64_t, int64_t, bool, bool) {
+  no_gpu();
+}
 
 }  // namespace hipflash::gpu

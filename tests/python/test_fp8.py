@@ -663,7 +663,7 @@ def test_varlen_queries_against_an_fp8_paged_cache(device, d):
             if nq == 0:
                 continue
             rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-            check_attention(out[None, rows], lse[b:b + 1, :, :nq], q[None, rows],
+            check_attention(out[None, rows], lse[b:b + 1, :, :nq].contiguous(), q[None, rows],
                             k8[b:b + 1, :nk].float() * ks, v8[b:b + 1, :nk].float() * vs,
                             what=f"sequence {b} of {lens_q}", causal=True)
 
