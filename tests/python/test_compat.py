@@ -176,6 +176,21 @@ def test_fa3_refuses_what_hipflash_lacks_by_name(arg):
         fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4, **arg)
 
 
+def test_fa3_head_dims_hipflash_lacks_are_a_missing_feature():
+    # FlashAttention 3 takes any multiple of 8 up to 256 (192: MLA): NotImplementedError through
+    # its compatibility module; a head dim FA3 refuses too stays hipflash's ValueError.
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for d in (192, 80):
+        q = torch.zeros(1, 4, 2, d, dtype=BF16)
+        with pytest.raises(NotImplementedError, match=f"head dim {d}"):
+            fa3.flash_attn_func(q, q, q)
+        with pytest.raises(NotImplementedError, match=f"head dim {d}"):
+            fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4)
+    q = torch.zeros(1, 4, 2, 36, dtype=BF16)
+    with pytest.raises(ValueError, match="head dim 36 is not supported"):
+        fa3.flash_attn_func(q, q, q)
+
+
 def test_softcap_none_is_off_and_a_tensor_is_refused():
     q, k, v = qkv("cpu", s=4)
     assert torch.equal(fa2.flash_attn_func(q, k, v, softcap=None), hipflash.flash_attn_func(q, k, v))

@@ -14,6 +14,23 @@ def refuse(name, value, default, why=""):
             + (f" ({why})" if why else "") + f"; pass {name}={default!r}")
 
 
+# The head dims hipflash runs (include/hipflash/detail/kernels.def: each padded dim and the one
+# it also serves); FlashAttention 3 takes any multiple of 8 up to 256.
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def refuse_headdim(q):
+    """NotImplementedError for a head dim FlashAttention 3 takes and hipflash does not (192:
+    DeepSeek's MLA; 80, 160, ...): a missing feature, not a bad argument (hipflash's own API
+    raises ValueError for it)."""
+    if isinstance(q, torch.Tensor) and q.dim() >= 1:
+        d = q.shape[-1]
+        if d not in HEAD_DIMS and 0 < d <= 256 and d % 8 == 0:
+            raise NotImplementedError(
+                f"hipflash.compat: head dim {d} is not supported by hipflash yet (it runs "
+                f"{', '.join(map(str, HEAD_DIMS))})")
+
+
 def refuse_headdim_v(q, v):
     """FlashAttention 3 takes a value head dim other than the query's (headdim_v, MLA's 192 /
     128 and its 64 / 256, 512): hipflash does not yet."""

@@ -25,7 +25,7 @@ import torch
 import hipflash
 from hipflash import _varlen_kv
 
-from ._common import refuse, refuse_headdim_v, softcap_value, split_qkv
+from ._common import refuse, refuse_headdim, refuse_headdim_v, softcap_value, split_qkv
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "flash_attn_combine"]
@@ -34,6 +34,7 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_fu
 def _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=False):
     refuse("qv", qv, None)
     refuse_headdim_v(q, v)
+    refuse_headdim(q)
     if not fp8:
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
                             ("v_descale", v_descale)):
