@@ -123,7 +123,10 @@ __global__ void __launch_bounds__(kConvertThreads)
     int64_t lo = 0, hi = batch;  // cu[lo] <= row < cu[hi]
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
-      (cu[mid] <= row ? lo : hi) = mid;
+      if (cu[mid] <= row)
+        lo = mid;
+      else
+        hi = mid;
     }
     if (row < cu[lo] + used[lo]) return;
   }

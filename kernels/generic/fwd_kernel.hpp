@@ -37,9 +37,7 @@ __global__ void __launch_bounds__(Tile<Traits::kHeadDim>::kThreads)
     Scheduler::run([&](int64_t tile) { sm80::fwd_block<Traits, kKv>(p, tile, num_m_blocks); });
 #elif defined(HIPFLASH_HAS_MFMA)
   static_assert(kKv == common::KvRows::contiguous, "the CDNA body reads contiguous K/V only");
-  if constexpr (Traits::kKvDType != Traits::kDType)
-    port::trap();  // no KV cache on AMD (the selector's rule)
-  else if constexpr (Traits::kDType == DType::e4m3)
+  if constexpr (Traits::kDType == DType::e4m3)
     Scheduler::run([&](int64_t tile) { cdna::fwd_block_fp8<Traits>(p, tile, num_m_blocks); });
   else
     Scheduler::run([&](int64_t tile) { cdna::fwd_block<Traits>(p, tile, num_m_blocks); });

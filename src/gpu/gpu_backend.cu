@@ -266,19 +266,22 @@ thread_local bool t_long_row_tile = false;  // set by the sm90_ws launcher for r
 void note_long_row_tile() { t_long_row_tile = true; }
 
 /// Launches kernel `kind` at Traits: one case per kernel of the registry, its launcher where
-/// this build has it, it has a tile for the head dim and, for an fp8 KV cache, it reads one (an
-/// instantiation exists exactly then). False where it has not.
+/// this build has it, it has a tile for the head dim and, for an fp8 KV cache, it reads one on
+/// this vendor (NVIDIA: CMake writes the _kv8 instantiations for CUDA builds only; AMD reads no
+/// KV cache yet). False where it has not.
 template <class Traits>
 bool launch_registered(KernelKind kind, const FwdParams& p, port::stream_t stream) {
   constexpr int kHD = Traits::kHeadDim;
   constexpr bool kFp8Kv = Traits::kKvDType != Traits::kDType;
+  constexpr bool kFp8KvHere = kVendor == Arch::nvidia;
   constexpr bool kFp8 = Traits::kDType == DType::e4m3;  // fp8 q, k and v
   switch (kind) {
 #define HIPFLASH_HEAD_DIM(padded, also)
 #define HIPFLASH_KERNEL(kind, launcher, build, max_hd, kv_cache, fp8_hd, summary)          \
   case KernelKind::kind:                                                                    \
     if constexpr (built_here(KernelBuild::build) && kHD <= max_hd &&                        \
-                  (!kFp8Kv || KvCacheReads::kv_cache == KvCacheReads::cache_fp8) &&         \
+                  (!kFp8Kv || (kFp8KvHere &&                                               \
+                               KvCacheReads::kv_cache == KvCacheReads::cache_fp8)) &&       \
                   (!kFp8 || kHD <= fp8_hd)) {                                               \
       launch_##launcher##_fwd<Traits>(p, stream);                                           \
       return true;                                                                          \
