@@ -626,7 +626,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         attention_chunk: as for :func:`flash_attn_func`, against each sequence's keys (from
             its cache_leftpad row). Runs as the varlen kvcache path (the append by PyTorch ops,
             then chunked prefill over the chunks' rows; the sequences' lengths copied to the
-            host); not with an fp8 cache.
+            host); with an fp8 cache too (the new rows quantised by PyTorch as the call without
+            chunks stores them).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
@@ -673,15 +674,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     chunk = _chunk(attention_chunk)
     if chunk:
-        if k_scale is not None or v_scale is not None or \
-                k_cache.dtype == _E4M3:
-            raise NotImplementedError("attention_chunk with an fp8 KV cache is not supported by "
-                                      "hipflash yet")
         return _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
                                 bool(causal), (left, right), num_splits, bool(return_lse),
                                 _softcap(softcap), alibi_slopes, cache_batch_idx, cache_leftpad,
                                 rotary_cos, rotary_sin, rotary_interleaved, rotary_seqlens,
-                                chunk)
+                                chunk, k_scale, v_scale)
     if rotary_cos is not None or rotary_sin is not None:
         q, k = _rotary.on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens,
                                  rotary_cos, rotary_sin, bool(rotary_interleaved),
@@ -729,9 +726,10 @@ def _held_upload(t, device):
 def _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
                      window, num_splits, return_lse, softcap, alibi_slopes, cache_batch_idx,
                      cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, rotary_seqlens,
-                     chunk):
+                     chunk, k_scale=None, v_scale=None):
     """flash_attn_with_kvcache with attention_chunk: the batch as varlen queries (and packed
-    new keys) through hipflash/_varlen_kv.py, which cuts each sequence into its chunks."""
+    new keys) through hipflash/_varlen_kv.py, which cuts each sequence into its chunks (an fp8
+    cache with its scales too)."""
     if q.dim() != 4 or k_cache.dim() != 4 or (k is not None and k.dim() != 4):
         raise ValueError(f"q must be [batch, seqlen_q, nheads, headdim], k_cache / v_cache 4-D "
                          f"and k / v [batch, seqlen_new, nheads_k, headdim], got q "
@@ -757,7 +755,7 @@ def _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scal
         q.reshape(-1, heads, dim), k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
         block_table, cu_q, cu_new, seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
         bool(rotary_interleaved), scale, causal, window, num_splits, True, softcap,
-        cache_leftpad, chunk, alibi_slopes)
+        cache_leftpad, chunk, alibi_slopes, k_scale, v_scale)
     out = out.view(batch, seqlen_q, heads, dim)
     lse = lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out

@@ -70,8 +70,11 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                  cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin,
                  rotary_seqlens, rotary_interleaved, softmax_scale, causal, window_size,
                  num_splits, return_lse, softcap, cache_leftpad=None, attention_chunk=0,
-                 alibi_slopes=None):
-    """FlashAttention 3's varlen kvcache call; returns what flash_attn_varlen_func does."""
+                 alibi_slopes=None, k_scale=None, v_scale=None):
+    """FlashAttention 3's varlen kvcache call; returns what flash_attn_varlen_func does. An fp8
+    cache (float8_e4m3fn) takes bfloat16 / float16 q (or FA3's e4m3 q, widened exactly), new
+    rows in q's dtype stored as k / k_scale rounded to e4m3 and saturated to +-448 (or e4m3 rows
+    as they are), and hipflash's k_scale / v_scale."""
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) must be given together")
     if not isinstance(attention_chunk, int) or attention_chunk < 0:
@@ -91,9 +94,20 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         raise ValueError(f"q must be packed [total_q, nheads, headdim] and k_cache / v_cache "
                          f"[num_blocks or batch, page or seqlen, nheads_k, headdim], got "
                          f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype or k_cache.device != dev:
-        raise ValueError(f"q, k_cache and v_cache must share a dtype and device, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+    e4m3 = getattr(torch, "float8_e4m3fn", None)
+    fp8 = k_cache.dtype == e4m3 and q.dtype in (e4m3, torch.bfloat16, torch.float16)
+    if (q.dtype != k_cache.dtype and not fp8) or k_cache.dtype != v_cache.dtype or \
+            k_cache.device != dev:
+        raise ValueError(f"q, k_cache and v_cache must share a dtype and device (or the cache be "
+                         f"float8_e4m3fn, q 16-bit), got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is not None and not fp8:
+            raise ValueError(f"{name} applies to float8_e4m3fn caches only (the cache is "
+                             f"{k_cache.dtype})")
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or
+                              t.numel() != 1 or t.dim() > 1 or t.device != dev):
+            raise ValueError(f"{name} must be a float32 tensor of shape [] or [1] on {dev}")
     if q.shape[-1] != k_cache.shape[-1] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of the cache's "
                          f"({k_cache.shape[2]}) and the head dims equal")
@@ -137,10 +151,11 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if k is not None:
         want = [total_new] + list(k_cache.shape[2:])
         for name, t in (("k", k), ("v", v)):
-            if list(t.shape) != want or t.dtype != k_cache.dtype or t.device != dev:
+            if list(t.shape) != want or t.device != dev or \
+                    t.dtype not in (k_cache.dtype, q.dtype if fp8 else k_cache.dtype):
                 raise ValueError(f"{name} must be the packed new rows {want} in the cache's "
-                                 f"dtype {k_cache.dtype} on {dev}, got {list(t.shape)} "
-                                 f"{t.dtype} on {t.device}")
+                                 f"dtype {k_cache.dtype} (an fp8 cache: or q's) on {dev}, got "
+                                 f"{list(t.shape)} {t.dtype} on {t.device}")
         if min_new < 0:
             raise ValueError("cu_seqlens_k_new must be non-decreasing")
     if min_cached < 0 or max_len > capacity:
@@ -172,10 +187,16 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         if lo < 0 or hi >= k_cache.shape[0]:
             raise ValueError(f"the new rows' pages (or cache entries) must lie in the cache "
                              f"(0 .. {k_cache.shape[0] - 1}), got {lo} .. {hi}")
-        k_cache[pages, row % page] = k
-        v_cache[pages, row % page] = v
+        def stored(t, scale):  # an fp8 cache's rows: t / scale, rounded, saturated (NaN stays)
+            if t.dtype == k_cache.dtype:
+                return t
+            x = t.float() if scale is None else t.float() / scale.float().reshape(())
+            return x.clamp(-448.0, 448.0).to(k_cache.dtype)
+        k_cache[pages, row % page] = stored(k, k_scale)
+        v_cache[pages, row % page] = stored(v, v_scale)
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-              num_splits=num_splits, return_lse=return_lse, softcap=softcap)
+              num_splits=num_splits, return_lse=return_lse, softcap=softcap, k_scale=k_scale,
+              v_scale=v_scale)
     if batch and (cache_leftpad is not None or attention_chunk):
         first = cache_leftpad if cache_leftpad is not None else torch.zeros_like(lens)
         return _by_rows(q, k_cache, v_cache, table, cu_seqlens_q, first, lens - first,

@@ -670,6 +670,39 @@ def test_varlen_queries_against_an_fp8_paged_cache(device, d):
 
 @needs_fp8
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu_fp8)])
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged"])
+def test_attention_chunk_with_an_fp8_cache(device, page):
+    # attention_chunk against an fp8 cache (the pieces: varlen queries against it as pages of one
+    # row): the new rows quantised as the call without chunks stores them (bitwise), each
+    # sequence's rows against the reference with the chunk mask on its dequantised keys.
+    lens, cap, hkv, hq, d, ks, vs, sq, chunk = [30, 0, 45], 96, 2, 4, 64, 0.05, 0.04, 7, 16
+    k8, v8, table = fp8_cache(lens, cap, hkv, d, ks, vs, page=page)
+    g = torch.Generator().manual_seed(12)
+    q, k_new, v_new = (torch.randn(len(lens), sq, n, d, generator=g).to(BF16)
+                       for n in (hq, hkv, hkv))
+    dev = lambda *ts: [None if t is None else t.to(device) for t in ts]  # noqa: E731
+    kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), causal=True,
+              return_lse=True, k_scale=torch.tensor(ks, device=device),
+              v_scale=torch.tensor([vs], device=device),
+              block_table=None if table is None else table.to(device))
+    kc, vc = dev(k8.clone(), v8.clone())
+    out, lse = hipflash.flash_attn_with_kvcache(*dev(q), kc, vc, *dev(k_new, v_new),
+                                                attention_chunk=chunk, **kw)
+    kc2, vc2 = dev(k8.clone(), v8.clone())
+    hipflash.flash_attn_with_kvcache(*dev(q), kc2, vc2, *dev(k_new, v_new), **kw)
+    for got, want in ((kc, kc2), (vc, vc2)):
+        assert torch.equal(got.view(torch.uint8).cpu(), want.view(torch.uint8).cpu())
+    kd, vd = kc.cpu(), vc.cpu()
+    if page:
+        kd, vd = unpage(kd, table), unpage(vd, table)
+    for b, n in enumerate(lens):
+        check_attention(out[b:b + 1].cpu(), lse[b:b + 1].cpu(), q[b:b + 1],
+                        kd[b:b + 1, :n + sq].float() * ks, vd[b:b + 1, :n + sq].float() * vs,
+                        what=f"sequence {b}", causal=True, attention_chunk=chunk)
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu_fp8)])
 def test_fa3_all_e4m3_varlen_kvcache_call(device):
     # FA3's fp8 flash_attn_with_kvcache with varlen queries and a page table (q, the cache and
     # the new k / v all e4m3): bitwise hipflash's paged varlen call with q widened to bf16 on

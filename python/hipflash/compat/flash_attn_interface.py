@@ -14,7 +14,7 @@ in flash_attn_with_kvcache (fp8 runs where hipflash's descales do: flash_attn_fu
 Hopper, AMD gfx94x / gfx950; flash_attn_varlen_func on the CPU and Hopper). flash_attn_with_kvcache takes
 an all-e4m3 call without descales, with varlen queries too: q and k / v widened to bfloat16
 exactly, the cache read as hipflash's fp8 cache. attention_chunk runs as hipflash's (hipflash/_chunks.py: varlen pieces),
-with fp8 inputs too (not with an fp8 cache). Varlen queries against a KV cache (paged or contiguous, with cache_batch_idx,
+with fp8 inputs and fp8 caches too. Varlen queries against a KV cache (paged or contiguous, with cache_batch_idx,
 cache_leftpad, rotary and an append of packed new keys by cu_seqlens_k_new) run as hipflash's
 chunked prefill after the append and rotation by PyTorch ops (hipflash/_varlen_kv.py). seqused_q / seqused_k run on CPU tensors and
 NVIDIA GPUs, forward and backward; softcap runs on CPU tensors and
