@@ -151,8 +151,10 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if k is not None:
         want = [total_new] + list(k_cache.shape[2:])
         for name, t in (("k", k), ("v", v)):
+            # An fp8 cache: rows in q's dtype (quantised on append), or e4m3 ones with FA3's
+            # e4m3 q (their bytes as they are).
             if list(t.shape) != want or t.device != dev or \
-                    t.dtype not in (k_cache.dtype, q.dtype if fp8 else k_cache.dtype):
+                    t.dtype != (q.dtype if fp8 and q.dtype != k_cache.dtype else k_cache.dtype):
                 raise ValueError(f"{name} must be the packed new rows {want} in the cache's "
                                  f"dtype {k_cache.dtype} (an fp8 cache: or q's) on {dev}, got "
                                  f"{list(t.shape)} {t.dtype} on {t.device}")
@@ -168,6 +170,8 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         # scales): q widened to bfloat16 exactly, the cache read as an fp8 cache with scales 1,
         # out bfloat16.
         q = q.to(torch.bfloat16)
+        if rotary_cos is not None and k is not None:  # rotated in bf16, then quantised
+            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
     if rotary_cos is not None:
         base = cache_seqlens if rotary_seqlens is None else _int32_vector(
             rotary_seqlens, "rotary_seqlens", batch, dev)
