@@ -54,6 +54,20 @@ struct SeqBounds : common::SeqBounds {
     return floor_div + 1 > 0 ? floor_div + 1 : 0;
   }
 
+  /// The last key block (of bn keys) whose dk/dv walk (KeyBlock's rows, row_lo rounded down to
+  /// bm) takes the row block [m0, m0 + bm): the largest n with n bn - diag - right < m0 + bm
+  /// under a right window edge, else the sequence's last key block (-1: no keys).
+  HIPFLASH_HD int64_t last_key_block_seeing(const FwdParams& p, int64_t m0, int bm,
+                                            int bn) const {
+    int64_t last = (len_k + bn - 1) / bn - 1;
+    if (p.window_right >= 0) {
+      const int64_t x = m0 + bm - 1 + diag + p.window_right;  // n <= x / bn
+      const int64_t floor_div = x >= 0 ? x / bn : -((-x + bn - 1) / bn);
+      if (floor_div < last) last = floor_div;
+    }
+    return last;
+  }
+
   /// Whether the tile of rows [m0, m0 + bm) and keys [n0, n0 + bn) needs per-element masking:
   /// keys past the sequence, or a window edge inside the tile (common::BlockInfo::needs_mask's
   /// rule for any tile).
@@ -151,22 +165,30 @@ HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int
          (col & 3);
 }
 
+/// How a dk/dv pass numbers its tiles (key block, kv head, batch): the key block fastest (a
+/// head's key blocks side by side: they share its Q, dO and dq rows in L2), fastest with the
+/// last key block first (the same, each head's lightest causal block first: the deterministic
+/// dq's order for masked calls, bwd_sm90_ws_kernel.hpp), or slowest (every head's heaviest
+/// causal blocks start first).
+enum class KeyOrder : int { kFastest, kFastestLastFirst, kSlowest };
+
 /// What one block of a dk/dv pass owns: key block n_block (keys [n0, n0 + block_n)) of kv head
 /// hk of batch b, and the query rows [row_lo, row_hi) that see those keys (row_lo rounded down
 /// to the pass's query step block_m), walked for each of the kv head's `groups` query heads.
-/// The grid enumerates (key block, kv head, batch) with the key block fastest, or slowest when
-/// `key_block_slowest` (every head's heaviest causal blocks start first).
+/// Tile `linear` in the grid's order `order`.
 struct KeyBlock {
   int n_block;
   int64_t hk, b;
   SeqBounds seq;
   int64_t n0, groups, row_lo = 0, row_hi = 0;
 
-  HIPFLASH_HD KeyBlock(const FwdParams& p, int64_t linear, int num_n_blocks,
-                       bool key_block_slowest, int block_n, int block_m)
-      : n_block(int(key_block_slowest ? linear / (p.batch * p.heads_kv) : linear % num_n_blocks)),
-        hk(head_batch(p, linear, num_n_blocks, key_block_slowest) % p.heads_kv),
-        b(head_batch(p, linear, num_n_blocks, key_block_slowest) / p.heads_kv),
+  HIPFLASH_HD KeyBlock(const FwdParams& p, int64_t linear, int num_n_blocks, KeyOrder order,
+                       int block_n, int block_m)
+      : n_block(int(order == KeyOrder::kSlowest ? linear / (p.batch * p.heads_kv)
+                    : order == KeyOrder::kFastest ? linear % num_n_blocks
+                                                  : num_n_blocks - 1 - linear % num_n_blocks)),
+        hk(head_batch(p, linear, num_n_blocks, order) % p.heads_kv),
+        b(head_batch(p, linear, num_n_blocks, order) / p.heads_kv),
         seq(p, b),
         n0(int64_t(n_block) * block_n),
         groups(p.heads_q / p.heads_kv) {
@@ -179,8 +201,8 @@ struct KeyBlock {
 
  private:
   HIPFLASH_HD static int64_t head_batch(const FwdParams& p, int64_t linear, int num_n_blocks,
-                                        bool key_block_slowest) {
-    return key_block_slowest ? linear % (p.batch * p.heads_kv) : linear / num_n_blocks;
+                                        KeyOrder order) {
+    return order == KeyOrder::kSlowest ? linear % (p.batch * p.heads_kv) : linear / num_n_blocks;
   }
 };
 

@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(DkdvTile<Traits::kHeadDim>::kThreads)
   const int key_warp = warp / Cfg::kDSplit, dpart = warp % Cfg::kDSplit;
   const int g = lane / 4, t = lane % 4;
 
-  const KeyBlock kb(p, blockIdx.x, num_n_blocks, false, kBN, kBM);
+  const KeyBlock kb(p, blockIdx.x, num_n_blocks, KeyOrder::kFastest, kBN, kBM);
   if (kb.past_keys()) return;  // past this varlen sequence's keys
   const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups, row_lo = kb.row_lo;
   const SeqBounds& seq = kb.seq;

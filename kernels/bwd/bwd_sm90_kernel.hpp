@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(256, 1)
   // Grid order: key block fastest (the blocks of one kv head run together and share its Q / dO
   // in L2); masked calls key block slowest instead, so that every head's heaviest key blocks
   // (causal: the first ones, seen by the most rows) start first and none is left for the tail.
-  const KeyBlock kb(p, blockIdx.x, num_n_blocks, Traits::kMasked, kBN, kBM);
+  const KeyBlock kb(p, blockIdx.x, num_n_blocks,
+                    Traits::kMasked ? KeyOrder::kSlowest : KeyOrder::kFastest, kBN, kBM);
   if (kb.past_keys()) return;  // past this varlen sequence's keys
   const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups, row_lo = kb.row_lo;
   const SeqBounds& seq = kb.seq;

@@ -22,7 +22,7 @@
 //    and, on the atomic path, writes dS^T to shared memory; after both warpgroups have,
 //    dQ = dS K (wgmma SS: a 64 x 64 piece each, as in bwd_sm90_kernel.hpp) goes into the
 //    staged fp32 tile. Deterministic calls take the same path, the writer adding a row block's
-//    terms in key-block order (a counter per block in dq_semaphore).
+//    terms in a fixed key-block order (a counter per row block in dq_semaphore).
 // The exponentials overlap the dP^T product, dV / dK the staging of dS^T; the two warpgroups'
 // non-MMA phases interleave with each other's products, and no consumer issues a load or a
 // global reduction.
@@ -182,8 +182,8 @@ struct DkdvWork {
   int64_t row_end;  ///< the end of one head's walk (row_lo + its steps x kBM)
 
   __device__ __forceinline__ DkdvWork(const BwdParams& p, int64_t tile, int num_n_blocks,
-                                      bool masked)
-      : kb(p, tile, num_n_blocks, masked, kBN, kBM) {
+                                      KeyOrder order)
+      : kb(p, tile, num_n_blocks, order, kBN, kBM) {
     const int64_t m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
     steps = m_steps * kb.groups;
     row_end = kb.row_lo + m_steps * kBM;
@@ -215,14 +215,14 @@ struct StepPos {
 
 /// Block i takes tiles i, i + gridDim.x, ... of `tiles` (or the snake's): persistent (one block
 /// per multiprocessor) or one tile per block (the launcher's choice), tiles numbered in
-/// bwd::KeyBlock's order (`key_block_slowest`: every head's heaviest causal blocks first). The
+/// bwd::KeyBlock's `order` (deterministic dq: the order of its additions, below). The
 /// producer loads a tile's K / V as soon as the consumers have released the last tile's, so
 /// that load overlaps their dK / dV stores.
 template <class Traits>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,
                             const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles,
-                            bool snake, bool key_block_slowest) {
+                            bool snake, KeyOrder order) {
 #if defined(HIPFLASH_HAS_WGMMA)
   using namespace ::hipflash::atom::sm90;
   using namespace dkdv_ws;
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
       for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
         const int64_t tile = walk.tile;
-        const Work w(p, tile, num_n_blocks, key_block_slowest);
+        const Work w(p, tile, num_n_blocks, order);
         if (w.steps == 0) continue;  // the consumers only store zeros
         // Map coordinates: a varlen call's maps are its packed rows as one batch.
         const int hk = int(w.kb.hk), b = int(w.kb.b), mb = varlen ? 0 : b;
@@ -286,37 +286,55 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     } else if (warp == kWriterWarp && p.dq_accum != nullptr) {
       // The dQ writer, per step: the buffer free (the last reduction has read it), then the
       // consumers' staged tile added to dq_accum — one bar.arrive per consumer kDqEmpty sync.
-      // Deterministic: a row block's key blocks add in key-block order, each once the block's
-      // counter equals its rank and its own addition complete before it counts on.
+      // Deterministic: a row block's key blocks add in a fixed key-block order, each once the
+      // block's counter equals its rank. Its own addition counts on once performed, which the
+      // writer waits for after handing the buffer back (the consumers' next step overlaps the
+      // wait) and before any wait on a counter. The order is ascending, or descending under
+      // KeyOrder::kFastestLastFirst (masked calls: a head's key blocks run side by side, and a
+      // later one reaches each row block earlier in its walk, so none waits while they keep
+      // pace). Either way a tile waits only on tiles numbered before it, which a persistent
+      // grid's blocks reach (each walks its tiles in increasing order).
       const bool ordered = p.dq_semaphore != nullptr;
+      int32_t* pending = nullptr;  // the counter of the last addition, not yet counted on
+      auto count_on = [&pending] {
+        if (pending == nullptr) return;
+        tma::wait_group<0>();  // performed, not just read
+        fence_proxy_async_global();
+        add_release(pending, 1);
+        pending = nullptr;
+      };
       for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
         const int64_t tile = walk.tile;
-        const Work w(p, tile, num_n_blocks, key_block_slowest);
+        const Work w(p, tile, num_n_blocks, order);
         StepPos<kBM> pos = first_step(w);
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
           if (lane == 0) tma::wait_group_read<0>();
           __syncwarp();
           named_arrive<kDqBarThreads>(kDqEmpty);
+          if (lane == 0) count_on();
           named_sync<kDqBarThreads>(kDqFull);
           if (lane == 0) {
             const int64_t ws = p.ws_row(w.kb.b, pos.h, pos.m0);
-            int32_t* const counter = ordered ? p.dq_semaphore + ws / 64 : nullptr;
             if (ordered) {
-              const int rank = int(w.kb.n_block - w.kb.seq.first_key_block_seeing(p, pos.m0, kBN));
+              const SeqBounds& seq = w.kb.seq;
+              const int rank =
+                  order == KeyOrder::kFastestLastFirst
+                      ? int(seq.last_key_block_seeing(p, pos.m0, kBM, kBN) - w.kb.n_block)
+                      : int(w.kb.n_block - seq.first_key_block_seeing(p, pos.m0, kBN));
+              int32_t* const counter = p.dq_semaphore + ws / 64;
               while (load_acquire(counter) != rank) __nanosleep(32);
               fence_proxy_async_global();
+              pending = counter;
             }
             tma::reduce_add_1d(p.dq_accum + ws * kHD, sm.dq(), Cfg::kSmemDq);
             tma::commit_group();
-            if (ordered) {
-              tma::wait_group<0>();  // performed, not just read
-              fence_proxy_async_global();
-              add_release(counter, 1);
-            }
           }
         }
       }
-      if (lane == 0) tma::wait_group<0>();
+      if (lane == 0) {
+        count_on();
+        tma::wait_group<0>();
+      }
     }
     return;
   }
@@ -327,7 +345,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
   for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
     const int64_t tile = walk.tile;
-    const Work w(p, tile, num_n_blocks, key_block_slowest);
+    const Work w(p, tile, num_n_blocks, order);
     if (w.kb.past_keys()) continue;  // past this varlen sequence's keys
     const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;
     const SeqBounds& seq = w.kb.seq;
