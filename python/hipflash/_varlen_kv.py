@@ -165,7 +165,7 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                          f"rows), got lengths up to {max_len}")
     if min_pad < 0 or min_past_pad < 0:
         raise ValueError("cache_leftpad[b] must lie in [0, cache_seqlens[b]]")
-    if q.dtype == getattr(torch, "float8_e4m3fn", None):
+    if e4m3 is not None and q.dtype == e4m3:
         # FlashAttention 3's fp8 KV-cache call (q, the cache and the new rows all e4m3, no
         # scales): q widened to bfloat16 exactly, the cache read as an fp8 cache with scales 1,
         # out bfloat16.
