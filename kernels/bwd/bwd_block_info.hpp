@@ -49,9 +49,8 @@ struct SeqBounds : common::SeqBounds {
   /// sees are consecutive from it (the ordered dq's ranks, bwd_sm90_ws_kernel.hpp).
   HIPFLASH_HD int64_t first_key_block_seeing(const FwdParams& p, int64_t m0, int bn) const {
     if (p.window_left < 0) return 0;
-    const int64_t x = m0 + diag - p.window_left - bn;  // n > x / bn
-    const int64_t floor_div = x >= 0 ? x / bn : -((-x + bn - 1) / bn);
-    return floor_div + 1 > 0 ? floor_div + 1 : 0;
+    const int64_t n = common::floor_div(m0 + diag - p.window_left - bn, bn) + 1;
+    return n > 0 ? n : 0;
   }
 
   /// The last key block (of bn keys) whose dk/dv walk (KeyBlock's rows, row_lo rounded down to
@@ -61,9 +60,8 @@ struct SeqBounds : common::SeqBounds {
                                             int bn) const {
     int64_t last = (len_k + bn - 1) / bn - 1;
     if (p.window_right >= 0) {
-      const int64_t x = m0 + bm - 1 + diag + p.window_right;  // n <= x / bn
-      const int64_t floor_div = x >= 0 ? x / bn : -((-x + bn - 1) / bn);
-      if (floor_div < last) last = floor_div;
+      const int64_t n = common::floor_div(m0 + bm - 1 + diag + p.window_right, bn);
+      if (n < last) last = n;
     }
     return last;
   }

@@ -11,6 +11,11 @@
 
 namespace hipflash::common {
 
+/// x / d rounded towards negative infinity (d > 0): a window's edge may lie before key 0.
+HIPFLASH_HD int64_t floor_div(int64_t x, int64_t d) {
+  return x >= 0 ? x / d : -((-x + d - 1) / d);
+}
+
 /// Sequence b's first rows and lengths: varlen from cu_seqlens; dense 0 and the call's, a KV
 /// cache its cached keys plus the appended ones. The forward's BlockInfo and the backward's
 /// passes (bwd::SeqBounds) both derive them here.
@@ -248,10 +253,6 @@ template <int kBlockM, int kBlockN>
 template <int kRows, int N, class RowOf>
 HIPFLASH_HD auto BlockInfo<kBlockM, kBlockN>::row_mask(const FwdParams& p, int64_t i0,
                                                         bool masked, const RowOf& row_of) const {
-  // Floor and ceiling of x / kBlockN for either sign (the window's edges may lie before key 0).
-  const auto floor_div = [](int64_t x) {
-    return x >= 0 ? x / kBlockN : -((-x + kBlockN - 1) / kBlockN);
-  };
   const auto clamp = [](int64_t x) {
     return int(x < -(int64_t(1) << 30) ? -(1 << 30) : x > (int64_t(1) << 30) ? 1 << 30 : x);
   };
@@ -260,11 +261,11 @@ HIPFLASH_HD auto BlockInfo<kBlockM, kBlockN>::row_mask(const FwdParams& p, int64
   // edges for every row of [i0, i0 + kRows): a range of blocks.
   int64_t hi = len_k / kBlockN - 1, lo = 0;
   if (masked && p.window_right >= 0) {
-    const int64_t h = floor_div(i0 + diag + p.window_right - kBlockN + 1);
+    const int64_t h = floor_div(i0 + diag + p.window_right - kBlockN + 1, kBlockN);
     hi = h < hi ? h : hi;
   }
   if (masked && p.window_left >= 0) {
-    const int64_t l = -floor_div(-(i0 + kRows - 1 + diag - p.window_left));  // ceiling
+    const int64_t l = -floor_div(-(i0 + kRows - 1 + diag - p.window_left), kBlockN);  // ceiling
     lo = l > lo ? l : lo;
   }
   m.full_lo = clamp(lo);
