@@ -173,20 +173,65 @@ __device__ __forceinline__ float* smem_floats(unsigned char* raw, uint32_t addr)
 
 #endif  // HIPFLASH_HAS_WGMMA
 
+/// A step's (query head, first row), advanced one step at a time (no 64-bit division); after
+/// the group's last head the walk wraps to its first (a rotated walk, DkdvWork).
+template <int kBM>
+struct StepPos {
+  int h, m0, row_lo, row_end, h_lo, h_end;  // rows and heads fit 31 bits
+  __device__ __forceinline__ void next() {
+    m0 += kBM;
+    if (m0 >= row_end) {
+      m0 = row_lo;
+      if (++h == h_end) h = h_lo;
+    }
+  }
+};
+
 /// One work tile of the persistent grid: key block `tile` of the dk/dv pass (bwd::KeyBlock's
 /// order), its query steps and where they start. Every role of a block decodes the same tiles.
+///
+/// `rotate` (unmasked calls, where a sequence's key blocks all walk the same T steps): key block
+/// j of the sequence's n starts its walk at step j T / n and wraps around, so that the key
+/// blocks of a head, running side by side, take different row blocks at any one time. The
+/// deterministic dq's additions to step x then come in the order the walks reach it: key blocks
+/// J, J - 1, ..., 0, n - 1, ..., J + 1, J the last whose walk starts at or before x — rank
+/// (J - j) mod n, T / n steps apart, so no tile waits while they keep pace (ranks from 0 in
+/// key-block order instead made each wait for the one before it at every step). Only with
+/// n <= T (distinct starts); else the walk starts at step 0 and ranks ascend.
 template <int kBM, int kBN>
 struct DkdvWork {
   KeyBlock kb;
-  int64_t steps;    ///< query blocks x query heads of the group; 0: no row sees the keys
-  int64_t row_end;  ///< the end of one head's walk (row_lo + its steps x kBM)
+  int64_t m_steps;        ///< query blocks of one head's walk
+  int64_t steps;          ///< query blocks x query heads of the group; 0: no row sees the keys
+  int64_t row_end;        ///< the end of one head's walk (row_lo + m_steps x kBM)
+  int64_t first = 0;      ///< the step the walk starts at
+  int64_t key_blocks = 0; ///< the sequence's key blocks when the walk is rotated, else 0
 
   __device__ __forceinline__ DkdvWork(const BwdParams& p, int64_t tile, int num_n_blocks,
-                                      KeyOrder order)
+                                      KeyOrder order, bool rotate)
       : kb(p, tile, num_n_blocks, order, kBN, kBM) {
-    const int64_t m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
+    m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
     steps = m_steps * kb.groups;
     row_end = kb.row_lo + m_steps * kBM;
+    const int64_t n = (kb.seq.len_k + kBN - 1) / kBN;
+    if (rotate && steps > 0 && n <= steps && n * steps <= int64_t(UINT32_MAX)) {
+      key_blocks = n;  // 32-bit arithmetic below
+      first = uint32_t(kb.n_block) * uint32_t(steps) / uint32_t(n);
+    }
+  }
+
+  __device__ __forceinline__ StepPos<kBM> first_step() const {
+    const int h_lo = int(kb.hk * kb.groups), head = first > 0 ? int(uint32_t(first) / uint32_t(m_steps)) : 0;
+    return StepPos<kBM>{h_lo + head, int(kb.row_lo + (first - head * m_steps) * kBM),
+                        int(kb.row_lo), int(row_end), h_lo, h_lo + int(kb.groups)};
+  }
+
+  /// The rank of this tile's dq addition at `pos` in a rotated walk (above).
+  __device__ __forceinline__ int rotated_rank(const StepPos<kBM>& pos) const {
+    const uint32_t x = uint32_t(pos.h - pos.h_lo) * uint32_t(m_steps) +
+                       uint32_t(pos.m0 - pos.row_lo) / kBM;
+    const uint32_t n = uint32_t(key_blocks), last = ((x + 1) * n - 1) / uint32_t(steps);
+    return int((last + n - uint32_t(kb.n_block)) % n);
   }
 };
 
@@ -203,16 +248,6 @@ struct TileWalk {
   }
 };
 
-/// A step's (query head, first row), advanced one step at a time (no 64-bit division).
-template <int kBM>
-struct StepPos {
-  int64_t h, m0, row_lo, row_end;
-  __device__ __forceinline__ void next() {
-    m0 += kBM;
-    if (m0 >= row_end) m0 = row_lo, ++h;
-  }
-};
-
 /// Block i takes tiles i, i + gridDim.x, ... of `tiles` (or the snake's): persistent (one block
 /// per multiprocessor) or one tile per block (the launcher's choice), tiles numbered in
 /// bwd::KeyBlock's `order` (deterministic dq: the order of its additions, below). The
@@ -222,7 +257,7 @@ template <class Traits>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,
                             const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles,
-                            bool snake, KeyOrder order) {
+                            bool snake, KeyOrder order, bool rotate) {
 #if defined(HIPFLASH_HAS_WGMMA)
   using namespace ::hipflash::atom::sm90;
   using namespace dkdv_ws;
@@ -231,9 +266,6 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   constexpr DType kDT = Traits::kDType;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
   using Work = DkdvWork<kBM, kBN>;
-  auto first_step = [](const Work& w) {
-    return StepPos<kBM>{w.kb.hk * w.kb.groups, w.kb.row_lo, w.kb.row_lo, w.row_end};
-  };
 
   const bool varlen = p.is_varlen();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -254,7 +286,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
       for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
         const int64_t tile = walk.tile;
-        const Work w(p, tile, num_n_blocks, order);
+        const Work w(p, tile, num_n_blocks, order, rotate);
         if (w.steps == 0) continue;  // the consumers only store zeros
         // Map coordinates: a varlen call's maps are its packed rows as one batch.
         const int hk = int(w.kb.hk), b = int(w.kb.b), mb = varlen ? 0 : b;
@@ -266,7 +298,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
           tma::load_4d(sm.k() + c * kBN * 128, &maps.k, sm.kv_full(), 64 * c, n0, hk, mb);
           tma::load_4d(sm.v() + c * kBN * 128, &maps.v, sm.kv_full(), 64 * c, n0, hk, mb);
         }
-        StepPos<kBM> pos = first_step(w);
+        StepPos<kBM> pos = w.first_step();
         for (int64_t s = 0; s < w.steps; ++s, pos.next(), ++it) {
           const int st = int(it % Cfg::kStages);
           sm.q_empty(st).wait(((it / Cfg::kStages) & 1u) ^ 1u);
@@ -293,7 +325,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // KeyOrder::kFastestLastFirst (masked calls: a head's key blocks run side by side, and a
       // later one reaches each row block earlier in its walk, so none waits while they keep
       // pace). Either way a tile waits only on tiles numbered before it, which a persistent
-      // grid's blocks reach (each walks its tiles in increasing order).
+      // grid's blocks reach (each walks its tiles in increasing order). A rotated walk
+      // (DkdvWork; unmasked calls) ranks in the order the walks reach a step and waits on
+      // later tiles too, which the launcher allows only while a head's key blocks are resident
+      // together.
       const bool ordered = p.dq_semaphore != nullptr;
       int32_t* pending = nullptr;  // the counter of the last addition, not yet counted on
       auto count_on = [&pending] {
@@ -305,8 +340,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       };
       for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
         const int64_t tile = walk.tile;
-        const Work w(p, tile, num_n_blocks, order);
-        StepPos<kBM> pos = first_step(w);
+        const Work w(p, tile, num_n_blocks, order, rotate);
+        StepPos<kBM> pos = w.first_step();
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
           if (lane == 0) tma::wait_group_read<0>();
           __syncwarp();
@@ -318,7 +353,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             if (ordered) {
               const SeqBounds& seq = w.kb.seq;
               const int rank =
-                  order == KeyOrder::kFastestLastFirst
+                  w.key_blocks > 0 ? w.rotated_rank(pos)
+                  : order == KeyOrder::kFastestLastFirst
                       ? int(seq.last_key_block_seeing(p, pos.m0, kBM, kBN) - w.kb.n_block)
                       : int(w.kb.n_block - seq.first_key_block_seeing(p, pos.m0, kBN));
               int32_t* const counter = p.dq_semaphore + ws / 64;
@@ -345,7 +381,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
   for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
     const int64_t tile = walk.tile;
-    const Work w(p, tile, num_n_blocks, order);
+    const Work w(p, tile, num_n_blocks, order, rotate);
     if (w.kb.past_keys()) continue;  // past this varlen sequence's keys
     const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;
     const SeqBounds& seq = w.kb.seq;
@@ -362,7 +398,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         zero_tail_rows<Cfg, kBN>(sm.k(), int(seq.len_k - n0), 1);
     }
 
-    StepPos<kBM> pos = first_step(w);
+    StepPos<kBM> pos = w.first_step();
     for (int64_t s = 0; s < w.steps; ++s, pos.next(), ++it) {
       const int st = int(it % Cfg::kStages);
       const int64_t m0 = pos.m0;

@@ -169,8 +169,12 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
+          // Deterministic unmasked calls walk rotated (bwd::DkdvWork), a tile then waiting on
+          // later ones too: only while a head's key blocks are all resident at once (a stride
+          // gives each block at most one of them).
+          const bool rotate = ordered && !Traits::kMasked && !snake && blocks <= grid;
           dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
-              p, int(blocks), maps, tiles, snake, order);
+              p, int(blocks), maps, tiles, snake, order, rotate);
           check_launch("dk/dv (sm90_ws)");
         }
         done = true;
