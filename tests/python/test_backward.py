@@ -74,6 +74,7 @@ GPU_CASES = [
     (1, 600, 500, 2, 2, 128, False, (64, 32)),  # window, Sq > Sk
     (1, 300, 300, 4, 2, 256, True, (-1, -1)),
     (2, 129, 1000, 8, 8, 96, False, (-1, -1)),
+    (2, 700, 1100, 8, 2, 128, False, (-1, -1)),  # GQA, unmasked: a rotated walk when deterministic
 ]
 
 
@@ -129,11 +130,12 @@ def test_rows_without_keys_get_zero_gradients(device, deterministic):
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_deterministic_bitwise_over_repeats(device):
+def test_deterministic_bitwise_over_repeats(device, causal):
     q, k, v = make_qkv(2, 245, 270, 4, 2, 64, torch.bfloat16, seed=3)
     dout = torch.randn(2, 245, 4, 64).to(torch.bfloat16)
-    fn = lambda *a: hipflash.flash_attn_func(*a, causal=True, deterministic=True)  # noqa: E731
+    fn = lambda *a: hipflash.flash_attn_func(*a, causal=causal, deterministic=True)  # noqa: E731
     first = grads(fn, q, k, v, dout, device)[1]
     for _ in range(100):
         again = grads(fn, q, k, v, dout, device)[1]
