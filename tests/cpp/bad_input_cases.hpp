@@ -327,9 +327,6 @@ inline std::vector<Case> gpu_refused_cases() {
   using E = Entry;
   const Err ni = Err::not_impl;
   return {
-      {"varlen-backward-seqused", E::varlen_backward,
-       [](Call& c) { c.vbopts.seqused_k = &c.Used; }, ni,
-       "seqused_q / seqused_k in the backward run on the CPU backend only"},
       // fp8 q, k, v run on the GPU (Hopper, AMD gfx94x / gfx950); with ALiBi they do not.
       {"forward-fp8-alibi", E::forward,
        [](Call& c) { make_fp8(c), c.opts.alibi_slopes = &c.Slopes; }, ni,
