@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kPrepThreads)
       acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   if (p.dq_semaphore != nullptr && lane == 0 && row % 64 == 0) p.dq_semaphore[ws / 64] = 0;
+  if (p.tile_counter != nullptr && lane == 0 && ws == 0) *p.tile_counter = 0;
 }
 
 inline constexpr int kConvertThreads = 256;

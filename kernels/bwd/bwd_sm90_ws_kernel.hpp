@@ -63,7 +63,8 @@ struct DkdvSm90WsTile {
   /// Bytes a stage's full barrier counts: Q, dO, lse_log2 and delta.
   static constexpr uint32_t kStageBytes = 2 * kSmemQ + 2 * kStatBytes;
   // Shared-memory map from the 1024-byte-aligned base: K | V | Q[2] | dO[2] | dS^T | dQ (fp32)
-  // | lse_log2[2] | delta[2] | barriers (Q full[2], Q empty[2], K/V full, K/V empty).
+  // | lse_log2[2] | delta[2] | barriers (Q full[2], Q empty[2], K/V full, K/V empty, tile
+  // full[2], tile empty[2]) | tile numbers[2] (a counter's, TileFeed).
   static constexpr uint32_t kOffV = kSmemKV, kOffQ = 2 * kSmemKV;
   static constexpr uint32_t kOffDo = kOffQ + kStages * kSmemQ;
   static constexpr uint32_t kOffDs = kOffDo + kStages * kSmemQ;
@@ -71,7 +72,8 @@ struct DkdvSm90WsTile {
   static constexpr uint32_t kOffLse = kOffDq + kSmemDq;
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kStatBytes;
   static constexpr uint32_t kOffBars = kOffDelta + kStages * kStatBytes;
-  static constexpr int kSmemBytes = int(kOffBars + (2 + 2 * kStages) * 8 + 1024);
+  static constexpr uint32_t kOffTiles = kOffBars + (6 + 2 * kStages) * 8;
+  static constexpr int kSmemBytes = int(kOffTiles + 2 * 4 + 1024);
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (one or two panels)");
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
   static_assert(kSmemQ % 1024 == 0 && kSmemDs % 1024 == 0, "1024-byte aligned tiles");
@@ -118,8 +120,17 @@ struct Smem {
   __device__ __forceinline__ Mbarrier kv_empty() const {
     return {base + Cfg::kOffBars + 8u * (2 * Cfg::kStages + 1)};
   }
+  __device__ __forceinline__ Mbarrier tile_full(int s) const {
+    return {base + Cfg::kOffBars + 8u * (2 * Cfg::kStages + 2 + s)};
+  }
+  __device__ __forceinline__ Mbarrier tile_empty(int s) const {
+    return {base + Cfg::kOffBars + 8u * (2 * Cfg::kStages + 4 + s)};
+  }
+  __device__ __forceinline__ uint32_t tile_number(int s) const {
+    return base + Cfg::kOffTiles + 4u * s;
+  }
   /// One thread: full barriers take the producer's one arrival (plus bytes), empty ones one
-  /// arrival per consumer warp.
+  /// arrival per consumer warp (a tile number's also the writer warp's).
   __device__ __forceinline__ void init() const {
     constexpr uint32_t kConsumerWarps = Cfg::kConsumerThreads / 32;
     for (int s = 0; s < Cfg::kStages; ++s) {
@@ -128,10 +139,20 @@ struct Smem {
     }
     kv_full().init(1);
     kv_empty().init(kConsumerWarps);
+    for (int s = 0; s < 2; ++s) {
+      tile_full(s).init(1);
+      tile_empty(s).init(kConsumerWarps + 1);
+    }
   }
 };
 
-/// Stores to a shared-window address (32-bit addressing: half the registers of a pointer).
+/// Loads from and stores to a shared-window address (32-bit addressing: half the registers of
+/// a pointer).
+__device__ __forceinline__ uint32_t ld_shared(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
@@ -248,6 +269,52 @@ struct TileWalk {
   }
 };
 
+#if defined(HIPFLASH_HAS_WGMMA)
+/// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
+/// or (`counter`: deterministic masked calls) taken from a counter as blocks free up, so that
+/// no tile starts before one numbered lower has (the tiles it may wait on). The producer takes
+/// each (the first is the block's own number) and posts it to the other roles through a ring
+/// of two numbers in shared memory; a number past the last tile ends every role's walk.
+template <class Cfg>
+struct TileFeed {
+  dkdv_ws::Smem<Cfg> sm;
+  int32_t* counter;
+  bool snake;
+  TileWalk walk{blockIdx.x};
+  uint32_t taken = 0;
+
+  /// The producer's next tile.
+  __device__ __forceinline__ int64_t produce() {
+    if (counter == nullptr) return fixed();
+    const int64_t tile = taken == 0 ? int64_t(blockIdx.x) : gridDim.x + atomicAdd(counter, 1);
+    const int slot = int(taken & 1u);
+    sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
+    dkdv_ws::st_shared(sm.tile_number(slot), uint32_t(tile));
+    sm.tile_full(slot).arrive();
+    ++taken;
+    return tile;
+  }
+  /// The next tile of a consumer or the writer (every lane of the warp).
+  __device__ __forceinline__ int64_t consume() {
+    if (counter == nullptr) return fixed();
+    const int slot = int(taken & 1u);
+    sm.tile_full(slot).wait((taken >> 1) & 1u);
+    const int64_t tile = dkdv_ws::ld_shared(sm.tile_number(slot));
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) sm.tile_empty(slot).arrive();
+    ++taken;
+    return tile;
+  }
+
+ private:
+  __device__ __forceinline__ int64_t fixed() {
+    const int64_t tile = walk.tile;
+    walk.next(snake);
+    return tile;
+  }
+};
+#endif  // HIPFLASH_HAS_WGMMA
+
 /// Block i takes tiles i, i + gridDim.x, ... of `tiles` (or the snake's): persistent (one block
 /// per multiprocessor) or one tile per block (the launcher's choice), tiles numbered in
 /// bwd::KeyBlock's `order` (deterministic dq: the order of its additions, below). The
@@ -266,6 +333,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   constexpr DType kDT = Traits::kDType;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
   using Work = DkdvWork<kBM, kBN>;
+  using Feed = TileFeed<Cfg>;
 
   const bool varlen = p.is_varlen();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -284,8 +352,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       tma::prefetch_map(&maps.q);
       tma::prefetch_map(&maps.dout);
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
-      for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
-        const int64_t tile = walk.tile;
+      Feed feed{sm, p.tile_counter, snake};
+      for (int64_t tile; (tile = feed.produce()) < tiles;) {
         const Work w(p, tile, num_n_blocks, order, rotate);
         if (w.steps == 0) continue;  // the consumers only store zeros
         // Map coordinates: a varlen call's maps are its packed rows as one batch.
@@ -338,8 +406,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         add_release(pending, 1);
         pending = nullptr;
       };
-      for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
-        const int64_t tile = walk.tile;
+      Feed feed{sm, p.tile_counter, snake};
+      for (int64_t tile; (tile = feed.consume()) < tiles;) {
         const Work w(p, tile, num_n_blocks, order, rotate);
         StepPos<kBM> pos = w.first_step();
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
@@ -379,8 +447,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   const int wg = warp / 4, wi = warp % 4, g = lane / 4, t = lane % 4;
   const float scale_log2 = p.softmax_scale * detail::kLog2e;
   uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
-  for (TileWalk walk{blockIdx.x}; walk.tile < tiles; walk.next(snake)) {
-    const int64_t tile = walk.tile;
+  Feed feed{sm, p.tile_counter, snake};
+  for (int64_t tile; (tile = feed.consume()) < tiles;) {
     const Work w(p, tile, num_n_blocks, order, rotate);
     if (w.kb.past_keys()) continue;  // past this varlen sequence's keys
     const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;

@@ -115,6 +115,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
 #endif
   BwdParams p = params;
   if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
+  if (p.dq_semaphore == nullptr || !Traits::kMasked) p.tile_counter = nullptr;
   if (!ws && p.deterministic) p.dq_accum = nullptr;
   // Launches kernel<<<blocks (per (head, batch)) * heads * B, threads, smem>>>(p, blocks).
   auto pass = [&](auto kernel, int64_t blocks, int64_t heads, int threads, int smem,
@@ -156,9 +157,11 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // unless there are too few tiles to even out: heaviest first then (GQA 8 at S = 2k:
           // 256 tiles, -15% key block fastest). Deterministic: persistent (a block waits only on
           // tiles numbered before its own, which a persistent grid's resident blocks are sure
-          // to reach), key block fastest; masked calls in a snake, each head's last key block
-          // first, adding dq in descending key-block order (heaviest first cost masked calls
-          // 1.23-1.42x the default's time even with no wait at all: the L2 sharing lost).
+          // to reach), key block fastest; masked calls each head's last key block first, adding
+          // dq in descending key-block order (heaviest first cost masked calls 1.23-1.42x the
+          // default's time even with no wait at all: the L2 sharing lost), their tiles taken
+          // from a counter as blocks free up (bwd::TileFeed: a fixed walk started a head's key
+          // blocks at scattered times, and each waited on the one started last).
           const int num_sms = device_arch(device).num_sms;
           const bool ordered = p.dq_semaphore != nullptr;
           const bool persistent = ordered || (!p.is_varlen() && !Traits::kMasked);
@@ -168,6 +171,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
               : tiles < 4 * int64_t(num_sms)   ? bwd::KeyOrder::kSlowest
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent;
+          if (tiles > INT32_MAX) p.tile_counter = nullptr;  // the snake then (numbers: 32-bit)
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
           // Deterministic unmasked calls walk rotated (bwd::DkdvWork), a tile then waiting on
           // later ones too: only while a head's key blocks are all resident at once (a stride

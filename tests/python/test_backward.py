@@ -143,6 +143,30 @@ def test_deterministic_bitwise_over_repeats(device, causal):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with "
+                    f"GPU kernels (this build: {hipflash.build_info()!r})")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_deterministic_many_tiles(causal, d):
+    """More key-block tiles than a GPU has multiprocessors (a persistent grid hands them out:
+    a counter for masked calls, a rotated walk unmasked): bitwise over repeats, and within
+    FlashAttention's rule of the fp64 gradients as the atomic mode is."""
+    q, k, v = make_qkv(2, 1100, 1100, 16, 4, d, torch.bfloat16, seed=5)  # 2 x 4 x 9 = 72 tiles
+    q, k, v = (t.repeat(3, 1, 1, 1) for t in (q, k, v))                  # x 3: 216 tiles
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    fn = lambda *a: hipflash.flash_attn_func(*a, causal=causal, deterministic=True)  # noqa: E731
+    first = grads(fn, q, k, v, dout, "cuda")[1]
+    for _ in range(5):
+        again = grads(fn, q, k, v, dout, "cuda")[1]
+        for a, b in zip(first, again):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, causal), q, k, v, dout, "cuda")
+    _, glow = grads(lambda *a: torch_attention(*a, torch.bfloat16, causal), q, k, v, dout,
+                    "cuda")
+    for name, ours, low, ref in zip("qkv", first, glow, (g.cpu() for g in g64)):
+        assert_flash_rule(name, ours, low, ref)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_training_loop_matches_sdpa(device):
     # A tiny attention model trained a few hundred steps with hipflash and with the same model
