@@ -271,21 +271,21 @@ struct TileWalk {
 
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
-/// or (`counter`: deterministic masked calls) taken from a counter as blocks free up, so that
+/// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
 /// no tile starts before one numbered lower has (the tiles it may wait on). The producer takes
 /// each (the first is the block's own number) and posts it to the other roles through a ring
 /// of two numbers in shared memory; a number past the last tile ends every role's walk.
-template <class Cfg>
+template <class Cfg, bool kCounted>
 struct TileFeed {
   dkdv_ws::Smem<Cfg> sm;
-  int32_t* counter;
+  int32_t* counter;  ///< kCounted: the next tile's number, less gridDim.x
   bool snake;
   TileWalk walk{blockIdx.x};
   uint32_t taken = 0;
 
   /// The producer's next tile.
   __device__ __forceinline__ int64_t produce() {
-    if (counter == nullptr) return fixed();
+    if constexpr (!kCounted) return fixed();
     const int64_t tile = taken == 0 ? int64_t(blockIdx.x) : gridDim.x + atomicAdd(counter, 1);
     const int slot = int(taken & 1u);
     sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
@@ -296,7 +296,7 @@ struct TileFeed {
   }
   /// The next tile of a consumer or the writer (every lane of the warp).
   __device__ __forceinline__ int64_t consume() {
-    if (counter == nullptr) return fixed();
+    if constexpr (!kCounted) return fixed();
     const int slot = int(taken & 1u);
     sm.tile_full(slot).wait((taken >> 1) & 1u);
     const int64_t tile = dkdv_ws::ld_shared(sm.tile_number(slot));
@@ -315,12 +315,13 @@ struct TileFeed {
 };
 #endif  // HIPFLASH_HAS_WGMMA
 
-/// Block i takes tiles i, i + gridDim.x, ... of `tiles` (or the snake's): persistent (one block
-/// per multiprocessor) or one tile per block (the launcher's choice), tiles numbered in
+/// Block i takes tiles i, i + gridDim.x, ... of `tiles` (or the snake's, or kCounted a
+/// counter's, TileFeed): persistent (one block per multiprocessor) or one tile per block (the
+/// launcher's choice), tiles numbered in
 /// bwd::KeyBlock's `order` (deterministic dq: the order of its additions, below). The
 /// producer loads a tile's K / V as soon as the consumers have released the last tile's, so
 /// that load overlaps their dK / dV stores.
-template <class Traits>
+template <class Traits, bool kCounted = false>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,
                             const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles,
@@ -333,7 +334,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   constexpr DType kDT = Traits::kDType;
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
   using Work = DkdvWork<kBM, kBN>;
-  using Feed = TileFeed<Cfg>;
+  using Feed = TileFeed<Cfg, kCounted>;
 
   const bool varlen = p.is_varlen();
   extern __shared__ __align__(1024) unsigned char smem_raw[];

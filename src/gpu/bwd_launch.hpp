@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "bwd/bwd_portable_kernel.hpp"
 #include "bwd/bwd_preprocess_kernel.hpp"
@@ -99,6 +100,10 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
 }
 #endif  // HIPFLASH_HAS_SM90_KERNELS
 
+/// A kernel as a type (a generic lambda's argument that can name it as a template argument).
+template <auto kKernel>
+using KernelConstant = std::integral_constant<decltype(kKernel), kKernel>;
+
 }  // namespace bwd_detail
 
 template <class Traits>
@@ -143,8 +148,6 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
     if constexpr (kHD <= kBwdSm90MaxHeadDim) {
       if (ws) {
         using Dkdv = bwd::DkdvSm90WsTile<kHD>;
-        constexpr auto dkdv = bwd::bwd_dkdv_sm90_ws_kernel<Traits>;
-        set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
         if (const int64_t tiles = blocks * p.heads_kv * p.batch; tiles > 0) {
           const bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
@@ -164,21 +167,32 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // blocks at scattered times, and each waited on the one started last).
           const int num_sms = device_arch(device).num_sms;
           const bool ordered = p.dq_semaphore != nullptr;
-          const bool persistent = ordered || (!p.is_varlen() && !Traits::kMasked);
+          if (tiles > INT32_MAX) p.tile_counter = nullptr;  // the snake then (numbers: 32-bit)
+          const bool counted = p.tile_counter != nullptr;
+          const bool persistent = ordered || counted || (!p.is_varlen() && !Traits::kMasked);
           const bwd::KeyOrder order =
               !Traits::kMasked                 ? bwd::KeyOrder::kFastest
               : ordered                        ? bwd::KeyOrder::kFastestLastFirst
               : tiles < 4 * int64_t(num_sms)   ? bwd::KeyOrder::kSlowest
                                                : bwd::KeyOrder::kFastest;
-          const bool snake = Traits::kMasked && persistent;
-          if (tiles > INT32_MAX) p.tile_counter = nullptr;  // the snake then (numbers: 32-bit)
+          const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
           // Deterministic unmasked calls walk rotated (bwd::DkdvWork), a tile then waiting on
           // later ones too: only while a head's key blocks are all resident at once (a stride
           // gives each block at most one of them).
           const bool rotate = ordered && !Traits::kMasked && !snake && blocks <= grid;
-          dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes, stream>>>(
-              p, int(blocks), maps, tiles, snake, order, rotate);
+          auto launch = [&](auto kernel) {  // a KernelConstant
+            constexpr auto dkdv = decltype(kernel)::value;
+            set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
+            dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes,
+                   stream>>>(p, int(blocks), maps, tiles, snake, order, rotate);
+          };
+          if constexpr (Traits::kMasked) {  // only masked calls take a counter's tiles
+            if (counted) launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});
+            else launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
+          } else {
+            launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
+          }
           check_launch("dk/dv (sm90_ws)");
         }
         done = true;
