@@ -6,7 +6,7 @@
 //
 // A work tile is kBlockN = 128 keys of one (batch, kv head) and every query block that sees
 // them, for each query head of the group (bwd::KeyBlock); a block (persistent, one per
-// multiprocessor, for unmasked calls) walks its tiles in three warpgroups:
+// multiprocessor, for unmasked and deterministic calls) walks its tiles in three warpgroups:
 //  * the producer warp: a tile's K and V (once the last tile's are released: the load overlaps
 //    the consumers' dK / dV stores), then per step Q, dO (TMA, 128-byte swizzle) and the rows'
 //    (lse_log2, delta) (1-d bulk copies) into the next free stage of the ring;
@@ -22,7 +22,8 @@
 //    and, on the atomic path, writes dS^T to shared memory; after both warpgroups have,
 //    dQ = dS K (wgmma SS: a 64 x 64 piece each, as in bwd_sm90_kernel.hpp) goes into the
 //    staged fp32 tile. Deterministic calls take the same path, the writer adding a row block's
-//    terms in a fixed key-block order (a counter per row block in dq_semaphore).
+//    terms in a fixed key-block order (a counter per row block in dq_semaphore): unmasked
+//    calls walk rotated (DkdvWork), masked ones take their tiles from a counter (TileFeed).
 // The exponentials overlap the dP^T product, dV / dK the staging of dS^T; the two warpgroups'
 // non-MMA phases interleave with each other's products, and no consumer issues a load or a
 // global reduction.
@@ -130,7 +131,8 @@ struct Smem {
     return base + Cfg::kOffTiles + 4u * s;
   }
   /// One thread: full barriers take the producer's one arrival (plus bytes), empty ones one
-  /// arrival per consumer warp (a tile number's also the writer warp's).
+  /// arrival per consumer warp (a tile number's also the writer warp's: a counted walk is
+  /// deterministic, whose dq the writer adds, so the writer runs).
   __device__ __forceinline__ void init() const {
     constexpr uint32_t kConsumerWarps = Cfg::kConsumerThreads / 32;
     for (int s = 0; s < Cfg::kStages; ++s) {
@@ -211,14 +213,16 @@ struct StepPos {
 /// One work tile of the persistent grid: key block `tile` of the dk/dv pass (bwd::KeyBlock's
 /// order), its query steps and where they start. Every role of a block decodes the same tiles.
 ///
-/// `rotate` (unmasked calls, where a sequence's key blocks all walk the same T steps): key block
-/// j of the sequence's n starts its walk at step j T / n and wraps around, so that the key
-/// blocks of a head, running side by side, take different row blocks at any one time. The
+/// `rotate` (deterministic unmasked calls, where a sequence's key blocks all walk the same T
+/// steps): key block j of the sequence's n starts its walk at step j T / n and wraps around,
+/// so that the key blocks of a head, running side by side, take different row blocks at any
+/// one time. The
 /// deterministic dq's additions to step x then come in the order the walks reach it: key blocks
 /// J, J - 1, ..., 0, n - 1, ..., J + 1, J the last whose walk starts at or before x — rank
 /// (J - j) mod n, T / n steps apart, so no tile waits while they keep pace (ranks from 0 in
 /// key-block order instead made each wait for the one before it at every step). Only with
-/// n <= T (distinct starts); else the walk starts at step 0 and ranks ascend.
+/// n <= T (distinct starts) and n T < 2^32 (32-bit arithmetic); else the walk starts at step 0
+/// and ranks ascend.
 template <int kBM, int kBN>
 struct DkdvWork {
   KeyBlock kb;
@@ -272,9 +276,11 @@ struct TileWalk {
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
 /// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
-/// no tile starts before one numbered lower has (the tiles it may wait on). The producer takes
-/// each (the first is the block's own number) and posts it to the other roles through a ring
-/// of two numbers in shared memory; a number past the last tile ends every role's walk.
+/// the tiles a tile waits on (numbered lower) were taken before it. The producer takes each
+/// (the first is the block's own number) and posts it to the other roles through a ring of two
+/// numbers in shared memory; a number past the last tile ends every role's walk. Like the fixed
+/// walks it counts on the whole grid being resident (one block per multiprocessor): a first
+/// tile waits on a lower one only if that one's block has started.
 template <class Cfg, bool kCounted>
 struct TileFeed {
   dkdv_ws::Smem<Cfg> sm;
@@ -395,9 +401,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // later one reaches each row block earlier in its walk, so none waits while they keep
       // pace). Either way a tile waits only on tiles numbered before it, which a persistent
       // grid's blocks reach (each walks its tiles in increasing order). A rotated walk
-      // (DkdvWork; unmasked calls) ranks in the order the walks reach a step and waits on
-      // later tiles too, which the launcher allows only while a head's key blocks are resident
-      // together.
+      // (DkdvWork; unmasked calls) ranks in the order the walks reach a step and waits on a
+      // head's later key blocks too: the launcher rotates only where a head's key blocks fall
+      // on distinct blocks of the stride (n <= grid), each behind tiles of earlier heads only.
       const bool ordered = p.dq_semaphore != nullptr;
       int32_t* pending = nullptr;  // the counter of the last addition, not yet counted on
       auto count_on = [&pending] {
