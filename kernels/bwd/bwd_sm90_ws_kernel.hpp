@@ -216,13 +216,12 @@ struct StepPos {
 /// `rotate` (deterministic unmasked calls, where a sequence's key blocks all walk the same T
 /// steps): key block j of the sequence's n starts its walk at step j T / n and wraps around,
 /// so that the key blocks of a head, running side by side, take different row blocks at any
-/// one time. The
-/// deterministic dq's additions to step x then come in the order the walks reach it: key blocks
-/// J, J - 1, ..., 0, n - 1, ..., J + 1, J the last whose walk starts at or before x — rank
-/// (J - j) mod n, T / n steps apart, so no tile waits while they keep pace (ranks from 0 in
-/// key-block order instead made each wait for the one before it at every step). Only with
-/// n <= T (distinct starts) and n T < 2^32 (32-bit arithmetic); else the walk starts at step 0
-/// and ranks ascend.
+/// one time. The deterministic dq's additions to step x then come in the order the walks reach
+/// it: key blocks J, J - 1, ..., 0, n - 1, ..., J + 1, J the last whose walk starts at or
+/// before x — rank (J - j) mod n, T / n steps apart, so no tile waits while they keep pace
+/// (ranks from 0 in key-block order instead made each wait for the one before it at every
+/// step). Only with n <= T (distinct starts) and n T < 2^32 (32-bit arithmetic); else the
+/// walk starts at step 0 and ranks ascend.
 template <int kBM, int kBN>
 struct DkdvWork {
   KeyBlock kb;
@@ -246,7 +245,8 @@ struct DkdvWork {
   }
 
   __device__ __forceinline__ StepPos<kBM> first_step() const {
-    const int h_lo = int(kb.hk * kb.groups), head = first > 0 ? int(uint32_t(first) / uint32_t(m_steps)) : 0;
+    const int h_lo = int(kb.hk * kb.groups);
+    const int head = first > 0 ? int(uint32_t(first) / uint32_t(m_steps)) : 0;
     return StepPos<kBM>{h_lo + head, int(kb.row_lo + (first - head * m_steps) * kBM),
                         int(kb.row_lo), int(row_end), h_lo, h_lo + int(kb.groups)};
   }
@@ -323,8 +323,8 @@ struct TileFeed {
 
 /// Block i takes tiles i, i + gridDim.x, ... of `tiles` (or the snake's, or kCounted a
 /// counter's, TileFeed): persistent (one block per multiprocessor) or one tile per block (the
-/// launcher's choice), tiles numbered in
-/// bwd::KeyBlock's `order` (deterministic dq: the order of its additions, below). The
+/// launcher's choice), tiles numbered in bwd::KeyBlock's `order` (deterministic dq: the order
+/// of its additions, below). The
 /// producer loads a tile's K / V as soon as the consumers have released the last tile's, so
 /// that load overlaps their dK / dV stores.
 template <class Traits, bool kCounted = false>

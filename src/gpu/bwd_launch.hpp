@@ -188,11 +188,10 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
             dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes,
                    stream>>>(p, int(blocks), maps, tiles, snake, order, rotate);
           };
-          if constexpr (Traits::kMasked) {  // only masked calls take a counter's tiles
-            if (counted) launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});
-            else launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
-          } else {
+          if (!counted) {
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
+          } else if constexpr (Traits::kMasked) {  // only masked calls keep the tile counter
+            launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});
           }
           check_launch("dk/dv (sm90_ws)");
         }

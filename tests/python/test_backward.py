@@ -47,6 +47,12 @@ def torch_attention(q, k, v, dtype, causal=False, window=(-1, -1), scale=None, s
     return mm(p, vv).transpose(1, 2)
 
 
+def assert_same_bits(got, want):
+    """Tensors of 16-bit floats, equal bit for bit."""
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def grads(fn, q, k, v, dout, device=None):
     """(out, [dq, dk, dv]) of fn on copies of q, k, v (moved to `device` when given)."""
     device = device or q.device
@@ -139,9 +145,7 @@ def test_deterministic_bitwise_over_repeats(device, causal):
     fn = lambda *a: hipflash.flash_attn_func(*a, causal=causal, deterministic=True)  # noqa: E731
     first = grads(fn, q, k, v, dout, device)[1]
     for _ in range(100):
-        again = grads(fn, q, k, v, dout, device)[1]
-        for a, b in zip(first, again):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert_same_bits(grads(fn, q, k, v, dout, device)[1], first)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with "
@@ -158,9 +162,7 @@ def test_gpu_deterministic_many_tiles(causal, d):
     fn = lambda *a: hipflash.flash_attn_func(*a, causal=causal, deterministic=True)  # noqa: E731
     first = grads(fn, q, k, v, dout, "cuda")[1]
     for _ in range(5):
-        again = grads(fn, q, k, v, dout, "cuda")[1]
-        for a, b in zip(first, again):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert_same_bits(grads(fn, q, k, v, dout, "cuda")[1], first)
     _, g64 = grads(lambda *a: torch_attention(*a, torch.float64, causal), q, k, v, dout, "cuda")
     _, glow = grads(lambda *a: torch_attention(*a, torch.bfloat16, causal), q, k, v, dout,
                     "cuda")
