@@ -246,6 +246,19 @@ def _fp8(q, descales):
     return q.dtype == _E4M3 or any(d is not None for d in descales)
 
 
+def _check_chunk_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """What the varlen call checks of its bounds and the chunk pieces, each a call of its own
+    with bounds of its own, would not: int32 prefix sums, and maxima no sequence exceeds."""
+    for name, cu, most in (("q", cu_seqlens_q, max_seqlen_q), ("k", cu_seqlens_k, max_seqlen_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+            raise ValueError(f"cu_seqlens_{name} must be a 1-D tensor of dtype int32, got "
+                             f"{getattr(cu, 'dtype', type(cu).__name__)}")
+        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        if longest > most:
+            raise ValueError(f"max_seqlen_{name} = {most} is too small: a sequence has length "
+                             f"{longest}")
+
+
 def _chunk(attention_chunk):
     """attention_chunk as an int >= 0 (0: off)."""
     return _bounded(_int(attention_chunk, "attention_chunk"), "attention_chunk", 0, _INT64_MAX)
@@ -520,6 +533,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if block_table is not None:
             raise NotImplementedError("attention_chunk with a block_table is not supported by "
                                       "hipflash yet")
+        _check_chunk_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         kw = _chunk_kw(scale, causal, left, right, num_splits, bool(deterministic), softcap)
         if out is not None:
             kw["out"] = out

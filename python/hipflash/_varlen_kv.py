@@ -1,7 +1,9 @@
 """Varlen queries against a KV cache with an append (FlashAttention 3's flash_attn_with_kvcache
 with cu_seqlens_q and, for the new keys, cu_seqlens_k_new): the new rows are written into the
-cache by PyTorch ops (an indexed copy, after every check), then hipflash's chunked prefill
-(flash_attn_varlen_func with a block table) attends. A contiguous cache [B_cache, S, Hkv, D] is
+cache by PyTorch ops (an indexed copy, after the append's checks), then hipflash's chunked
+prefill (flash_attn_varlen_func with a block table) attends. The attention call checks the rest
+of the arguments; where it refuses them, the rows the append overwrote are put back before the
+error propagates, so that a refused call leaves the cache as it was (SPEC §4). A contiguous cache [B_cache, S, Hkv, D] is
 read as pages of S rows (sequence b's table row: its cache entry), so both layouts take one path.
 With cache_leftpad, sequence b's keys start at row cache_leftpad[b], and with attention_chunk
 each query row sees its chunk's keys only (hipflash/_chunks.py): the cache is then read as pages
@@ -119,6 +121,10 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if cache_batch_idx is not None:
         _int32_vector(cache_batch_idx, "cache_batch_idx", batch, dev)
         entries = cache_batch_idx
+        # Appending, two sequences naming one entry would write each other's rows.
+        if k is not None and torch.unique(entries).numel() != batch:
+            raise ValueError("cache_batch_idx names a cache entry twice: with new keys appended, "
+                             "each sequence needs an entry of its own")
     else:
         entries = None
     if page_table is not None:
@@ -196,11 +202,28 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                 return t
             x = t.float() if scale is None else t.float() / scale.float().reshape(())
             return x.clamp(-448.0, 448.0).to(k_cache.dtype)
-        k_cache[pages, row % page] = stored(k, k_scale)
-        v_cache[pages, row % page] = stored(v, v_scale)
-    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-              num_splits=num_splits, return_lse=return_lse, softcap=softcap, k_scale=k_scale,
-              v_scale=v_scale)
+        slots = row % page
+        saved = (k_cache[pages, slots], v_cache[pages, slots])  # put back if the call refuses
+        k_cache[pages, slots] = stored(k, k_scale)
+        v_cache[pages, slots] = stored(v, v_scale)
+    else:
+        saved = None
+    try:
+        return _attend(q, k_cache, v_cache, table, cu_seqlens_q, lens, max_seqlen_q, capacity,
+                       batch, cache_leftpad, attention_chunk, alibi_slopes,
+                       dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            num_splits=num_splits, return_lse=return_lse, softcap=softcap,
+                            k_scale=k_scale, v_scale=v_scale))
+    except Exception:
+        if saved is not None:
+            k_cache[pages, slots], v_cache[pages, slots] = saved
+        raise
+
+
+def _attend(q, k_cache, v_cache, table, cu_seqlens_q, lens, max_seqlen_q, capacity, batch,
+            cache_leftpad, attention_chunk, alibi_slopes, kw):
+    """The attention of with_kvcache, the new rows in the cache."""
+    dev = q.device
     if batch and (cache_leftpad is not None or attention_chunk):
         first = cache_leftpad if cache_leftpad is not None else torch.zeros_like(lens)
         return _by_rows(q, k_cache, v_cache, table, cu_seqlens_q, first, lens - first,

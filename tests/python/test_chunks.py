@@ -204,3 +204,68 @@ def test_fa3_compat_takes_attention_chunk(device):
                     attention_chunk=6)
     with pytest.raises(NotImplementedError, match="head dim"):
         fa3.flash_attn_func(q, k, torch.zeros(2, 20, 2, 128, dtype=BF16, device=device))
+
+
+# Refused calls with attention_chunk (or FA3's varlen kvcache call, the same path) leave the
+# cache as it was, and the checks the pieces cannot make are made for the call.
+def _appending(device):
+    g = torch.Generator().manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, BF16)
+    return (rand(2, 1, 4, 64), rand(2, 32, 2, 64), rand(2, 32, 2, 64), rand(2, 3, 2, 64),
+            rand(2, 3, 2, 64), torch.tensor([20, 5], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", ["alibi_shape", "softcap", "num_splits", "window"])
+def test_a_refused_chunked_append_leaves_the_cache(device, bad):
+    q, k_cache, v_cache, k, v, seqlens = _appending(device)
+    kw = {"alibi_shape": dict(alibi_slopes=torch.rand(9, device=device)),
+          "softcap": dict(softcap=-1.0), "num_splits": dict(num_splits=1000),
+          "window": dict(window_size=(-2, 0))}[bad]
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError):
+        hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                         attention_chunk=4, **kw)
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_appending_twice_to_one_cache_entry_is_refused(device):
+    q, k_cache, v_cache, k, v, seqlens = _appending(device)
+    k0 = k_cache.clone()
+    twice = torch.tensor([1, 1], dtype=torch.int32, device=device)
+    for chunk in (0, 4):
+        with pytest.raises(ValueError, match="twice"):
+            hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                             cache_batch_idx=twice, attention_chunk=chunk)
+    assert torch.equal(k_cache, k0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fa3_varlen_kvcache_refusal_leaves_the_cache(device):
+    from hipflash.compat import flash_attn_interface as fa3
+    _, k_cache, v_cache, _, _, _ = _appending(device)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(4, 4, 64, generator=g).to(device, BF16)  # packed: 2 + 2 query rows
+    k, v = (torch.randn(3, 2, 64, generator=g).to(device, BF16) for _ in range(2))
+    args = dict(cache_seqlens=torch.tensor([5, 6], dtype=torch.int32, device=device),
+                cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32, device=device),
+                cu_seqlens_k_new=torch.tensor([0, 1, 3], dtype=torch.int32, device=device))
+    k0 = k_cache.clone()
+    for bad in (dict(max_seqlen_q=1), dict(max_seqlen_q=2, softcap=-1.0)):
+        with pytest.raises(ValueError):
+            fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **args, **bad)
+        assert torch.equal(k_cache, k0)
+
+
+@pytest.mark.parametrize("bad", ["max_seqlen_k", "int64"])
+def test_chunked_varlen_checks_its_bounds(bad):
+    q, k, v = (torch.randn(n, 4, 64).to(BF16) for n in (8, 16, 16))
+    cu_q = torch.tensor([0, 3, 8, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 7, 16], dtype=torch.int32)  # the longest: 9 keys
+    args = (cu_q, cu_k, 5, 8) if bad == "max_seqlen_k" else (cu_q.long(), cu_k.long(), 5, 9)
+    for chunk in (0, 4):
+        with pytest.raises(ValueError, match="too small" if bad == "max_seqlen_k" else "int32"):
+            hipflash.flash_attn_varlen_func(q, k, v, *args, attention_chunk=chunk)
