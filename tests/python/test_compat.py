@@ -299,3 +299,17 @@ def test_fa3_varlen_append_refused_before_writing(device):
                 cu_seqlens_k_new=cu_new, max_seqlen_q=2,
                 cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=device))
     assert not kc.any() and not vc.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fa3_combine_refuses_an_out_of_another_shape(device):
+    parts = torch.randn(2, 2, 1, 4, 64, device=device)
+    lses = torch.randn(2, 2, 1, 4, device=device)
+    for shape in ((2, 5, 4, 64), (2, 1, 4, 32)):  # one broadcasts (it was filled), one cannot
+        out = torch.full(shape, float("nan"), device=device)
+        with pytest.raises(ValueError, match="out must be"):
+            fa3.flash_attn_combine(parts, lses, out=out)
+        assert out.isnan().all()
+    out = torch.empty(2, 1, 4, 64, device=device)
+    got, _ = fa3.flash_attn_combine(parts, lses, out=out)
+    assert got is out

@@ -150,6 +150,12 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None, retur
     if out_partial.dim() not in (4, 5) or lse_partial.dim() != out_partial.dim() - 1:
         raise ValueError(f"out_partial {tuple(out_partial.shape)} and lse_partial "
                          f"{tuple(lse_partial.shape)} are not FA3's combine layouts")
+    if out is not None and (not isinstance(out, torch.Tensor) or
+                            tuple(out.shape) != tuple(out_partial.shape[1:]) or
+                            out.device != out_partial.device):
+        raise ValueError(f"out must be a tensor of shape {tuple(out_partial.shape[1:])} on "
+                         f"{out_partial.device}, got "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)}")
     lses = lse_partial.movedim(-1, -2)  # hipflash: the heads before the rows
     merged, lse = hipflash.merge_attn_states(out_partial, lses.contiguous())
     merged = merged.to(out_dtype or out_partial.dtype)
