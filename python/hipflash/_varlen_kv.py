@@ -3,8 +3,9 @@ with cu_seqlens_q and, for the new keys, cu_seqlens_k_new): the new rows are wri
 cache by PyTorch ops (an indexed copy, after the append's checks), then hipflash's chunked
 prefill (flash_attn_varlen_func with a block table) attends. The attention call checks the rest
 of the arguments; where it refuses them, the rows the append overwrote are put back before the
-error propagates, so that a refused call leaves the cache as it was (SPEC §4). A contiguous cache [B_cache, S, Hkv, D] is
-read as pages of S rows (sequence b's table row: its cache entry), so both layouts take one path.
+error propagates, so that a refused call leaves the cache as it was (SPEC §4). A contiguous
+cache [B_cache, S, Hkv, D] is read as pages of S rows (sequence b's table row: its cache entry),
+so both layouts take one path.
 With cache_leftpad, sequence b's keys start at row cache_leftpad[b], and with attention_chunk
 each query row sees its chunk's keys only (hipflash/_chunks.py): the cache is then read as pages
 of one row, each sequence (or chunk piece) with a table row listing its keys' rows (the
