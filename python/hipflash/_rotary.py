@@ -32,12 +32,13 @@ def rotate(x, cos, sin, pos, interleaved):
     return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
-def on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens, cos, sin, interleaved,
-              q_per_row):
-    """(q, k) rotated for flash_attn_with_kvcache; validated first (ValueError), nothing written."""
+def check_tables(q, k, cos, sin, need_k=True):
+    """rotary_cos / rotary_sin for rotating q and the new keys k (any rank, head dim last):
+    ValueError / TypeError, before anything is written (both kvcache paths; need_k: the new
+    keys must be given, as flash_attn_with_kvcache's dense path requires)."""
     if cos is None or sin is None:
         raise ValueError("rotary_cos and rotary_sin must be given together")
-    if k is None:
+    if k is None and need_k:
         raise ValueError("rotary_cos / rotary_sin rotate the new keys: k and v must be given "
                          "(as FlashAttention requires)")
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
@@ -50,12 +51,18 @@ def on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens, cos, si
     if cos.shape != sin.shape:
         raise ValueError(f"rotary_cos and rotary_sin must have one shape, got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
-    if q.dim() != 4 or (k is not None and k.dim() != 4):
-        raise ValueError("q and k must have rank 4 ([batch, seqlen, heads, head_dim]) with rotary")
     rotary_dim = 2 * cos.shape[1]
     if rotary_dim == 0 or rotary_dim > q.shape[-1]:
         raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must be in "
                          f"[2, head_dim = {q.shape[-1]}]")
+
+
+def on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens, cos, sin, interleaved,
+              q_per_row):
+    """(q, k) rotated for flash_attn_with_kvcache; validated first (ValueError), nothing written."""
+    check_tables(q, k, cos, sin)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError("q and k must have rank 4 ([batch, seqlen, heads, head_dim]) with rotary")
     batch = q.shape[0]
     if rotary_seqlens is not None:
         base = rotary_seqlens

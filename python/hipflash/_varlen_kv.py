@@ -85,8 +85,8 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if (k is None) != (cu_seqlens_k_new is None):
         raise ValueError("varlen queries append new keys with cu_seqlens_k_new (the new rows' "
                          "prefix sums): give k, v and cu_seqlens_k_new together")
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None or rotary_sin is not None:
+        _rotary.check_tables(q, k, rotary_cos, rotary_sin, need_k=False)
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
         raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of length batch + 1")
     if max_seqlen_q is None or cache_seqlens is None:
@@ -167,7 +167,9 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                                  f"{list(t.shape)} {t.dtype} on {t.device}")
         if min_new < 0:
             raise ValueError("cu_seqlens_k_new must be non-decreasing")
-    if min_cached < 0 or max_len > capacity:
+    if min_cached < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got down to {min_cached}")
+    if max_len > capacity:
         raise ValueError(f"each sequence's cached plus new keys must fit its cache ({capacity} "
                          f"rows), got lengths up to {max_len}")
     if min_pad < 0 or min_past_pad < 0:
@@ -182,6 +184,9 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if rotary_cos is not None:
         base = cache_seqlens if rotary_seqlens is None else _int32_vector(
             rotary_seqlens, "rotary_seqlens", batch, dev)
+        if batch and int(base.min()) < 0:
+            raise ValueError(f"rotary positions must be >= 0, got rotary_seqlens down to "
+                             f"{int(base.min())}")
         left, right = window_size
         per_row = bool(causal) or left >= 0 or right >= 0
         q = _rotated(q, rotary_cos, rotary_sin, base, cu_seqlens_q, per_row, rotary_interleaved)

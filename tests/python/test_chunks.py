@@ -244,6 +244,33 @@ def test_appending_twice_to_one_cache_entry_is_refused(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", ["rotary_shapes", "rotary_dim", "rotary_seqlens",
+                                 "cache_seqlens"])
+def test_chunked_append_names_what_is_wrong(device, bad):
+    # The chunked path (attention_chunk > 0) refuses with the plain path's messages: rotary
+    # tables of two shapes or wider than the head, negative rotary positions, a negative cached
+    # length (not "must fit its cache"); the cache is left as it was.
+    q, k_cache, v_cache, k, v, seqlens = _appending(device)
+    cos = torch.rand(64, 16, device=device)
+    bad_kw, match = {
+        "rotary_shapes": (dict(rotary_cos=cos, rotary_sin=cos[:, :8]), "one shape"),
+        "rotary_dim": (dict(rotary_cos=torch.rand(64, 40, device=device),
+                            rotary_sin=torch.rand(64, 40, device=device)), "rotary_dim"),
+        "rotary_seqlens": (dict(rotary_cos=cos, rotary_sin=cos, rotary_seqlens=torch.tensor(
+            [-1, 3], dtype=torch.int32, device=device)), "rotary positions must be >= 0"),
+        "cache_seqlens": (dict(), "cache_seqlens"),
+    }[bad]
+    if bad == "cache_seqlens":
+        seqlens = torch.tensor([-3, 5], dtype=torch.int32, device=device)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    for chunk in (0, 4):
+        with pytest.raises(ValueError, match=match):
+            hipflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                             attention_chunk=chunk, **bad_kw)
+        assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fa3_varlen_kvcache_refusal_leaves_the_cache(device):
     from hipflash.compat import flash_attn_interface as fa3
     _, k_cache, v_cache, _, _, _ = _appending(device)
