@@ -184,9 +184,10 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if rotary_cos is not None:
         base = cache_seqlens if rotary_seqlens is None else _int32_vector(
             rotary_seqlens, "rotary_seqlens", batch, dev)
-        if batch and int(base.min()) < 0:
+        lowest = int(base.min()) if batch else 0  # one host sync
+        if lowest < 0:
             raise ValueError(f"rotary positions must be >= 0, got rotary_seqlens down to "
-                             f"{int(base.min())}")
+                             f"{lowest}")
         left, right = window_size
         per_row = bool(causal) or left >= 0 or right >= 0
         q = _rotated(q, rotary_cos, rotary_sin, base, cu_seqlens_q, per_row, rotary_interleaved)
