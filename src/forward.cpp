@@ -253,6 +253,21 @@ void fill_window(FwdParams& p, const FwdOptions& opts) {
   p.window_right = right >= p.seqlen_q - 1 ? -1 : right;
 }
 
+/// What every maker of FwdParams takes from the call's options alike (needs p's shape): the
+/// dtypes, the scale, the softcap, ALiBi, the descales, the window and whether the LSE is asked.
+void fill_options(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const TensorRef& k,
+                  const TensorRef& out, const TensorRef* lse) {
+  p.dtype = q.dtype;
+  p.out_dtype = out.dtype;
+  p.kv_dtype = k.dtype;
+  p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(p.head_dim)));
+  p.softcap = opts.softcap;
+  fill_alibi(p, opts, q, out, lse);
+  fill_descales(p, opts, q, out, lse);
+  fill_window(p, opts);
+  p.return_lse = opts.return_lse;
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// Whether TMA tensor maps can describe q, k and v (Problem::tma_compatible): the 4-d map
@@ -446,15 +461,7 @@ FwdParams make_dense_params(const TensorRef& q, const TensorRef& k, const Tensor
   p.o_head_stride = out.strides[2];
   p.batch = d.batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
-  p.dtype = q.dtype;
-  p.out_dtype = out.dtype;
-  p.kv_dtype = k.dtype;
-  p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
-  p.softcap = opts.softcap;
-  fill_alibi(p, opts, q, out, lse);
-  fill_descales(p, opts, q, out, lse);
-  fill_window(p, opts);
-  p.return_lse = opts.return_lse;
+  fill_options(p, opts, q, k, out, lse);
   if (opts.return_lse) {
     p.lse = static_cast<float*>(lse->data);
     p.lse_batch_stride = d.heads_q * d.seqlen_q;
@@ -585,15 +592,7 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   p.batch = batch; p.seqlen_q = d.seqlen_q; p.seqlen_k = d.seqlen_k;
   p.total_q = total_q; p.total_k = total_k;
   p.heads_q = d.heads_q; p.heads_kv = d.heads_kv; p.head_dim = d.head_dim;
-  p.dtype = q.dtype;
-  p.out_dtype = out.dtype;
-  p.kv_dtype = k.dtype;
-  p.softmax_scale = opts.softmax_scale.value_or(1.f / std::sqrt(float(d.head_dim)));
-  p.softcap = opts.softcap;
-  fill_alibi(p, opts, q, out, lse);
-  fill_descales(p, opts, q, out, lse);
-  fill_window(p, opts);
-  p.return_lse = opts.return_lse;
+  fill_options(p, opts, q, k, out, lse);
   p.lse_layout = opts.lse_layout;
   if (opts.return_lse) {
     p.lse = static_cast<float*>(lse->data);
