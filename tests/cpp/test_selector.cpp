@@ -312,9 +312,10 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
 TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
   // fp8 q, k and v (e4m3): the sm90_ws kernel's fp8 tiles (kernels.def: fp8_head_dim 128), for
   // dense and varlen TMA-describable calls on Hopper, short query blocks included; on AMD
-  // gfx94x / gfx950 the generic kernel's MFMA fp8 body (fp8_head_dim 256, dense calls);
-  // everything else — hd256 on NVIDIA, odd strides, a KV cache, AMD varlen, other archs,
-  // builds without it — refused with why.
+  // gfx94x / gfx950 the generic kernel's MFMA fp8 body (fp8_head_dim 256, dense calls). Every
+  // other call — hd256 on NVIDIA, odd strides, ALiBi, AMD varlen, other archs, builds without
+  // the fp8 tiles — takes the kernel its bf16 copies select (Problem::widened), marked
+  // widened_fp8; a KV cache, or a call whose copies no kernel takes, is refused with why.
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   EXPECT_EQ(fp8_max_head_dim(KernelKind::sm90_ws), 128);
@@ -324,6 +325,9 @@ TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
     Problem p = problem(DType::e4m3, d);
     p.kv_dtype = DType::e4m3;
     p.tma_compatible = true;
+    Problem wide = p;
+    wide.dtype = wide.kv_dtype = DType::bf16;
+    p.widened = std::make_shared<const Problem>(wide);
     return p;
   };
   for (int d : {32, 64, 96, 128})
@@ -334,39 +338,60 @@ TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
         p.masked = masked;
         const Selection s = select_kernel(p, kSm90, caps);
         EXPECT_EQ(s.kind, KernelKind::sm90_ws) << d << " " << rows << " " << s.reason;
+        EXPECT_FALSE(s.widened_fp8);
         EXPECT_EQ(s.key.name().rfind("fp8_hd", 0), 0u) << s.key.name();
       }
-  auto refused = [&](const Problem& p, const Arch& a, const BuildCaps& c, const char* why) {
+  // What the bf16 copies select, marked widened.
+  auto widened = [&](const Problem& p, const Arch& a, const BuildCaps& c, const char* why) {
     const Selection s = select_kernel(p, a, c);
-    EXPECT_EQ(s.kind, KernelKind::unsupported) << why;
-    EXPECT_NE(s.reason.find("float8_e4m3fn q, k and v"), std::string::npos) << s.reason;
+    const Selection want = select_kernel(*p.widened, a, c);
+    ASSERT_NE(want.kind, KernelKind::unsupported) << why << ": " << want.reason;
+    EXPECT_EQ(s.kind, want.kind) << why << ": " << s.reason;
+    EXPECT_TRUE(s.widened_fp8) << why;
+    EXPECT_EQ(s.key.name(), want.key.name()) << why;
+    EXPECT_EQ(s.key.name().rfind("bf16_hd", 0), 0u) << why << ": " << s.key.name();
   };
-  refused(fp8(256), kSm90, caps, "hd256");
+  widened(fp8(256), kSm90, caps, "hd256");
+  EXPECT_EQ(select_kernel(fp8(256), kSm90, caps).kind, KernelKind::sm90_ws);
   Problem varlen = fp8(128);
   varlen.varlen = true;
   EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90_ws);
-  varlen.tma_compatible = false;
-  refused(varlen, kSm90, caps, "varlen strides");
+  EXPECT_FALSE(select_kernel(varlen, kSm90, caps).widened_fp8);
+  varlen.tma_compatible = false;  // the copies are contiguous: a TMA map describes them
+  widened(varlen, kSm90, caps, "varlen strides");
   Problem odd = fp8(128);
   odd.tma_compatible = false;
-  refused(odd, kSm90, caps, "strides");
-  Problem cache = fp8(128);
-  cache.kv_cache = true;
-  refused(cache, kSm90, caps, "a KV cache");
-  refused(fp8(128), kSm80, caps, "sm_80");
+  widened(odd, kSm90, caps, "strides");
+  Problem alibi = fp8(128);
+  alibi.alibi = true;
+  widened(alibi, kSm90, caps, "ALiBi");
+  widened(fp8(128), kSm80, caps, "sm_80");
   BuildCaps no_ws = caps;
   no_ws.sm90_ws = false;
-  refused(fp8(128), kSm90, no_ws, "no sm90_ws kernels");
+  widened(fp8(128), kSm90, no_ws, "no sm90_ws kernels");
   for (int d : {64, 128, 256})
     for (Arch a : {kGfx942, kGfx950}) {
       const Selection s = select_kernel(fp8(d), a, kHip);
       EXPECT_EQ(s.kind, KernelKind::generic) << a.name() << " " << d << " " << s.reason;
+      EXPECT_FALSE(s.widened_fp8);
     }
-  refused(fp8(128), kGfx90a, kHip, "gfx90a: no fp8 MFMA");
+  widened(fp8(128), kGfx90a, kHip, "gfx90a: no fp8 MFMA");
   Problem amd_varlen = fp8(128);
   amd_varlen.varlen = true;
-  refused(amd_varlen, kGfx942, kHip, "AMD varlen");
+  widened(amd_varlen, kGfx942, kHip, "AMD varlen");
   EXPECT_EQ(select_kernel(fp8(128), kHost, kCuda).kind, KernelKind::cpu_reference);
+  // Refused: a KV cache (no copies are described), and copies no kernel takes.
+  auto refused = [&](const Problem& p, const Arch& a, const BuildCaps& c, const char* why) {
+    const Selection s = select_kernel(p, a, c);
+    EXPECT_EQ(s.kind, KernelKind::unsupported) << why;
+    EXPECT_FALSE(s.widened_fp8) << why;
+    EXPECT_NE(s.reason.find("float8_e4m3fn q, k and v"), std::string::npos) << s.reason;
+  };
+  Problem cache = fp8(128);
+  cache.kv_cache = true;
+  cache.widened = nullptr;  // make_problem describes none for a KV cache
+  refused(cache, kSm90, caps, "a KV cache");
+  refused(fp8(128), kSm75, caps, "sm_75: no bf16 kernel either");
 }
 
 TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
