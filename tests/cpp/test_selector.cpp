@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "backend.hpp"  // widened_fp8_params
 #include "hipflash/detail/selector.hpp"
 #include "sm90_ws/tile.hpp"
 
@@ -601,6 +602,53 @@ TEST(SplitHeuristic, FewestSplitsWithinFourPercentOfTheBest) {
         EXPECT_GT(rounds(work, slots, other), 1.04 * best) << "work " << work << " sms " << sms;
     }
   }
+}
+
+
+TEST(Selector, Fp8CallsWidenIntoContiguousBf16Copies) {
+  // widened_fp8_params / widened_fp8_bytes (src/backend.hpp): the copies an fp8 call that no
+  // fp8 kernel takes runs on — q, then k, then v, each contiguous and starting on 256 bytes —,
+  // bf16, without descales; the rest of the call as it was.
+  const float scale = 0.5f;
+  FwdParams p;
+  p.dtype = p.kv_dtype = DType::e4m3;
+  p.out_dtype = DType::bf16;
+  p.batch = 2, p.seqlen_q = 5, p.seqlen_k = 7, p.heads_q = 4, p.heads_kv = 2, p.head_dim = 72;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = 4096;  // the call's own strides: not kept
+  p.q_descale = p.k_descale = p.v_descale = Descale{&scale, 0, 0};
+  p.window_left = 3;
+  char* const base = reinterpret_cast<char*>(uintptr_t(1) << 20);  // never dereferenced
+  const size_t q_bytes = 5888, kv_bytes = 4096;  // 2 x 5 x 4 x 72 and 2 x 7 x 2 x 72, x 2 bytes
+  EXPECT_EQ(widened_fp8_bytes(p), q_bytes + 2 * kv_bytes);
+  FwdParams w = widened_fp8_params(p, base);
+  EXPECT_EQ(w.q, base);
+  EXPECT_EQ(w.k, base + q_bytes);
+  EXPECT_EQ(w.v, base + q_bytes + kv_bytes);
+  EXPECT_EQ(w.dtype, DType::bf16);
+  EXPECT_EQ(w.kv_dtype, DType::bf16);
+  EXPECT_EQ(w.out_dtype, DType::bf16);
+  EXPECT_EQ(w.q_descale.ptr, nullptr);
+  EXPECT_EQ(w.k_descale.ptr, nullptr);
+  EXPECT_EQ(w.v_descale.ptr, nullptr);
+  EXPECT_EQ(w.window_left, 3);
+  EXPECT_EQ(w.q_head_stride, 72);
+  EXPECT_EQ(w.q_row_stride, 288);
+  EXPECT_EQ(w.q_batch_stride, 1440);
+  for (int64_t s : {w.k_head_stride, w.v_head_stride}) EXPECT_EQ(s, 72);
+  for (int64_t s : {w.k_row_stride, w.v_row_stride}) EXPECT_EQ(s, 144);
+  for (int64_t s : {w.k_batch_stride, w.v_batch_stride}) EXPECT_EQ(s, 1008);
+  EXPECT_EQ(widened_fp8_params(p, nullptr).k, nullptr);  // the layout alone (the selector's)
+  // Varlen: the packed rows, batch strides 0.
+  const int32_t cu[3] = {0, 4, 9};
+  p.cu_seqlens_q = p.cu_seqlens_k = cu;
+  p.total_q = 9, p.total_k = 13;
+  w = widened_fp8_params(p, base);
+  EXPECT_EQ(widened_fp8_bytes(p), size_t(5376 + 2 * 3840));  // 9 x 4 x 72, 13 x 2 x 72 (x 2)
+  EXPECT_EQ(w.k, base + 5376);
+  EXPECT_EQ(w.q_batch_stride, 0);
+  EXPECT_EQ(w.k_batch_stride, 0);
+  EXPECT_EQ(w.v_batch_stride, 0);
+  EXPECT_EQ(w.q_row_stride, 288);
 }
 
 }  // namespace
