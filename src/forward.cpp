@@ -482,7 +482,14 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   check_rank(k, "k", 4, "[batch, seqlen_k, heads_kv, head_dim]");
   FwdParams p;
   p.batch = q.sizes[0]; p.seqlen_q = q.sizes[1]; p.heads_q = q.sizes[2]; p.head_dim = q.sizes[3];
-  p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2]; p.dtype = q.dtype;
+  p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2]; p.dtype = q.dtype; p.kv_dtype = k.dtype;
+  // The call's own pointers and strides (v taken as k's), so that the kernel the selector
+  // judges them for (a TMA map's, fp8's or their bf16 copies') is the call's.
+  p.q = q.data, p.k = p.v = k.data;
+  p.q_batch_stride = q.strides[0], p.q_row_stride = q.strides[1], p.q_head_stride = q.strides[2];
+  p.k_batch_stride = p.v_batch_stride = k.strides[0];
+  p.k_row_stride = p.v_row_stride = k.strides[1];
+  p.k_head_stride = p.v_head_stride = k.strides[2];
   fill_window(p, opts);
   HIPFLASH_CHECK(padded_head_dim(int(p.head_dim)) != 0, "head dim ", p.head_dim,
                  " is not supported; supported head dims are ", supported_head_dims());

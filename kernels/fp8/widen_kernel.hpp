@@ -6,8 +6,8 @@
 // q takes q_descale * k_descale (the scores' factor, so that the kernel's scores and LSE are the
 // descaled ones), k is widened exactly (every e4m3 value is a bf16 value), v takes v_descale.
 // Where the factors are powers of two (or 1) the bf16 call computes on exactly the descaled
-// values; otherwise each product is rounded once (relative 2^-9), below the fp8 inputs' own
-// 2^-4. NaN bytes stay NaN. Memory-bound: a block walks whole rows (grid-stride), each thread
+// values; otherwise the fp32 product (q_descale * k_descale first, then the element) is rounded
+// to bf16 (relative 2^-9), below the fp8 inputs' own 2^-4. NaN bytes stay NaN. Memory-bound: a block walks whole rows (grid-stride), each thread
 // widens kVec bytes into one 16-byte store.
 #pragma once
 
