@@ -174,7 +174,8 @@ foreach(hd IN LISTS HIPFLASH_PADDED_HEAD_DIMS)
   endforeach()
 endforeach()
 list(APPEND HIPFLASH_GPU_SOURCES src/gpu/gpu_backend.cu src/gpu/combine_launch.cu
-     src/gpu/merge_launch.cu src/gpu/kvcache_launch.cu src/gpu/varlen_launch.cu)
+     src/gpu/merge_launch.cu src/gpu/kvcache_launch.cu src/gpu/varlen_launch.cu
+     src/gpu/widen_launch.cu)
 list(APPEND HIPFLASH_GPU_DEFINES HIPFLASH_HEAD_DIM_MASK=${_mask}
      HIPFLASH_GPU_NAME="${HIPFLASH_GPU_RESOLVED}")
 if(_lang STREQUAL "HIP")

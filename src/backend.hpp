@@ -32,6 +32,16 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
 /// throw before launching (a kernel or head dim this build lacks, a workspace too large).
 void check_forward_plan(const FwdParams& p, const FwdOptions& opts, Location loc);
 
+/// fp8 q, k and v that no fp8 kernel takes (Selection::widened_fp8: head dim 256, strides a TMA
+/// map cannot describe, ALiBi, GPUs without fp8 tensor cores) run on the bf16 kernels over
+/// widened copies (kernels/fp8/widen_kernel.hpp): q * q_descale * k_descale, k, and
+/// v * v_descale in bf16, each contiguous ([B, S, H, D], or [total, H, D] for varlen) and
+/// 256-byte aligned, q then k then v. Their bytes:
+size_t widened_fp8_bytes(const FwdParams& p);
+/// `p` reading those copies at `base` (nullptr: their layout alone, which the selector judges):
+/// dtype bf16, contiguous strides, no descales.
+FwdParams widened_fp8_params(const FwdParams& p, void* base);
+
 /// select -> resolve num_splits -> run, for FwdParams the caller validated (make_*_params and
 /// its own checks): the launcher's dispatch, shared with kvcache_forward.
 void dispatch_forward(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,

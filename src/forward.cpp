@@ -29,6 +29,7 @@ struct LastKernel {
   KernelKey key{};
   Arch arch{};
   bool long_rows = false;  ///< sm90_ws ran its long-row tile (gpu::Launched)
+  bool widened_fp8 = false;  ///< fp8 inputs run on bf16 copies (Selection::widened_fp8)
 };
 thread_local LastKernel t_last_kernel;
 
@@ -314,6 +315,9 @@ Problem make_problem(const FwdParams& p) {
   prob.keys = p.seqlen_k;
   prob.kv_heads_in_rows = std::abs(p.k_head_stride) < std::abs(p.k_row_stride) &&
                           std::abs(p.v_head_stride) < std::abs(p.v_row_stride);
+  prob.alibi = p.alibi_slopes != nullptr;
+  if (p.dtype == DType::e4m3 && !p.is_kvcache())
+    prob.widened = std::make_shared<const Problem>(make_problem(widened_fp8_params(p, nullptr)));
   return prob;
 }
 
@@ -358,9 +362,6 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
     check_workspace_size(plan.num_splits);
     return plan;
   }
-  HIPFLASH_CHECK_AS(not_implemented, p.dtype != DType::e4m3 || p.alibi_slopes == nullptr,
-                    "alibi_slopes with float8_e4m3fn q, k and v run on the CPU backend only: the "
-                    "GPU's fp8 kernels do not add ALiBi biases");
   HIPFLASH_CHECK_AS(not_implemented,
                     p.softcap == 0.f || gpu::build_caps().gpu_vendor == Arch::nvidia,
                     "softcap runs on the CPU backend and NVIDIA GPUs only: the AMD kernels do not "
@@ -374,7 +375,10 @@ Plan plan_call(const FwdParams& p, int requested, Location loc) {
   HIPFLASH_CHECK_AS(not_implemented, plan.sel.kind != KernelKind::unsupported, plan.sel.reason);
   const gpu::TileShape tile =
       gpu::tile_shape(plan.sel.kind, padded_head_dim(int(p.head_dim)), plan.sel.key.masked);
-  plan.num_splits = resolve_splits(p, requested, tile, plan.arch.num_sms, true);
+  // An fp8 call on widened copies splits as the bf16 call it becomes (GQA decode packed).
+  plan.num_splits =
+      resolve_splits(plan.sel.widened_fp8 ? widened_fp8_params(p, nullptr) : p, requested, tile,
+                     plan.arch.num_sms, true);
   plan.sel.key.split = plan.num_splits > 1;
   check_workspace_size(plan.num_splits);
   return plan;
@@ -390,7 +394,8 @@ void dispatch(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
     cpu::run_forward(p);
     return;
   }
-  t_last_kernel = {LastKernel::gpu, plan.sel.kind, plan.sel.key, plan.arch};
+  t_last_kernel = {LastKernel::gpu, plan.sel.kind, plan.sel.key, plan.arch, false,
+                   plan.sel.widened_fp8};
   if (p.batch == 0 || p.seqlen_q == 0) return;
   const gpu::Launched launched = gpu::run_forward(p, plan.sel, loc.index, stream, ws);
   t_last_kernel.long_rows = launched.long_rows;
@@ -417,7 +422,8 @@ std::string last_kernel_name() {
     case LastKernel::gpu: break;
   }
   return std::string("fwd_") + kernel_kind_name(k.kind) + "_" + k.key.name() +
-         (k.long_rows ? "_longrows" : "") + "_" + k.arch.name();
+         (k.long_rows ? "_longrows" : "") + (k.widened_fp8 ? "_from_fp8" : "") + "_" +
+         k.arch.name();
 }
 std::string build_info() { return gpu::build_info(); }
 bool gpu_available() {
@@ -483,7 +489,14 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   check_rank(k, "k", 4, "[batch, seqlen_k, heads_kv, head_dim]");
   FwdParams p;
   p.batch = q.sizes[0]; p.seqlen_q = q.sizes[1]; p.heads_q = q.sizes[2]; p.head_dim = q.sizes[3];
-  p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2]; p.dtype = q.dtype;
+  p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2]; p.dtype = q.dtype; p.kv_dtype = k.dtype;
+  // The call's own pointers and strides (v taken as k's), so that the kernel the selector
+  // judges them for (a TMA map's, fp8's or their bf16 copies') is the call's.
+  p.q = q.data, p.k = p.v = k.data;
+  p.q_batch_stride = q.strides[0], p.q_row_stride = q.strides[1], p.q_head_stride = q.strides[2];
+  p.k_batch_stride = p.v_batch_stride = k.strides[0];
+  p.k_row_stride = p.v_row_stride = k.strides[1];
+  p.k_head_stride = p.v_head_stride = k.strides[2];
   fill_window(p, opts);
   HIPFLASH_CHECK(padded_head_dim(int(p.head_dim)) != 0, "head dim ", p.head_dim,
                  " is not supported; supported head dims are ", supported_head_dims());
@@ -623,6 +636,47 @@ void check_forward_plan(const FwdParams& p, const FwdOptions& opts, Location loc
 void dispatch_forward(FwdParams& p, const FwdOptions& opts, Location loc, Stream stream,
                       Workspace ws) {
   dispatch(p, opts, resolve_location_of(loc), stream, ws);
+}
+
+namespace {
+/// The widened copies' extents: rows (a varlen call's packed rows, else batch x seqlen) x heads
+/// x head_dim elements each, and each copy's bytes rounded up to 256.
+struct WidenedSizes {
+  int64_t q, kv;  ///< elements of q's copy, of k's (and v's)
+  static size_t bytes(int64_t elems) { return (size_t(elems) * 2 + 255) / 256 * 256; }
+};
+WidenedSizes widened_sizes(const FwdParams& p) {
+  const int64_t rows_q = p.is_varlen() ? p.total_q : p.batch * p.seqlen_q;
+  const int64_t rows_k = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
+  return {rows_q * p.heads_q * p.head_dim, rows_k * p.heads_kv * p.head_dim};
+}
+}  // namespace
+
+size_t widened_fp8_bytes(const FwdParams& p) {
+  const WidenedSizes n = widened_sizes(p);
+  return WidenedSizes::bytes(n.q) + 2 * WidenedSizes::bytes(n.kv);
+}
+
+FwdParams widened_fp8_params(const FwdParams& p, void* base) {
+  FwdParams w = p;
+  const WidenedSizes n = widened_sizes(p);
+  char* at = static_cast<char*>(base);
+  const auto next = [&](int64_t elems) {
+    const void* here = at;
+    if (at) at += WidenedSizes::bytes(elems);
+    return here;
+  };
+  w.q = next(n.q);
+  w.k = next(n.kv);
+  w.v = next(n.kv);
+  const int64_t d = p.head_dim;
+  w.q_head_stride = d, w.q_row_stride = p.heads_q * d;
+  w.k_head_stride = w.v_head_stride = d, w.k_row_stride = w.v_row_stride = p.heads_kv * d;
+  w.q_batch_stride = p.is_varlen() ? 0 : p.seqlen_q * w.q_row_stride;
+  w.k_batch_stride = w.v_batch_stride = p.is_varlen() ? 0 : p.seqlen_k * w.k_row_stride;
+  w.dtype = w.kv_dtype = DType::bf16;
+  w.q_descale = w.k_descale = w.v_descale = Descale{};
+  return w;
 }
 
 size_t splitk_workspace_bytes(const FwdParams& p) {

@@ -74,25 +74,32 @@ Selection select_kernel(const Problem& p, const Arch& arch, const BuildCaps& cap
     // fp8 q, k and v: on NVIDIA the warp-specialised Hopper kernel's fp8 tiles (fp8 wgmma, V
     // transposed in shared memory) for dense and varlen calls whose tensors a TMA map
     // describes; on AMD the generic kernel's MFMA fp8 body (gfx94x, gfx950, dense calls;
-    // compile-checked only).
+    // compile-checked only). Neither adds ALiBi biases. Any other call runs on the bf16 kernel
+    // the same call on bf16 copies of q, k and v selects (Problem::widened): slower than an
+    // fp8 kernel, not refused.
     const bool amd_fp8 = arch.version == 0x940 || arch.version == 0x941 ||
                          arch.version == 0x942 || arch.version == 0x950;
     if (arch.vendor == Arch::nvidia && arch.version == 90 && caps.sm90_ws &&
-        hd <= fp8_max_head_dim(KernelKind::sm90_ws) && !p.kv_cache && p.tma_compatible) {
+        hd <= fp8_max_head_dim(KernelKind::sm90_ws) && !p.kv_cache && p.tma_compatible &&
+        !p.alibi) {
       sel.kind = KernelKind::sm90_ws;
     } else if (arch.vendor == Arch::amd && amd_fp8 &&
-               hd <= fp8_max_head_dim(KernelKind::generic) && !p.varlen && !p.kv_cache) {
+               hd <= fp8_max_head_dim(KernelKind::generic) && !p.varlen && !p.kv_cache &&
+               !p.alibi) {
       sel.kind = KernelKind::generic;
+    } else if (p.widened != nullptr) {
+      Selection wide = select_kernel(*p.widened, arch, caps);
+      wide.widened_fp8 = wide.kind != KernelKind::unsupported;
+      if (!wide.widened_fp8)
+        wide.reason = "float8_e4m3fn q, k and v, widened to bfloat16 (no fp8 kernel takes this "
+                      "call): " + wide.reason;
+      return wide;
     } else {
-      sel.reason = "float8_e4m3fn q, k and v run on the CPU backend and, on the GPU, on NVIDIA "
-                   "Hopper's sm90_ws kernel (sm_90, this build with sm_90a; head dims up to " +
-                   std::to_string(fp8_max_head_dim(KernelKind::sm90_ws)) +
-                   ", dense or varlen tensors a TMA tensor map can describe) or AMD gfx94x / "
-                   "gfx950's "
-                   "generic kernel (dense calls; compile-checked only) (this call: " +
-                   arch.name() + ", head dim " + std::to_string(p.head_dim) +
-                   (p.varlen ? ", varlen" : "") + (p.kv_cache ? ", a KV cache" : "") +
-                   (!p.tma_compatible ? ", strides or a base TMA cannot describe" : "") + ")";
+      sel.reason = std::string("float8_e4m3fn q, k and v") +
+                   (p.kv_cache ? " with a KV cache: pass bfloat16 or float16 queries (an fp8 "
+                                 "cache takes them)"
+                               : ": no fp8 kernel takes this call (" + arch.name() +
+                                     ", head dim " + std::to_string(p.head_dim) + ")");
     }
     return sel;
   }

@@ -62,7 +62,9 @@ struct VarlenOptions : FwdOptions {
 };
 
 /// Split-K scratch, all optional. A call that splits uses `data` when `bytes` is enough
-/// (>= splitk_workspace_bytes(...)); otherwise it asks `allocate` for the bytes it needs: device
+/// (>= splitk_workspace_bytes(...); an fp8 call that runs on bf16 copies, docs/spec.md §3,
+/// needs room for the copies too, 2 bytes an element of q, k and v, and otherwise asks for
+/// it); otherwise it asks `allocate` for the bytes it needs: device
 /// memory on the tensors' GPU, usable by work enqueued on the call's stream, that the caller
 /// keeps alive until the call returns (a framework's caching allocator: the PyTorch binding
 /// passes at::empty). Without either the launcher allocates and frees its own, stream-ordered.

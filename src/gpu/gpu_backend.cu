@@ -45,10 +45,10 @@ struct ScratchBuffer {
   void* ptr = nullptr;
   port::stream_t stream;
   ScratchBuffer(size_t bytes, port::stream_t s) : stream(s) {
-    port::check(port::malloc_async(&ptr, bytes, s), "allocating the split-K workspace");
+    port::check(port::malloc_async(&ptr, bytes, s), "allocating a workspace");
   }
   ~ScratchBuffer() {
-    if (ptr) port::check_nothrow(port::free_async(ptr, stream), "freeing the split-K workspace");
+    if (ptr) port::check_nothrow(port::free_async(ptr, stream), "freeing a workspace");
   }
 };
 
@@ -302,16 +302,23 @@ Launched run_forward(const FwdParams& params, const Selection& sel, int device,
   FwdParams p = params;
   check_operand_alignment(p);
 
-  if (p.packs_gqa_decode()) pack_gqa_decode(p);
-
   ScopedDevice guard(device);
   const int hd = sel.key.head_dim;
+  // One workspace: the split-K partials, then (fp8 on widened copies) the bf16 copies.
+  const size_t widen_bytes = sel.widened_fp8 ? widened_fp8_bytes(p) : 0;
+  const size_t split_bytes = widen_bytes > 0 ? (splitk_workspace_bytes(p) + 255) / 256 * 256
+                                             : splitk_workspace_bytes(p);
   std::unique_ptr<ScratchBuffer> scratch;
+  char* base = nullptr;
+  if (split_bytes + widen_bytes > 0)
+    base = static_cast<char*>(acquire_workspace(ws, split_bytes + widen_bytes, stream, scratch,
+                                                "the forward's workspace"));
+  if (sel.widened_fp8) p = widen_fp8_operands(p, base + split_bytes, stream);
+  if (p.packs_gqa_decode()) pack_gqa_decode(p);
   if (p.num_splits > 1) {
-    const size_t need = splitk_workspace_bytes(p);
-    void* base = acquire_workspace(ws, need, stream, scratch, "the split-K workspace");
-    const size_t rows = need / (size_t(hd) * sizeof(float) + sizeof(detail::SoftmaxState));
-    p.out_partial = static_cast<float*>(base);
+    const size_t rows = splitk_workspace_bytes(p) /
+                        (size_t(hd) * sizeof(float) + sizeof(detail::SoftmaxState));
+    p.out_partial = reinterpret_cast<float*>(base);
     p.state_partial = reinterpret_cast<detail::SoftmaxState*>(p.out_partial + rows * size_t(hd));
   }
   // A kernel kind the selector chose that this build or head dim does not have.

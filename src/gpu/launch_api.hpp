@@ -39,6 +39,11 @@ void note_long_row_tile();
 template <class Traits>
 void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream);
 
+/// An fp8 call that runs on bf16 copies (Selection::widened_fp8): launches the widening of q, k
+/// and v into `base` (widened_fp8_bytes(p) bytes, 16-byte aligned; widen_launch.cu) on
+/// `stream`, and returns `p` reading those copies (widened_fp8_params).
+FwdParams widen_fp8_operands(const FwdParams& p, void* base, port::stream_t stream);
+
 /// How a backward runs beyond its params: the portable kernels instead of the matrix-core ones
 /// (always deterministic; HIPFLASH_BWD_PORTABLE=1, and always on AMD today), and the rows of the
 /// varlen tensors.

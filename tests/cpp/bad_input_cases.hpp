@@ -321,21 +321,6 @@ inline std::vector<Case> cases() {
   };
 }
 
-/// What the CPU backend runs and the GPU refuses (not_implemented, nothing written: a KV
-/// cache's append included): tests/cpp/test_gpu_bad_inputs.cu runs these on the device.
-inline std::vector<Case> gpu_refused_cases() {
-  using E = Entry;
-  const Err ni = Err::not_impl;
-  return {
-      // fp8 q, k, v run on the GPU (Hopper, AMD gfx94x / gfx950); with ALiBi they do not.
-      {"forward-fp8-alibi", E::forward,
-       [](Call& c) { make_fp8(c), c.opts.alibi_slopes = &c.Slopes; }, ni,
-       "alibi_slopes with float8_e4m3fn"},
-      // An fp8 KV cache runs on the GPU in decode calls (this one's five query rows); the
-      // refusal of longer ones: test_fp8.py's test_gpu_fp8_cache_refuses_long_queries.
-  };
-}
-
 /// A case's id as a GoogleTest parameter name ("forward-rank" -> "forward_rank").
 struct CaseName {
   template <class Info>

@@ -35,17 +35,7 @@ TEST_P(GpuBadInput, RefusedAndNothingWritten) {
   sync();  // nothing was launched, and nothing failed late either
 }
 
-/// What the CPU backend runs and the GPU kernels cannot yet: refused, nothing written.
-class GpuRefused : public Gpu, public ::testing::WithParamInterface<Case> {};
-
-TEST_P(GpuRefused, NotImplementedAndNothingWritten) {
-  run_on_gpu(GetParam());
-  sync();
-}
-
 INSTANTIATE_TEST_SUITE_P(Table, GpuBadInput, ::testing::ValuesIn(cases()),
-                         CaseName());
-INSTANTIATE_TEST_SUITE_P(Table, GpuRefused, ::testing::ValuesIn(gpu_refused_cases()),
                          CaseName());
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "backend.hpp"  // widened_fp8_params
 #include "hipflash/detail/selector.hpp"
 #include "sm90_ws/tile.hpp"
 
@@ -312,9 +313,10 @@ TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
 TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
   // fp8 q, k and v (e4m3): the sm90_ws kernel's fp8 tiles (kernels.def: fp8_head_dim 128), for
   // dense and varlen TMA-describable calls on Hopper, short query blocks included; on AMD
-  // gfx94x / gfx950 the generic kernel's MFMA fp8 body (fp8_head_dim 256, dense calls);
-  // everything else — hd256 on NVIDIA, odd strides, a KV cache, AMD varlen, other archs,
-  // builds without it — refused with why.
+  // gfx94x / gfx950 the generic kernel's MFMA fp8 body (fp8_head_dim 256, dense calls). Every
+  // other call — hd256 on NVIDIA, odd strides, ALiBi, AMD varlen, other archs, builds without
+  // the fp8 tiles — takes the kernel its bf16 copies select (Problem::widened), marked
+  // widened_fp8; a KV cache, or a call whose copies no kernel takes, is refused with why.
   BuildCaps caps = kCuda;
   caps.sm90 = caps.sm90_ws = true;
   EXPECT_EQ(fp8_max_head_dim(KernelKind::sm90_ws), 128);
@@ -324,6 +326,9 @@ TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
     Problem p = problem(DType::e4m3, d);
     p.kv_dtype = DType::e4m3;
     p.tma_compatible = true;
+    Problem wide = p;
+    wide.dtype = wide.kv_dtype = DType::bf16;
+    p.widened = std::make_shared<const Problem>(wide);
     return p;
   };
   for (int d : {32, 64, 96, 128})
@@ -334,39 +339,60 @@ TEST(Selector, Fp8InputsTakeTheTmaKernelOnHopperAndTheGenericOneOnCdna3) {
         p.masked = masked;
         const Selection s = select_kernel(p, kSm90, caps);
         EXPECT_EQ(s.kind, KernelKind::sm90_ws) << d << " " << rows << " " << s.reason;
+        EXPECT_FALSE(s.widened_fp8);
         EXPECT_EQ(s.key.name().rfind("fp8_hd", 0), 0u) << s.key.name();
       }
-  auto refused = [&](const Problem& p, const Arch& a, const BuildCaps& c, const char* why) {
+  // What the bf16 copies select, marked widened.
+  auto widened = [&](const Problem& p, const Arch& a, const BuildCaps& c, const char* why) {
     const Selection s = select_kernel(p, a, c);
-    EXPECT_EQ(s.kind, KernelKind::unsupported) << why;
-    EXPECT_NE(s.reason.find("float8_e4m3fn q, k and v"), std::string::npos) << s.reason;
+    const Selection want = select_kernel(*p.widened, a, c);
+    ASSERT_NE(want.kind, KernelKind::unsupported) << why << ": " << want.reason;
+    EXPECT_EQ(s.kind, want.kind) << why << ": " << s.reason;
+    EXPECT_TRUE(s.widened_fp8) << why;
+    EXPECT_EQ(s.key.name(), want.key.name()) << why;
+    EXPECT_EQ(s.key.name().rfind("bf16_hd", 0), 0u) << why << ": " << s.key.name();
   };
-  refused(fp8(256), kSm90, caps, "hd256");
+  widened(fp8(256), kSm90, caps, "hd256");
+  EXPECT_EQ(select_kernel(fp8(256), kSm90, caps).kind, KernelKind::sm90_ws);
   Problem varlen = fp8(128);
   varlen.varlen = true;
   EXPECT_EQ(select_kernel(varlen, kSm90, caps).kind, KernelKind::sm90_ws);
-  varlen.tma_compatible = false;
-  refused(varlen, kSm90, caps, "varlen strides");
+  EXPECT_FALSE(select_kernel(varlen, kSm90, caps).widened_fp8);
+  varlen.tma_compatible = false;  // the copies are contiguous: a TMA map describes them
+  widened(varlen, kSm90, caps, "varlen strides");
   Problem odd = fp8(128);
   odd.tma_compatible = false;
-  refused(odd, kSm90, caps, "strides");
-  Problem cache = fp8(128);
-  cache.kv_cache = true;
-  refused(cache, kSm90, caps, "a KV cache");
-  refused(fp8(128), kSm80, caps, "sm_80");
+  widened(odd, kSm90, caps, "strides");
+  Problem alibi = fp8(128);
+  alibi.alibi = true;
+  widened(alibi, kSm90, caps, "ALiBi");
+  widened(fp8(128), kSm80, caps, "sm_80");
   BuildCaps no_ws = caps;
   no_ws.sm90_ws = false;
-  refused(fp8(128), kSm90, no_ws, "no sm90_ws kernels");
+  widened(fp8(128), kSm90, no_ws, "no sm90_ws kernels");
   for (int d : {64, 128, 256})
     for (Arch a : {kGfx942, kGfx950}) {
       const Selection s = select_kernel(fp8(d), a, kHip);
       EXPECT_EQ(s.kind, KernelKind::generic) << a.name() << " " << d << " " << s.reason;
+      EXPECT_FALSE(s.widened_fp8);
     }
-  refused(fp8(128), kGfx90a, kHip, "gfx90a: no fp8 MFMA");
+  widened(fp8(128), kGfx90a, kHip, "gfx90a: no fp8 MFMA");
   Problem amd_varlen = fp8(128);
   amd_varlen.varlen = true;
-  refused(amd_varlen, kGfx942, kHip, "AMD varlen");
+  widened(amd_varlen, kGfx942, kHip, "AMD varlen");
   EXPECT_EQ(select_kernel(fp8(128), kHost, kCuda).kind, KernelKind::cpu_reference);
+  // Refused: a KV cache (no copies are described), and copies no kernel takes.
+  auto refused = [&](const Problem& p, const Arch& a, const BuildCaps& c, const char* why) {
+    const Selection s = select_kernel(p, a, c);
+    EXPECT_EQ(s.kind, KernelKind::unsupported) << why;
+    EXPECT_FALSE(s.widened_fp8) << why;
+    EXPECT_NE(s.reason.find("float8_e4m3fn q, k and v"), std::string::npos) << s.reason;
+  };
+  Problem cache = fp8(128);
+  cache.kv_cache = true;
+  cache.widened = nullptr;  // make_problem describes none for a KV cache
+  refused(cache, kSm90, caps, "a KV cache");
+  refused(fp8(128), kSm75, caps, "sm_75: no bf16 kernel either");
 }
 
 TEST(Selector, Fp8KvCacheTakesTheDecodeKernelFromSm89) {
@@ -576,6 +602,53 @@ TEST(SplitHeuristic, FewestSplitsWithinFourPercentOfTheBest) {
         EXPECT_GT(rounds(work, slots, other), 1.04 * best) << "work " << work << " sms " << sms;
     }
   }
+}
+
+
+TEST(Selector, Fp8CallsWidenIntoContiguousBf16Copies) {
+  // widened_fp8_params / widened_fp8_bytes (src/backend.hpp): the copies an fp8 call that no
+  // fp8 kernel takes runs on — q, then k, then v, each contiguous and starting on 256 bytes —,
+  // bf16, without descales; the rest of the call as it was.
+  const float scale = 0.5f;
+  FwdParams p;
+  p.dtype = p.kv_dtype = DType::e4m3;
+  p.out_dtype = DType::bf16;
+  p.batch = 2, p.seqlen_q = 5, p.seqlen_k = 7, p.heads_q = 4, p.heads_kv = 2, p.head_dim = 72;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = 4096;  // the call's own strides: not kept
+  p.q_descale = p.k_descale = p.v_descale = Descale{&scale, 0, 0};
+  p.window_left = 3;
+  char* const base = reinterpret_cast<char*>(uintptr_t(1) << 20);  // never dereferenced
+  const size_t q_bytes = 5888, kv_bytes = 4096;  // 2 x 5 x 4 x 72 and 2 x 7 x 2 x 72, x 2 bytes
+  EXPECT_EQ(widened_fp8_bytes(p), q_bytes + 2 * kv_bytes);
+  FwdParams w = widened_fp8_params(p, base);
+  EXPECT_EQ(w.q, base);
+  EXPECT_EQ(w.k, base + q_bytes);
+  EXPECT_EQ(w.v, base + q_bytes + kv_bytes);
+  EXPECT_EQ(w.dtype, DType::bf16);
+  EXPECT_EQ(w.kv_dtype, DType::bf16);
+  EXPECT_EQ(w.out_dtype, DType::bf16);
+  EXPECT_EQ(w.q_descale.ptr, nullptr);
+  EXPECT_EQ(w.k_descale.ptr, nullptr);
+  EXPECT_EQ(w.v_descale.ptr, nullptr);
+  EXPECT_EQ(w.window_left, 3);
+  EXPECT_EQ(w.q_head_stride, 72);
+  EXPECT_EQ(w.q_row_stride, 288);
+  EXPECT_EQ(w.q_batch_stride, 1440);
+  for (int64_t s : {w.k_head_stride, w.v_head_stride}) EXPECT_EQ(s, 72);
+  for (int64_t s : {w.k_row_stride, w.v_row_stride}) EXPECT_EQ(s, 144);
+  for (int64_t s : {w.k_batch_stride, w.v_batch_stride}) EXPECT_EQ(s, 1008);
+  EXPECT_EQ(widened_fp8_params(p, nullptr).k, nullptr);  // the layout alone (the selector's)
+  // Varlen: the packed rows, batch strides 0.
+  const int32_t cu[3] = {0, 4, 9};
+  p.cu_seqlens_q = p.cu_seqlens_k = cu;
+  p.total_q = 9, p.total_k = 13;
+  w = widened_fp8_params(p, base);
+  EXPECT_EQ(widened_fp8_bytes(p), size_t(5376 + 2 * 3840));  // 9 x 4 x 72, 13 x 2 x 72 (x 2)
+  EXPECT_EQ(w.k, base + 5376);
+  EXPECT_EQ(w.q_batch_stride, 0);
+  EXPECT_EQ(w.k_batch_stride, 0);
+  EXPECT_EQ(w.v_batch_stride, 0);
+  EXPECT_EQ(w.q_row_stride, 288);
 }
 
 }  // namespace

@@ -2,8 +2,10 @@
 (batch, kv head); the scores are q.k * q_descale * k_descale * softmax_scale, out (bfloat16) is
 softmax . v * v_descale, the LSE that of the descaled scores. The CPU backend dequantises (the
 reference); on the GPU the sm90_ws kernel runs them on Hopper (fp8 wgmma, the probabilities in
-e4m3: judged against a reference that rounds them so, SPEC §6), other GPU calls raise
-NotImplementedError before anything is written. An fp8 KV cache
+e4m3: judged against a reference that rounds them so, SPEC §6), and every call no fp8 kernel
+takes (head dim 256, strides no TMA map describes, ALiBi, other GPUs) runs on the bf16 kernels
+over bf16 copies (q * q_descale * k_descale, k, v * v_descale): bitwise the bf16 call on those
+copies. An fp8 KV cache
 (vLLM's kv_cache_dtype="fp8") runs on the CPU backend and on NVIDIA GPUs from sm_89 (decode
 calls on the decode kernel, longer queries on the generic kernel; the GPU cases at the end). Needs a PyTorch with torch.float8_e4m3fn (2.1+)."""
 import pytest
@@ -80,12 +82,8 @@ def test_inputs_that_require_grad_run_forward_only(device):
     assert_bitwise_equal(out, hipflash.flash_attn_func(q, k, v, **kw), "dense")
     cu = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
     cuk = torch.tensor([0, 40, 80], dtype=torch.int32, device=device)
-    try:
-        got = hipflash.flash_attn_varlen_func(*(t.flatten(0, 1) for t in graph), cu, cuk, 16, 40,
-                                              **kw)
-    except NotImplementedError:  # GPU fp8 varlen where this build has none: refused by name
-        assert device != "cpu"
-        return
+    got = hipflash.flash_attn_varlen_func(*(t.flatten(0, 1) for t in graph), cu, cuk, 16, 40,
+                                          **kw)
     assert not got.requires_grad
     want = hipflash.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cuk, 16,
                                            40, **kw)
@@ -157,21 +155,27 @@ def test_bad_calls_are_refused_and_nothing_is_written(breaks, error, match):
 
 
 def fp8_gpu():
-    """(ok, why): whether this GPU runs fp8 q, k and v (Hopper with the sm90_ws kernels)."""
+    """(ok, why): whether this GPU runs fp8 q, k and v on an fp8 kernel (Hopper with the sm90_ws
+    kernels); other GPUs run them on bf16 copies (WIDE_GPU)."""
     if not GPU or E4M3 is None:
         return False, "needs a GPU visible to torch, a hipflash with GPU kernels and float8_e4m3fn"
     q = torch.zeros(1, 1, 1, 64, dtype=E4M3, device="cuda")
     try:
         hipflash.flash_attn_func(q, q, q)
-    except NotImplementedError as e:
-        return False, f"this GPU does not run fp8 q, k and v: {e}"
     except Exception:  # it should run: the tests below say how it fails
         return True, ""
+    name = hipflash.last_kernel_name()
+    if not name.startswith("fwd_sm90_ws_fp8_"):
+        return False, f"this GPU runs fp8 q, k and v on bf16 copies ({name}), not an fp8 kernel"
     return True, ""
 
 
 FP8_GPU, FP8_GPU_WHY = fp8_gpu()
 needs_fp8_gpu = pytest.mark.skipif(not FP8_GPU, reason=FP8_GPU_WHY)
+WIDE_GPU = GPU and E4M3 is not None
+needs_wide_gpu = pytest.mark.skipif(
+    not WIDE_GPU, reason="needs a GPU visible to torch, a hipflash with GPU kernels "
+    f"(this build: {hipflash.build_info()!r}) and float8_e4m3fn")
 
 
 def fp8_reference(qf, kf, vf, causal=False, window_size=(-1, -1), softcap=0.0):
@@ -289,13 +293,15 @@ def test_gpu_fp8_forward_options(mod, d):
     check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, mod, **ref_kw)
 
 
-@needs_fp8_gpu
+@needs_wide_gpu
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_gpu_fp8_forward_nan_reaches_its_rows(where):
+def test_gpu_fp8_forward_nan_reaches_its_rows(where, d):
     # A NaN byte (0x7f) in one row of q, k or v: out NaN wherever the CPU backend has it —
     # exactly there for q and k; for v also in rows whose mask hides that key but whose key
     # block holds it (P = 0 times NaN in the tensor-core product: SPEC §3's documented case).
-    q, k, v = fp8_case(1, 200, 300, 2, 2, 128, seed=4)
+    # Head dim 256 runs on bf16 copies, where the NaN byte is a NaN element.
+    q, k, v = fp8_case(1, 200, 300, 2, 2, d, seed=4)
     t = dict(q=q, k=k, v=v)[where]
     t.view(torch.uint8)[0, 150, 1, 7] = 0x7F
     out = hipflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=True)
@@ -306,21 +312,54 @@ def test_gpu_fp8_forward_nan_reaches_its_rows(where):
         assert torch.equal(got_nan, want_nan)
 
 
-@needs_fp8
-@pytest.mark.skipif(not GPU, reason="needs a GPU visible to torch and a hipflash built with GPU "
-                    f"kernels (this build: {hipflash.build_info()!r})")
-def test_the_gpu_refuses_what_it_does_not_run_before_writing():
-    # ALiBi with fp8 (the GPU), and on GPUs without the fp8 kernels every fp8 call: refused,
-    # nothing written.
-    q, k, v = (t.cuda() for t in fp8_case(1, 8, 8, 2, 2, 64))
-    out = torch.full((1, 8, 2, 64), float("nan"), dtype=BF16, device="cuda")
-    with pytest.raises(NotImplementedError, match="alibi_slopes with float8_e4m3fn"):
-        hipflash.flash_attn_func(q, k, v, out=out, alibi_slopes=torch.ones(2, device="cuda"))
-    assert torch.isnan(out).all()
-    if not FP8_GPU:  # any other GPU refuses every fp8 call
-        with pytest.raises(NotImplementedError, match="float8_e4m3fn q, k and v run on the CPU"):
-            hipflash.flash_attn_func(q, k, v, out=out, q_descale=torch.ones(1, device="cuda"))
-        assert torch.isnan(out).all()
+def bf16_copies(q, k, v, qd, kd, vd):
+    """The bf16 tensors a widened fp8 call computes on: q * q_descale * k_descale, k and
+    v * v_descale, each rounded once to bfloat16, contiguous."""
+    hq = q.shape[2]
+    return (dequantised(q, qd * kd, hq).to(BF16).contiguous(), k.to(BF16).contiguous(),
+            dequantised(v, vd, hq).to(BF16).contiguous())
+
+
+NVIDIA_WIDE = pytest.mark.skipif(
+    torch.version.hip is not None, reason="on AMD the generic kernel's fp8 body takes these "
+    "calls itself (gfx94x / gfx950) and ALiBi is refused")
+
+
+@needs_wide_gpu
+@NVIDIA_WIDE
+@pytest.mark.parametrize("case", ["hd256", "alibi", "broadcast_kv", "odd_descales", "decode"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_kv_head"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_fp8_calls_no_fp8_kernel_takes_run_on_bf16_copies(case, causal, per_head, num_splits):
+    # Head dim 256 (past the fp8 tiles; GQA decode too, its query heads packed after the
+    # widening), ALiBi (no fp8 kernel adds it), a kv head stride of 0 (no TMA map describes it):
+    # the fp8 call widens q, k and v and runs the bf16 kernel, bitwise the bf16 call on the same
+    # copies (out and LSE, the kernel named alike); with power-of-two descales the copies are
+    # exact and SPEC §6's fp8 rule holds against the fp32 reference.
+    d = 128 if case in ("alibi", "broadcast_kv") else 256
+    b, sq, sk, hq, hkv = 2, 1 if case == "decode" else 150, 333, 4, 2
+    q, k, v = (t.cuda() for t in fp8_case(b, sq, sk, hq, hkv, d, seed=d + sq))
+    if case == "broadcast_kv":
+        k, v = (t[:, :, :1].expand(b, sk, hkv, d) for t in (k, v))
+    qd, kd, vd = (t.cuda() for t in descales(b, hkv, per_head))
+    if case == "odd_descales":  # each product rounded once to bf16, alike in both calls
+        g = torch.Generator().manual_seed(5)
+        qd, kd, vd = ((torch.rand(qd.shape, generator=g) + 0.5).cuda() for _ in range(3))
+    kw = dict(causal=causal, num_splits=num_splits, return_lse=True)
+    if case == "alibi":
+        kw["alibi_slopes"] = torch.tensor([0.25, 0.125, 0.0625, 0.5], device="cuda")
+    out = torch.full((b, sq, hq, d), float("nan"), dtype=BF16, device="cuda")
+    _, lse = hipflash.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, out=out,
+                                      **kw)
+    name = hipflash.last_kernel_name()
+    assert "_from_fp8_" in name, name
+    want, want_lse = hipflash.flash_attn_func(*bf16_copies(q, k, v, qd, kd, vd), **kw)
+    assert hipflash.last_kernel_name() == name.replace("_from_fp8", ""), name
+    assert_bitwise_equal(out, want, f"{case} out")
+    assert_bitwise_equal(lse, want_lse, f"{case} lse")
+    if case not in ("alibi", "odd_descales"):
+        check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, case, causal=causal)
 
 
 def test_cache_scales_need_an_fp8_cache():
@@ -734,20 +773,24 @@ def test_fa3_all_e4m3_varlen_kvcache_call(device):
 
 
 @needs_fp8
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_fp8_gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_wide_gpu)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_fp8_equals_each_sequences_dense_call(causal, device):
+@pytest.mark.parametrize("d", [64, 256])
+def test_varlen_fp8_equals_each_sequences_dense_call(causal, device, d):
     # Varlen fp8 with descales per (sequence, kv head): each sequence bitwise the dense fp8 call
     # on it alone with its descale row (on the GPU the same sm90_ws tiles, the keys a box reads
-    # past a sequence zeroed as the dense map's edge zero-fills them); FA3's varlen spelling
-    # returns the same. Sequence 1's keys and values are NaN and e4m3's largest: they must
-    # reach no other sequence (0 x NaN in P V).
-    lens_q, lens_k, hq, hkv, d = [29, 0, 7], [113, 5, 40], 4, 2, 64
-    cu_q = torch.tensor([0, 29, 29, 36], dtype=torch.int32, device=device)
+    # past a sequence zeroed as the dense map's edge zero-fills them; head dim 256 on bf16
+    # copies, each row scaled by its sequence's descales); FA3's varlen spelling returns the
+    # same. Sequence 1's keys and values are NaN and e4m3's largest: they must reach no other
+    # sequence (0 x NaN in P V).
+    # Every sequence's dense call has more than 16 query rows, so that no decode kernel takes
+    # it where the bf16 copies run (nor the varlen call, of 29 rows at most).
+    lens_q, lens_k, hq, hkv = [29, 0, 20], [113, 5, 40], 4, 2
+    cu_q = torch.tensor([0, 29, 29, 49], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 113, 118, 158], dtype=torch.int32, device=device)
     g = torch.Generator().manual_seed(2)
     q, k, v = (2 * torch.randn(n, h, d, generator=g)
-               for n, h in ((36, hq), (158, hkv), (158, hkv)))
+               for n, h in ((49, hq), (158, hkv), (158, hkv)))
     k[113:118], v[113:116], v[116:118] = float("nan"), float("nan"), 448.0
     q, k, v = (t.to(E4M3).to(device) for t in (q, k, v))
     qd, kd, vd = ((torch.rand(3, hkv, generator=g) + 0.5).to(device) for _ in range(3))
@@ -810,15 +853,3 @@ def test_attention_chunk_takes_each_sequences_descales(causal, device):
         hipflash.flash_attn_func(q, k, v, q_descale=torch.ones(b + 1, hkv, device=device),
                                  attention_chunk=c, out=sink)
     assert sink.isnan().all()
-
-
-@needs_fp8
-@pytest.mark.skipif(not GPU or FP8_GPU, reason="needs a GPU without the sm90_ws fp8 kernels "
-                    "(where they are, test_varlen_fp8_equals_each_sequences_dense_call runs it)")
-def test_gpu_varlen_fp8_is_refused_before_writing():
-    cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
-    q = torch.ones(8, 2, 64, device="cuda").to(E4M3)
-    out = torch.full((8, 2, 64), float("nan"), dtype=BF16, device="cuda")
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn q, k and v run on the CPU"):
-        hipflash.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, out=out)
-    assert out.isnan().all()

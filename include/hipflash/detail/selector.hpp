@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "hipflash/detail/kernel_registry.hpp"
@@ -82,6 +83,11 @@ struct Problem {
   /// head is one run of memory; not a head-major cache ([B, Hkv, Sk, D], "HND" pages) passed
   /// as a view.
   bool kv_heads_in_rows = true;
+  bool alibi = false;  ///< ALiBi slopes (the fp8 kernels add no bias)
+  /// fp8 q, k and v (not a KV cache): the same call on contiguous bf16 copies of them
+  /// (make_problem; src/backend.hpp's widened_fp8_params), which the bf16 kernels take where no
+  /// fp8 kernel does. nullptr otherwise.
+  std::shared_ptr<const Problem> widened;
 };
 
 /// Varlen at head dim 64 takes the TMA kernel (sm90_ws) from this mean sequence length on, the
@@ -138,6 +144,9 @@ struct Selection {
   KernelKind kind = KernelKind::unsupported;
   KernelKey key{};
   std::string reason;  ///< why unsupported (empty otherwise)
+  /// An fp8 call that no fp8 kernel takes, run by `kind` (a bf16 kernel) on bf16 copies of q,
+  /// k and v (Problem::widened; the launcher widens them first).
+  bool widened_fp8 = false;
 };
 
 /// Pure: same inputs, same answer.
