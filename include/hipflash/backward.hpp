@@ -8,10 +8,12 @@
 // dq = scale dS k, dk = scale dS^T q (summed over the query heads of a kv head), dv = P^T dO.
 // Rows with no valid key (lse -inf) get zero gradients; NaN propagates.
 // Dense (q/dq [B, Sq, Hq, D], k/v/dk/dv [B, Sk, Hkv, D], lse [B, Hq, Sq]) and varlen layouts;
-// CPU tensors run the CPU backward; GPU tensors the backward kernels (kernels/bwd: mma.sync on
-// NVIDIA, the portable kernels on AMD), which take an fp32 workspace of
-// B * Hq * round_up(Sq, 128) * (2 + (deterministic ? 0 : padded head dim)) floats from
-// `workspace` (or allocate it on the stream).
+// CPU tensors run the CPU backward; GPU tensors the backward kernels (kernels/bwd: warpgroup
+// MMAs on Hopper, mma.sync on other NVIDIA GPUs, the portable kernels on AMD), which take a
+// workspace from `workspace` (or allocate it on the stream) of R = B * Hq * round_up(Sq, 128)
+// rows: 4 R (2 + D) bytes (D the padded head dim; deterministic off Hopper: 4 R 2 bytes), and
+// on Hopper (head dims up to 128) when deterministic R / 16 bytes more (a counter per 64
+// rows) plus 4 (a tile counter) when causal or windowed.
 #pragma once
 
 #include <optional>
@@ -28,9 +30,12 @@ struct BwdOptions {
   const TensorRef* alibi_slopes = nullptr;  ///< the forward's (FwdOptions::alibi_slopes)
   /// Bitwise-repeatable gradients. The CPU backward always is (each kv head's dk/dv are
   /// accumulated by one thread, in a fixed order). On the GPU dk/dv always are (one thread block
-  /// owns a key block of a kv head and walks its query heads); dq is summed by a separate pass
-  /// in a fixed order when set, else added by fp32 atomics from the dk/dv pass (faster, the
-  /// order of the additions varies from run to run). False by default, as in FlashAttention.
+  /// owns a key block of a kv head and walks its query heads); dq, when set, is summed in a
+  /// fixed order (on Hopper by the dk/dv pass, its terms ordered by counters; elsewhere by a
+  /// separate pass), else added by fp32 atomics from the dk/dv pass (faster, the order of the
+  /// additions varies from run to run). Repeatable run to run on one GPU model: the order may
+  /// differ between models (it follows the multiprocessor count) and between deterministic
+  /// and default calls. False by default, as in FlashAttention.
   bool deterministic = false;
 };
 

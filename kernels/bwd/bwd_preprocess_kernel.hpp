@@ -6,7 +6,8 @@
 //              that P = exp2(s * scale * log2e - lse_log2) is exactly 0 there; NaN stays NaN;
 //   rows past the sequence: delta 0, lse_log2 +inf (they take part in nothing);
 //   and, where the dk/dv pass adds dq, the row's dq_accum zeroed (and its 64-row block's
-//   counter, where it adds in key-block order).
+//   counter, where it adds in key-block order; the pass's tile counter, where it takes tiles
+//   from one, by the first row's thread).
 // Eight threads own a row; each sums 16-byte pieces and the eight reduce by shuffles.
 //
 // bwd_dq_convert_kernel, after it wherever the dk/dv pass adds dq: dq = softmax_scale *

@@ -158,9 +158,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // multiprocessors free up, key block fastest, so that a head's key blocks run side by
           // side and share its Q, dO and dq_accum in L2 (+13-15% at causal S = 512-1k, hd128),
           // unless there are too few tiles to even out: heaviest first then (GQA 8 at S = 2k:
-          // 256 tiles, -15% key block fastest). Deterministic: persistent (a block waits only on
-          // tiles numbered before its own, which a persistent grid's resident blocks are sure
-          // to reach), key block fastest; masked calls each head's last key block first, adding
+          // 256 tiles, -15% key block fastest). Deterministic: persistent (a block waits on
+          // tiles its grid's resident blocks are sure to reach), key block fastest; unmasked
+          // calls rotated (below); masked calls each head's last key block first, adding
           // dq in descending key-block order (heaviest first cost masked calls 1.23-1.42x the
           // default's time even with no wait at all: the L2 sharing lost), their tiles taken
           // from a counter as blocks free up (bwd::TileFeed: a fixed walk started a head's key
@@ -169,7 +169,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           const bool ordered = p.dq_semaphore != nullptr;
           if (tiles > INT32_MAX) p.tile_counter = nullptr;  // the snake then (numbers: 32-bit)
           const bool counted = p.tile_counter != nullptr;
-          const bool persistent = ordered || counted || (!p.is_varlen() && !Traits::kMasked);
+          const bool persistent = ordered || (!p.is_varlen() && !Traits::kMasked);
           const bwd::KeyOrder order =
               !Traits::kMasked                 ? bwd::KeyOrder::kFastest
               : ordered                        ? bwd::KeyOrder::kFastestLastFirst
@@ -177,10 +177,11 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
-          // Deterministic unmasked calls walk rotated (bwd::DkdvWork), a tile then waiting on
-          // later ones too: only while a head's key blocks are all resident at once (a stride
-          // gives each block at most one of them).
-          const bool rotate = ordered && !Traits::kMasked && !snake && blocks <= grid;
+          // Deterministic unmasked calls walk rotated (bwd::RotatedWalk), a tile then waiting
+          // on later key blocks of its head too: only where the stride puts a head's key
+          // blocks on distinct blocks (blocks <= grid), each queued behind earlier heads' tiles
+          // alone, so that every head completes in turn.
+          const bool rotate = ordered && !Traits::kMasked && blocks <= grid;
           auto launch = [&](auto kernel) {  // a KernelConstant
             constexpr auto dkdv = decltype(kernel)::value;
             set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");

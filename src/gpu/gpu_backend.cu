@@ -383,16 +383,17 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   // Workspace: lse_log2 and delta [B, Hq, rows], dq_accum [B, Hq, rows, hd] where the dk/dv pass
   // adds dq (atomic; deterministic on Hopper, where the warp-specialised pass may order it:
   // launch_bwd drops it where that pass does not run), then dq_semaphore [B, Hq, rows / 64]
-  // (ordered) and the TMA pass's tile counter;
+  // and, masked, the pass's tile counter (ordered);
   // rows padded to 128 (every tile's row block stays inside).
   p.seqlen_rounded = (p.seqlen_q + 127) / 128 * 128;
   p.padded_head_dim = hd;
   const bool accum = !p.deterministic || how.sm90;
   const bool ordered = p.deterministic && how.sm90;
   const size_t rows = size_t(p.batch) * size_t(p.heads_q) * size_t(p.seqlen_rounded);
+  const bool counted = ordered && p.has_window() && rows > 0;  // masked: the tile counter
   const size_t need = rows * sizeof(float) * (2 + (accum ? size_t(hd) : 0)) +
                       (ordered ? rows / 64 * sizeof(int32_t) : 0) +
-                      (how.sm90 && rows > 0 ? sizeof(int32_t) : 0);
+                      (counted ? sizeof(int32_t) : 0);
   ScopedDevice guard(device);
   std::unique_ptr<ScratchBuffer> scratch;
   void* base = ws.data;  // an empty problem needs none (and must not ask the allocator)
@@ -404,9 +405,7 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   p.delta = p.lse_log2 + rows;
   p.dq_accum = accum ? p.delta + rows : nullptr;
   p.dq_semaphore = ordered ? reinterpret_cast<int32_t*>(p.dq_accum + rows * hd) : nullptr;
-  p.tile_counter = how.sm90 && rows > 0 ? reinterpret_cast<int32_t*>(p.dq_accum + rows * hd) +
-                                 (ordered ? rows / 64 : 0)
-                           : nullptr;
+  p.tile_counter = counted ? p.dq_semaphore + rows / 64 : nullptr;
   how.total_q = total_q;
   how.total_k = total_k;
   how.zero_q = zero_q;

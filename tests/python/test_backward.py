@@ -75,6 +75,7 @@ GPU_CASES = [
     (1, 300, 300, 4, 2, 256, True, (-1, -1)),
     (2, 129, 1000, 8, 8, 96, False, (-1, -1)),
     (2, 700, 1100, 8, 2, 128, False, (-1, -1)),  # GQA, unmasked: a rotated walk when deterministic
+    (2, 200, 1000, 4, 2, 64, True, (64, 0)),  # key blocks 0-4 seen by no row: tiles with no steps
 ]
 
 
@@ -208,15 +209,19 @@ def test_no_backward_where_there_is_none(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lse_layout", ["padded", "packed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_gradients_equal_per_sequence_dense(lse_layout, causal, device):
+@pytest.mark.parametrize("lens", [
+    ([3, 0, 40, 17], [5, 7, 30, 17]),
+    ([40, 300, 9], [600, 300, 700]),  # GPU, unmasked: sequences 0 and 2 walk unrotated (n > steps)
+], ids=["short", "mixed"])
+def test_varlen_gradients_equal_per_sequence_dense(lse_layout, causal, lens, device):
     # Each sequence's gradients of the packed call equal the dense call's on that sequence
     # (deterministic dq: bitwise).
-    lens_q, lens_k = [3, 0, 40, 17], [5, 7, 30, 17]
+    lens_q, lens_k = lens
     q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, 2, 64, torch.bfloat16, device=device, seed=9)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     _, (dq, dk, dv) = grads(lambda *a: hipflash.flash_attn_varlen_func(
-        *a, cq, ck, 40, 30, causal=causal, lse_layout=lse_layout, deterministic=True), q, k, v,
-        dout)
+        *a, cq, ck, max(lens_q), max(lens_k), causal=causal, lse_layout=lse_layout,
+        deterministic=True), q, k, v, dout)
     for b in range(len(lens_q)):
         qs, ks = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         if lens_q[b] == 0:
