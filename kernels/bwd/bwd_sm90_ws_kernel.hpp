@@ -276,15 +276,14 @@ struct TileWalk {
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
 /// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
-/// the tiles a tile waits on (numbered lower) were taken before it. The producer takes each
-/// (the first is the block's own number) and posts it to the other roles through a ring of two
-/// numbers in shared memory; a number past the last tile ends every role's walk. Like the fixed
-/// walks it counts on the whole grid being resident (one block per multiprocessor): a first
-/// tile waits on a lower one only if that one's block has started.
+/// the tiles a tile waits on (numbered lower) were taken, by running blocks, before it: no
+/// deadlock however many of the grid's blocks are resident. The producer takes each (every one
+/// from the counter) and posts it to the other roles through a ring of two numbers in shared
+/// memory; a number past the last tile ends every role's walk.
 template <class Cfg, bool kCounted>
 struct TileFeed {
   dkdv_ws::Smem<Cfg> sm;
-  int32_t* counter;  ///< kCounted: the next tile's number, less gridDim.x
+  int32_t* counter;  ///< kCounted: the next tile's number
   bool snake;
   TileWalk walk{blockIdx.x};
   uint32_t taken = 0;
@@ -294,10 +293,9 @@ struct TileFeed {
     if constexpr (!kCounted) {
       return fixed();
     } else {
-      const int64_t tile =
-          taken == 0 ? int64_t(blockIdx.x) : gridDim.x + atomicAdd(counter, 1);
       const int slot = int(taken & 1u);
       sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
+      const int64_t tile = atomicAdd(counter, 1);  // taken once the ring has room for it
       dkdv_ws::st_shared(sm.tile_number(slot), uint32_t(tile));
       sm.tile_full(slot).arrive();
       ++taken;
