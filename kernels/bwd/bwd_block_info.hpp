@@ -163,6 +163,29 @@ HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int
          (col & 3);
 }
 
+/// The rotated walk of a deterministic unmasked dk/dv pass (bwd_sm90_ws_kernel.hpp's DkdvWork):
+/// a sequence's n key blocks each walk the same `steps` query steps (row blocks x query heads of
+/// the group), key block j from step j steps / n and wrapping round, so that when they run side
+/// by side they take different row blocks at any one time. Key block j adds its dq term to step
+/// x with rank (J - j) mod n, J the last key block whose walk starts at or before x: the order
+/// in which the walks reach x (J, J - 1, ..., 0, n - 1, ..., J + 1), steps / n steps apart, so
+/// no walk waits on another while they keep pace. Applies with distinct starts (n <= steps) and
+/// in 32 bits (n steps < 2^32).
+struct RotatedWalk {
+  uint32_t n, steps;
+
+  HIPFLASH_HD static bool applies(int64_t n, int64_t steps) {
+    return n > 0 && steps > 0 && n <= steps && n * steps <= int64_t(UINT32_MAX);
+  }
+  /// The step key block j's walk starts at.
+  HIPFLASH_HD uint32_t first(uint32_t j) const { return j * steps / n; }
+  /// Key block j's rank among the dq terms added to step x.
+  HIPFLASH_HD uint32_t rank(uint32_t x, uint32_t j) const {
+    const uint32_t last = ((x + 1) * n - 1) / steps;
+    return (last + n - j) % n;
+  }
+};
+
 /// How a dk/dv pass numbers its tiles (key block, kv head, batch): the key block fastest (a
 /// head's key blocks side by side: they share its Q, dO and dq rows in L2), fastest with the
 /// last key block first (the same, each head's lightest causal block first: the deterministic

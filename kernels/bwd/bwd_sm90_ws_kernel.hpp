@@ -23,7 +23,8 @@
 //    dQ = dS K (wgmma SS: a 64 x 64 piece each, as in bwd_sm90_kernel.hpp) goes into the
 //    staged fp32 tile. Deterministic calls take the same path, the writer adding a row block's
 //    terms in a fixed key-block order (a counter per row block in dq_semaphore): unmasked
-//    calls walk rotated (DkdvWork), masked ones take their tiles from a counter (TileFeed).
+//    calls walk rotated (bwd::RotatedWalk), masked ones take their tiles from a counter
+//    (TileFeed).
 // The exponentials overlap the dP^T product, dV / dK the staging of dS^T; the two warpgroups'
 // non-MMA phases interleave with each other's products, and no consumer issues a load or a
 // global reduction.
@@ -212,16 +213,9 @@ struct StepPos {
 
 /// One work tile of the persistent grid: key block `tile` of the dk/dv pass (bwd::KeyBlock's
 /// order), its query steps and where they start. Every role of a block decodes the same tiles.
-///
-/// `rotate` (deterministic unmasked calls, where a sequence's key blocks all walk the same T
-/// steps): key block j of the sequence's n starts its walk at step j T / n and wraps around,
-/// so that the key blocks of a head, running side by side, take different row blocks at any
-/// one time. The deterministic dq's additions to step x then come in the order the walks reach
-/// it: key blocks J, J - 1, ..., 0, n - 1, ..., J + 1, J the last whose walk starts at or
-/// before x — rank (J - j) mod n, T / n steps apart, so no tile waits while they keep pace
-/// (ranks from 0 in key-block order instead made each wait for the one before it at every
-/// step). Only with n <= T (distinct starts) and n T < 2^32 (32-bit arithmetic); else the
-/// walk starts at step 0 and ranks ascend.
+/// `rotate` (deterministic unmasked calls, where a sequence's key blocks all walk the same
+/// steps): the walk starts where bwd::RotatedWalk puts it, wrapping over the group's heads, if
+/// the sequence's walk applies (else it starts at step 0 and the dq ranks ascend).
 template <int kBM, int kBN>
 struct DkdvWork {
   KeyBlock kb;
@@ -237,11 +231,18 @@ struct DkdvWork {
     m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
     steps = m_steps * kb.groups;
     row_end = kb.row_lo + m_steps * kBM;
-    const int64_t n = (kb.seq.len_k + kBN - 1) / kBN;
-    if (rotate && steps > 0 && n <= steps && n * steps <= int64_t(UINT32_MAX)) {
-      key_blocks = n;  // 32-bit arithmetic below
-      first = uint32_t(kb.n_block) * uint32_t(steps) / uint32_t(n);
+    // Clamped to the grid's key blocks: a sequence longer than max_seqlen_k (unchecked under
+    // graph capture) must not wait for ranks no tile adds.
+    int64_t n = (kb.seq.len_k + kBN - 1) / kBN;
+    n = n < num_n_blocks ? n : num_n_blocks;
+    if (rotate && RotatedWalk::applies(n, steps)) {
+      key_blocks = n;
+      first = walk().first(uint32_t(kb.n_block));
     }
+  }
+
+  __device__ __forceinline__ RotatedWalk walk() const {
+    return {uint32_t(key_blocks), uint32_t(steps)};
   }
 
   __device__ __forceinline__ StepPos<kBM> first_step() const {
@@ -251,12 +252,11 @@ struct DkdvWork {
                         int(kb.row_lo), int(row_end), h_lo, h_lo + int(kb.groups)};
   }
 
-  /// The rank of this tile's dq addition at `pos` in a rotated walk (above).
+  /// The rank of this tile's dq addition at `pos` in a rotated walk.
   __device__ __forceinline__ int rotated_rank(const StepPos<kBM>& pos) const {
     const uint32_t x = uint32_t(pos.h - pos.h_lo) * uint32_t(m_steps) +
                        uint32_t(pos.m0 - pos.row_lo) / kBM;
-    const uint32_t n = uint32_t(key_blocks), last = ((x + 1) * n - 1) / uint32_t(steps);
-    return int((last + n - uint32_t(kb.n_block)) % n);
+    return int(walk().rank(x, uint32_t(kb.n_block)));
   }
 };
 
@@ -276,40 +276,45 @@ struct TileWalk {
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
 /// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
-/// the tiles a tile waits on (numbered lower) were taken before it. The producer takes each
-/// (the first is the block's own number) and posts it to the other roles through a ring of two
-/// numbers in shared memory; a number past the last tile ends every role's walk. Like the fixed
-/// walks it counts on the whole grid being resident (one block per multiprocessor): a first
-/// tile waits on a lower one only if that one's block has started.
+/// the tiles a tile waits on (numbered lower) were taken, by running blocks, before it: no
+/// deadlock however many of the grid's blocks are resident. The producer takes each (every one
+/// from the counter) and posts it to the other roles through a ring of two numbers in shared
+/// memory; a number past the last tile ends every role's walk.
 template <class Cfg, bool kCounted>
 struct TileFeed {
   dkdv_ws::Smem<Cfg> sm;
-  int32_t* counter;  ///< kCounted: the next tile's number, less gridDim.x
+  int32_t* counter;  ///< kCounted: the next tile's number
   bool snake;
   TileWalk walk{blockIdx.x};
   uint32_t taken = 0;
 
   /// The producer's next tile.
   __device__ __forceinline__ int64_t produce() {
-    if constexpr (!kCounted) return fixed();
-    const int64_t tile = taken == 0 ? int64_t(blockIdx.x) : gridDim.x + atomicAdd(counter, 1);
-    const int slot = int(taken & 1u);
-    sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
-    dkdv_ws::st_shared(sm.tile_number(slot), uint32_t(tile));
-    sm.tile_full(slot).arrive();
-    ++taken;
-    return tile;
+    if constexpr (!kCounted) {
+      return fixed();
+    } else {
+      const int slot = int(taken & 1u);
+      sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
+      const int64_t tile = atomicAdd(counter, 1);  // taken once the ring has room for it
+      dkdv_ws::st_shared(sm.tile_number(slot), uint32_t(tile));
+      sm.tile_full(slot).arrive();
+      ++taken;
+      return tile;
+    }
   }
   /// The next tile of a consumer or the writer (every lane of the warp).
   __device__ __forceinline__ int64_t consume() {
-    if constexpr (!kCounted) return fixed();
-    const int slot = int(taken & 1u);
-    sm.tile_full(slot).wait((taken >> 1) & 1u);
-    const int64_t tile = dkdv_ws::ld_shared(sm.tile_number(slot));
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) sm.tile_empty(slot).arrive();
-    ++taken;
-    return tile;
+    if constexpr (!kCounted) {
+      return fixed();
+    } else {
+      const int slot = int(taken & 1u);
+      sm.tile_full(slot).wait((taken >> 1) & 1u);
+      const int64_t tile = dkdv_ws::ld_shared(sm.tile_number(slot));
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) sm.tile_empty(slot).arrive();
+      ++taken;
+      return tile;
+    }
   }
 
  private:
@@ -427,10 +432,13 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             const int64_t ws = p.ws_row(w.kb.b, pos.h, pos.m0);
             if (ordered) {
               const SeqBounds& seq = w.kb.seq;
+              // The last key block clamped to the grid's (a sequence longer than max_seqlen_k,
+              // unchecked under graph capture, must not wait for a rank no tile adds).
+              const int64_t last = seq.last_key_block_seeing(p, pos.m0, kBM, kBN);
               const int rank =
                   w.key_blocks > 0 ? w.rotated_rank(pos)
                   : order == KeyOrder::kFastestLastFirst
-                      ? int(seq.last_key_block_seeing(p, pos.m0, kBM, kBN) - w.kb.n_block)
+                      ? int((last < num_n_blocks ? last : num_n_blocks - 1) - w.kb.n_block)
                       : int(w.kb.n_block - seq.first_key_block_seeing(p, pos.m0, kBN));
               int32_t* const counter = p.dq_semaphore + ws / 64;
               while (load_acquire(counter) != rank) __nanosleep(32);

@@ -177,7 +177,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
-          // Deterministic unmasked calls walk rotated (bwd::DkdvWork), a tile then waiting
+          // Deterministic unmasked calls walk rotated (bwd::RotatedWalk), a tile then waiting
           // on later key blocks of its head too: only where the stride puts a head's key
           // blocks on distinct blocks (blocks <= grid), each queued behind earlier heads' tiles
           // alone, so that every head completes in turn.
