@@ -539,15 +539,14 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
       sm90_parts::pack_a<kDT, kBM>(S, Pf);
       sm90_parts::pack_a<kDT, kBM>(dP, dSf);
-      // dV += P^T dO, dK += dS^T Q.
-      wgmma::fence();
-      sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
-      sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
-      wgmma::commit();
-
       if (p.dq_accum != nullptr) {
-        // dS^T (rounded, as the A operand of dQ) into its SW128 tile. Free: both warpgroups
-        // passed the last step's kDqEmpty sync after their dQ products were done.
+        // dV += P^T dO first; while it runs, dS^T (rounded, as the A operand of dQ) into its
+        // SW128 tile. Free: both warpgroups passed the last step's kDqEmpty sync after their dQ
+        // products were done. Then dQ's product, and dK += dS^T Q behind it: the dQ piece is
+        // staged for the writer while dK's product runs.
+        wgmma::fence();
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
+        wgmma::commit();
         // Swizzled addresses from this thread's row phase g, kept opaque so that the compiler
         // builds each from a base and a constant instead of holding 16 of them across the loop.
         int phase = g;
@@ -560,12 +559,6 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             st_shared(ds_row + (i / 8) * kBN * 128 + hh * 8 * 128 + (((i % 8) ^ phase) << 4),
                       dSf[i / 2][2 * (i % 2) + hh]);
         fence_proxy_async();
-        wgmma::wait<0>();  // dV, dK done: P and dS leave the registers before dQ's arrive
-        wgmma::fence_operands(dV);
-        wgmma::fence_operands(dK);
-        // Q, dO and the statistics read: every lane's reads before its lane 0's release.
-        __syncwarp();
-        if (lane == 0) sm.q_empty(st).arrive();
         named_sync<Cfg::kConsumerThreads>(kDsReady);
         // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
         const uint32_t a0 = sm.ds() + (Cfg::kDqByColumns ? 0 : wg * kBN * 128);
@@ -574,7 +567,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::fence();
         sm90_parts::issue_dq<kDT, kBN>(dQ, a0, b0);
         wgmma::commit();
-        wgmma::wait<0>();
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
+        wgmma::commit();
+        wgmma::wait<1>();  // dV and dQ done, dK's product in flight
+        wgmma::fence_operands(dV);
         wgmma::fence_operands(dQ);
 
         // The piece into the staged tile, rows of kHD floats with dq_accum's chunk swizzle (a
@@ -591,7 +587,16 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
                       dQ[4 * i + 2 * hh], dQ[4 * i + 2 * hh + 1]);
         fence_proxy_async();
         named_arrive<kDqBarThreads>(kDqFull);
+        wgmma::wait<0>();  // dK done: Q, dO and the statistics read
+        wgmma::fence_operands(dK);
+        __syncwarp();  // every lane's reads before its lane 0's release
+        if (lane == 0) sm.q_empty(st).arrive();
       } else {
+        // dV += P^T dO, dK += dS^T Q.
+        wgmma::fence();
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
+        wgmma::commit();
         wgmma::wait<0>();
         wgmma::fence_operands(dV);
         wgmma::fence_operands(dK);
