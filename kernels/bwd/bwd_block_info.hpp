@@ -86,10 +86,14 @@ struct SeqBounds : common::SeqBounds {
 template <int kBM, bool kMasked>
 struct KeyPairRows {
   int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
+  /// Whether the step needs the test at all (SeqBounds::pair_needs_mask: the same for every
+  /// thread of the step); false: every row sees every key, and sees() is true throughout.
+  bool needed;
 
   HIPFLASH_HD KeyPairRows(const SeqBounds& seq, const FwdParams& p, int64_t m0, int64_t n0,
-                          int bn, int64_t key0) {
-    if (seq.pair_needs_mask(p, m0, kBM, n0, bn, kMasked))
+                          int bn, int64_t key0)
+      : needed(seq.pair_needs_mask(p, m0, kBM, n0, bn, kMasked)) {
+    if (needed)
       for (int hh = 0; hh < 2; ++hh)
         seq.rows_seeing_key(p, key0 + 8 * hh, m0, kBM, kMasked, lo[hh], hi[hh]);
   }

@@ -30,6 +30,8 @@
 // global reduction.
 #pragma once
 
+#include <type_traits>
+
 #include "atoms/sm80.hpp"
 #include "atoms/sm90/tensor_map.hpp"
 #include "atoms/sm90/tma.hpp"
@@ -501,41 +503,50 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       sm90_parts::issue_scores<kDT, kBM, kBN, kHD>(dP, sV_wg, sm.dout(st));
       wgmma::commit();
 
-      // P^T from the saved LSE while dP^T runs (a select for masked pairs: a masked NaN leaks
-      // nothing); the rows seeing this thread's keys key0 and key0 + 8 (KeyPairRows).
+      // P^T from the saved LSE while dP^T runs, then dS^T = P^T (dP^T - delta); where the step
+      // needs a mask (KeyPairRows::needed, uniform over the block), a select for masked pairs
+      // (a masked NaN leaks nothing), the other steps without one: the rows seeing this
+      // thread's keys key0 and key0 + 8.
       const float* lse2 = smem_floats(smem_raw, sm.lse(st));
       const float* delta = smem_floats(smem_raw, sm.delta(st));
       const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
-      wgmma::wait<1>();
-      wgmma::fence_operands(S);
+      auto probabilities_and_grads = [&](auto select) {
+        constexpr bool kSelect = decltype(select)::value;
+        wgmma::wait<1>();
+        wgmma::fence_operands(S);
 #pragma unroll
-      for (int i = 0; i < kBM / 8; ++i)
+        for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * i + 2 * t + e;
-          const float l2 = lse2[col];
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * i + 2 * t + e;
+            const float l2 = lse2[col];
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = 4 * i + 2 * hh + e;
-            const float pr = exp2f(S[r] * scale_log2 - l2);
-            S[r] = key_rows.sees(col, hh) ? pr : 0.f;
+            for (int hh = 0; hh < 2; ++hh) {
+              const int r = 4 * i + 2 * hh + e;
+              const float pr = exp2f(S[r] * scale_log2 - l2);
+              S[r] = !kSelect || key_rows.sees(col, hh) ? pr : 0.f;
+            }
           }
-        }
-      wgmma::wait<0>();  // dP^T done
-      wgmma::fence_operands(dP);
+        wgmma::wait<0>();  // dP^T done
+        wgmma::fence_operands(dP);
 #pragma unroll
-      for (int i = 0; i < kBM / 8; ++i)
+        for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * i + 2 * t + e;
-          const float dl = delta[col];
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * i + 2 * t + e;
+            const float dl = delta[col];
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = 4 * i + 2 * hh + e;
-            // P^T is 0 where masked, but dP^T - delta may be NaN there: select, don't multiply.
-            dP[r] = key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
+            for (int hh = 0; hh < 2; ++hh) {
+              const int r = 4 * i + 2 * hh + e;
+              // P^T is 0 where masked, but dP^T - delta may be NaN there: select, don't multiply.
+              dP[r] = !kSelect || key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
+            }
           }
-        }
+      };
+      if (key_rows.needed)
+        probabilities_and_grads(std::true_type{});
+      else
+        probabilities_and_grads(std::false_type{});
       uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
       sm90_parts::pack_a<kDT, kBM>(S, Pf);
       sm90_parts::pack_a<kDT, kBM>(dP, dSf);
