@@ -14,6 +14,11 @@
 // dq_accum, rounded to the dtype, for the rows of every sequence (dq_accum's swizzled rows:
 // dq_accum_index).
 //
+// On sm_90+ the warp-specialised dk/dv pass follows the preprocess, and the conversion the dk/dv
+// pass, as programmatic dependents (port.hpp): the preprocess lets the dk/dv pass's blocks be
+// placed once all of its own have started, and each dependent waits for the pass before it
+// where it first reads what that pass wrote.
+//
 // bwd_zero_outside_kernel (varlen): the rows of a [total, H, D] gradient before cu_seqlens[0]
 // and from cu_seqlens[B] on belong to no sequence; their gradient is 0 (the CPU backward's rule).
 #pragma once
@@ -35,6 +40,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     bwd_preprocess_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int row_blocks) {
   using B = common::Bits<kDType>;
   using W = typename B::word;
+  port::allow_dependent_launch();  // the dk/dv pass's blocks wait for ours to finish
   const int64_t linear = blockIdx.x;
   const int64_t rb = linear % row_blocks, rest = linear / row_blocks;
   const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
@@ -91,6 +97,7 @@ __global__ void __launch_bounds__(kConvertThreads)
   const int c = int(piece % pieces) * 8;
   const SeqBounds seq(p, b);
   if (row >= seq.len_q || c >= p.head_dim) return;
+  port::wait_prerequisite_grids();  // the dk/dv pass's dq_accum
   // Columns c .. c + 7: two 16-byte chunks of the swizzled row (dq_accum_index).
   const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c));
   const float4 hi =

@@ -359,6 +359,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     Mbarrier::fence_init();
   }
   __syncthreads();
+  // A programmatic dependent of the preprocess pass (bwd_preprocess_kernel.hpp): placed while it
+  // finishes, reading nothing it writes (lse_log2, delta, dq_accum, the counters) before this.
+  port::wait_prerequisite_grids();
+  port::allow_dependent_launch();  // the dq conversion's blocks wait for ours to finish
 
   if (warp >= kProducerWarp) {  // the producer warpgroup: loads and dQ reductions
     setmaxnreg_dec<Cfg::kProducerRegs>();

@@ -5,7 +5,9 @@
 // pass (on Hopper the warp-specialised kernel, adding dq in key-block order when deterministic;
 // the cp.async one for strides no tensor map describes; elsewhere dq added atomically unless
 // deterministic) -> dq pass (deterministic, not warp-specialised) or dq conversion ->
-// zero the rows outside every sequence's used rows (varlen; seqused).
+// zero the rows outside every sequence's used rows (varlen; seqused). The warp-specialised dk/dv
+// pass and the dq conversion go as programmatic dependents of the pass before them (where their
+// code waits for it: sm_90+), so that their blocks are placed while it ends.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include "bwd/bwd_preprocess_kernel.hpp"
 #include "bwd/bwd_sm80_kernel.hpp"
 #include "bwd/bwd_sm90_kernel.hpp"
+#include "gpu/device_guard.hpp"  // dependent_launch
 #include "gpu/launch_api.hpp"
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
 #include "bwd/bwd_sm90_ws_kernel.hpp"
@@ -185,15 +188,18 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           auto launch = [&](auto kernel) {  // a KernelConstant
             constexpr auto dkdv = decltype(kernel)::value;
             set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
-            dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes,
-                   stream>>>(p, int(blocks), maps, tiles, snake, order, rotate);
+            // A programmatic dependent of the preprocess (its blocks placed while that ends).
+            port::check(port::launch_kernel(dkdv, dim3(grid_of(grid, "dk/dv (sm90_ws)")),
+                                            dim3(Dkdv::kThreads), Dkdv::kSmemBytes, stream,
+                                            dependent_launch<dkdv>(), p, int(blocks), maps,
+                                            tiles, snake, order, rotate),
+                        "launching the backward's dk/dv (sm90_ws) kernel");
           };
           if (!counted) {
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
           } else if constexpr (Traits::kMasked) {  // only masked calls keep the tile counter
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});
           }
-          check_launch("dk/dv (sm90_ws)");
         }
         done = true;
       } else if (how.sm90) {
@@ -222,10 +228,17 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
 #endif  // HIPFLASH_PLATFORM_NVIDIA
   }
 
-  if (p.dq_accum != nullptr && !how.portable)
-    pass(bwd::bwd_dq_convert_kernel<kDT>,
-         ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads), p.heads_q,
-         bwd::kConvertThreads, 0, "dq conversion");
+  if (p.dq_accum != nullptr && !how.portable) {
+    // A programmatic dependent of the dk/dv pass where its code waits for it (sm_90+ code).
+    constexpr auto convert = bwd::bwd_dq_convert_kernel<kDT>;
+    const int64_t blocks =
+        ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads);
+    if (const int64_t grid = blocks * p.heads_q * p.batch; grid > 0)
+      port::check(port::launch_kernel(convert, dim3(grid_of(grid, "dq conversion")),
+                                      dim3(bwd::kConvertThreads), 0, stream,
+                                      dependent_launch<convert>(), p, int(blocks)),
+                  "launching the backward's dq conversion kernel");
+  }
 
   if (p.is_varlen() && how.zero_q)
     zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, how.total_q, p.heads_q,
