@@ -511,19 +511,21 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // needs a mask (KeyPairRows::needed, uniform over the block), a select for masked pairs
       // (a masked NaN leaks nothing), the other steps without one: the rows seeing this
       // thread's keys key0 and key0 + 8.
-      const float* lse2 = smem_floats(smem_raw, sm.lse(st));
-      const float* delta = smem_floats(smem_raw, sm.delta(st));
+      // The statistics as pairs (a thread's columns 2t and 2t + 1 of each 8: one 8-byte load).
+      const float2* lse2 = reinterpret_cast<const float2*>(smem_floats(smem_raw, sm.lse(st)));
+      const float2* delta = reinterpret_cast<const float2*>(smem_floats(smem_raw, sm.delta(st)));
       const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
       auto probabilities_and_grads = [&](auto select) {
         constexpr bool kSelect = decltype(select)::value;
         wgmma::wait<1>();
         wgmma::fence_operands(S);
 #pragma unroll
-        for (int i = 0; i < kBM / 8; ++i)
+        for (int i = 0; i < kBM / 8; ++i) {
+          const float2 l2s = lse2[4 * i + t];  // columns 8i + 2t and 8i + 2t + 1
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = 8 * i + 2 * t + e;
-            const float l2 = lse2[col];
+            const float l2 = e == 0 ? l2s.x : l2s.y;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               const int r = 4 * i + 2 * hh + e;
@@ -531,14 +533,16 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
               S[r] = !kSelect || key_rows.sees(col, hh) ? pr : 0.f;
             }
           }
+        }
         wgmma::wait<0>();  // dP^T done
         wgmma::fence_operands(dP);
 #pragma unroll
-        for (int i = 0; i < kBM / 8; ++i)
+        for (int i = 0; i < kBM / 8; ++i) {
+          const float2 dls = delta[4 * i + t];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = 8 * i + 2 * t + e;
-            const float dl = delta[col];
+            const float dl = e == 0 ? dls.x : dls.y;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               const int r = 4 * i + 2 * hh + e;
@@ -546,6 +550,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
               dP[r] = !kSelect || key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
             }
           }
+        }
       };
       if (key_rows.needed)
         probabilities_and_grads(std::true_type{});
