@@ -170,7 +170,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // blocks at scattered times, and each waited on the one started last).
           const int num_sms = device_arch(device).num_sms;
           const bool ordered = p.dq_semaphore != nullptr;
-          if (tiles > INT32_MAX) p.tile_counter = nullptr;  // the snake then (numbers: 32-bit)
+          // The counter ends at tiles + grid - 1 (each block's last take is past the end): 32-bit
+          // numbers, else the snake.
+          if (tiles > INT32_MAX - int64_t(num_sms)) p.tile_counter = nullptr;
           const bool counted = p.tile_counter != nullptr;
           const bool persistent = ordered || (!p.is_varlen() && !Traits::kMasked);
           const bwd::KeyOrder order =
