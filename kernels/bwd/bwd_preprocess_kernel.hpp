@@ -96,8 +96,10 @@ __global__ void __launch_bounds__(kConvertThreads)
   const int64_t row = piece / pieces;
   const int c = int(piece % pieces) * 8;
   const SeqBounds seq(p, b);
+  // Every thread waits for the dk/dv pass, also one with nothing to convert: the work after
+  // this grid waits for it alone, so it may not end before the pass does.
+  port::wait_prerequisite_grids();
   if (row >= seq.len_q || c >= p.head_dim) return;
-  port::wait_prerequisite_grids();  // the dk/dv pass's dq_accum
   // Columns c .. c + 7: two 16-byte chunks of the swizzled row (dq_accum_index).
   const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c));
   const float4 hi =
