@@ -10,9 +10,16 @@
 
 namespace hipflash::bwd {
 
-/// Sequence b's bounds (common::SeqBounds) and what the backward asks of them.
+/// Sequence b's bounds (common::SeqBounds) and what the backward asks of them. The lengths are
+/// clamped to the call's max_seqlen_q / max_seqlen_k (p.seqlen_q / seqlen_k), which size the
+/// grids and the workspace: a varlen sequence longer than declared (validated, but not under
+/// graph capture) must not walk rows past its head's workspace rows or wait for a dq rank no
+/// tile adds; its rows and keys past them get no gradient. The diagonal stays the sequence's.
 struct SeqBounds : common::SeqBounds {
-  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) : common::SeqBounds(p, b) {}
+  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) : common::SeqBounds(p, b) {
+    if (len_q > p.seqlen_q) len_q = p.seqlen_q;
+    if (len_k > p.seqlen_k) len_k = p.seqlen_k;
+  }
 
   /// The query rows [lo, hi) that see at least one key of [n0, n1) under the window (SPEC §3:
   /// row i sees keys [i + diag - left, i + diag + right], -1 unbounded).

@@ -233,10 +233,7 @@ struct DkdvWork {
     m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
     steps = m_steps * kb.groups;
     row_end = kb.row_lo + m_steps * kBM;
-    // Clamped to the grid's key blocks: a sequence longer than max_seqlen_k (unchecked under
-    // graph capture) must not wait for ranks no tile adds.
-    int64_t n = (kb.seq.len_k + kBN - 1) / kBN;
-    n = n < num_n_blocks ? n : num_n_blocks;
+    const int64_t n = (kb.seq.len_k + kBN - 1) / kBN;  // <= num_n_blocks (bwd::SeqBounds)
     if (rotate && RotatedWalk::applies(n, steps)) {
       key_blocks = n;
       first = walk().first(uint32_t(kb.n_block));
@@ -438,13 +435,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             const int64_t ws = p.ws_row(w.kb.b, pos.h, pos.m0);
             if (ordered) {
               const SeqBounds& seq = w.kb.seq;
-              // The last key block clamped to the grid's (a sequence longer than max_seqlen_k,
-              // unchecked under graph capture, must not wait for a rank no tile adds).
-              const int64_t last = seq.last_key_block_seeing(p, pos.m0, kBM, kBN);
               const int rank =
                   w.key_blocks > 0 ? w.rotated_rank(pos)
                   : order == KeyOrder::kFastestLastFirst
-                      ? int((last < num_n_blocks ? last : num_n_blocks - 1) - w.kb.n_block)
+                      ? int(seq.last_key_block_seeing(p, pos.m0, kBM, kBN) - w.kb.n_block)
                       : int(w.kb.n_block - seq.first_key_block_seeing(p, pos.m0, kBN));
               int32_t* const counter = p.dq_semaphore + ws / 64;
               while (load_acquire(counter) != rank) __nanosleep(32);
