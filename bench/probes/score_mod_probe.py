@@ -4,10 +4,12 @@
 # fp32 math on two heads (at the timed inputs' scale and with q x 8), then plain and modified
 # calls timed in turn with device events, fresh inputs per call from a rotating set, warm-up,
 # median over rounds; the ratio modified / plain. --backward: forward + backward calls
-# (torch.autograd.grad of a fixed dO) instead of the forward alone.
+# (torch.autograd.grad of a fixed dO) instead of the forward alone. --flex: beside it, what the
+# modifier costs PyTorch's FlexAttention (torch.compile(flex_attention), a score_mod of the same
+# modifier against none, causal by a block mask; forward only): the peer's ratio.
 # Usage (GPU machine, after scripts/gpu-check build):
 #   python3 bench/probes/score_mod_probe.py build-gpu/python [--mod softcap|alibi]
-#       [--cells S:D[:c],...] [--rounds N] [--backward]
+#       [--cells S:D[:c],...] [--rounds N] [--backward | --flex]
 import argparse
 import statistics
 import sys
@@ -22,12 +24,16 @@ ap.add_argument("--calls", type=int, default=20, help="calls per timed window")
 ap.add_argument("--mod", choices=("softcap", "alibi"), default="softcap")
 ap.add_argument("--softcap", type=float, default=50.0)
 ap.add_argument("--backward", action="store_true", help="time forward + backward calls")
+ap.add_argument("--flex", action="store_true",
+                help="also time FlexAttention plain and modified (forward; a peer's ratio)")
 args = ap.parse_args()
 sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
 
 if not torch.cuda.is_available():
     sys.exit("score_mod_probe: needs a CUDA GPU (torch.cuda.is_available() is False)")
+if args.flex and args.backward:
+    sys.exit("score_mod_probe: --flex times forward calls only")
 
 
 def cells():
@@ -84,6 +90,43 @@ def timed(fn, sets):
     return statistics.median(ms)
 
 
+def flex_times(sets, causal, hq, hkv, mod):
+    """FlexAttention's ms per call plain and with `mod` as a score_mod (layout [B, H, S, D]; the
+    same scale), and its modified output's max error against reference() on the first set."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    bhsd = [tuple(t.detach().transpose(1, 2) for t in qkv) for qkv in sets]
+    sq, sk = bhsd[0][0].shape[2], bhsd[0][1].shape[2]
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, qi, kv: qi + sk - sq >= kv, None, None, sq, sk,
+                                       device="cuda")
+    if "softcap" in mod:
+        cap = mod["softcap"]
+
+        def score_mod(score, b, h, qi, kv):
+            return cap * torch.tanh(score / cap)
+    else:
+        slopes = mod["alibi_slopes"].float()
+
+        def score_mod(score, b, h, qi, kv):
+            return score - slopes[h] * (qi + sk - sq - kv).abs()
+
+    def run(score_mod):
+        return lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                    enable_gqa=hq != hkv)
+    # The check as hipflash's: batch 0, query heads 0 and 1 (and their kv heads) against fp32.
+    q, k, v = sets[0]
+    nk = 1 if hq != hkv else 2
+    with torch.no_grad():
+        got = run(score_mod)(*bhsd[0]).transpose(1, 2)[:1, :, :2]
+    mod2 = {"alibi_slopes": mod["alibi_slopes"][:2]} if "alibi_slopes" in mod else mod
+    want = reference(q[:1, :, :2], k[:1, :, :nk], v[:1, :, :nk], causal, mod2)
+    err = (got.float() - want).abs().max().item()
+    return timed(run(None), bhsd), timed(run(score_mod), bhsd), err
+
+
 torch.manual_seed(0)
 print(f"{'cell':24s} {'plain ms':>9s} {args.mod + ' ms':>10s} {'ratio':>6s} {'err':>8s} {'err q*8':>8s}  kernel")
 for s, d, causal in cells():
@@ -121,5 +164,9 @@ for s, d, causal in cells():
     capped = timed(lambda q, k, v: call(q, k, v, **mod), sets)
     print(f"{label:24s} {plain:9.3f} {capped:10.3f} {capped / plain:6.3f} {errs[0]:8.2e} {errs[1]:8.2e}  "
           f"{hf.last_kernel_name()}", flush=True)
+    if args.flex:
+        flex_plain, flex_mod, flex_err = flex_times(sets, causal, hq, hkv, mod)
+        print(f"{'  flex (peer)':24s} {flex_plain:9.3f} {flex_mod:10.3f} "
+              f"{flex_mod / flex_plain:6.3f} {flex_err:8.2e} {'':8s}  flex_attention", flush=True)
     del sets, q, k, v, q1, k1, v1
     torch.cuda.empty_cache()
