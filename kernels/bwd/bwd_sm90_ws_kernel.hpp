@@ -47,6 +47,11 @@ namespace hipflash::bwd {
 /// by the tile's rows (kBlockM for q and dout, kBlockN for k and v).
 struct BwdTmaMaps {
   atom::sm90::TensorMap q, k, v, dout;
+  /// dk and dv ([kBlockN rows x 64 columns] boxes, as k's), where every block takes one tile
+  /// and the gradients are dense ones a map describes (dkdv_ok): the block then stores its dK /
+  /// dV by bulk tensor stores (one tile a block: nothing overlaps its epilogue).
+  atom::sm90::TensorMap dk, dv;
+  int dkdv_ok = 0;
 };
 
 template <int kHeadDim_>
@@ -91,7 +96,7 @@ using namespace ::hipflash::atom::sm90;
 
 /// Named barriers (0 is __syncthreads): dS^T staged by both consumers; the dQ tile staged
 /// (consumers arrive, the writer syncs) and read back (the writer arrives, consumers sync).
-enum NamedBarrier : int { kDsReady = 1, kDqFull = 2, kDqEmpty = 3, kTailZeroed = 4 };
+enum NamedBarrier : int { kDsReady = 1, kDqFull = 2, kDqEmpty = 3, kTailZeroed = 4, kDkdvStaged = 5 };
 /// Consumers plus the writer warp.
 inline constexpr int kDqBarThreads = 256 + 32;
 
@@ -163,6 +168,28 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
 }
 __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
+/// dk = scale dS^T Q and dv = P^T dO of this thread's tile rows `row` and row + 8 (accumulators
+/// in wgmma order: element 4i + 2h + e is row row + 8h, column 8i + 2t + e) in the layout the
+/// K / V maps load: SW128 panels of [kBN rows x 64 columns] at `k_tile` / `v_tile`, what one
+/// bulk tensor store a panel writes out. A warp's stores fill 32 banks (row phases g).
+template <DType kDT, int kHD, int kBN>
+__device__ __forceinline__ void stage_dkdv(uint32_t k_tile, uint32_t v_tile, float scale, int row,
+                                           int t, const float (&dK)[kHD / 2],
+                                           const float (&dV)[kHD / 2]) {
+  using ::hipflash::atom::sm80::pack2;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = row + 8 * hh;
+#pragma unroll
+    for (int i = 0; i < kHD / 8; ++i) {
+      const uint32_t off =
+          uint32_t((i / 8) * kBN * 128 + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * t);
+      st_shared(k_tile + off, pack2<kDT>(dK[4 * i + 2 * hh] * scale, dK[4 * i + 2 * hh + 1] * scale));
+      st_shared(v_tile + off, pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]));
+    }
+  }
 }
 
 /// Zeroes rows [first, kRows) of a tile (atom::sm90::zero_rows) by the consumer threads;
@@ -624,8 +651,28 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       ++kv_it;
     }
 
-    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
-    sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
+    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys: with a map (one tile a
+    // block, dense), staged over K and V — which every warp of both warpgroups is done reading
+    // (each waited for its products) — and written by one bulk tensor store a panel (whole
+    // 128-byte rows; the map clips rows past the keys); the block's exit waits only for the
+    // stores to have read the tile. Else by the threads, 4 bytes a store.
+    if (maps.dkdv_ok) {
+      named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
+      stage_dkdv<kDT, kHD, kBN>(sm.k(), sm.v(), p.softmax_scale, wg * 64 + wi * 16 + g, t, dK, dV);
+      fence_proxy_async();
+      named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int c = 0; c < Cfg::kPanels; ++c) {
+          tma::store_4d(&maps.dk, sm.k() + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
+          tma::store_4d(&maps.dv, sm.v() + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
+        }
+        tma::commit_group();
+        tma::wait_group_read<0>();
+      }
+    } else {
+      sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
+    }
   }
 #else
   port::trap();  // TMA and wgmma need sm_90a; the launcher picks this kernel only where built

@@ -101,6 +101,27 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
                             p.v_head_stride, p.v_batch_stride, block_n);
   return maps;
 }
+
+/// The maps of dk and dv (boxes of block_n rows, as k's) where a dense call's gradients have
+/// strides a map describes: a one-tile-a-block dk/dv pass then stores them by bulk tensor
+/// stores (BwdTmaMaps::dkdv_ok); else its threads store them.
+inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLaunch& how,
+                          int block_n) {
+  const MapRows k = k_map_rows(p, how);
+  auto ok = [&](const void* base, int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
+           tma_strides_ok(dtype_size(p.dtype), k.rows, row_stride, p.heads_kv, head_stride,
+                          k.batch, batch_stride);
+  };
+  if (p.is_varlen() || !ok(p.dk, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride) ||
+      !ok(p.dv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride))
+    return;  // varlen: a box would write into the next sequence's rows
+  maps.dk = tma_host::encode(p.dk, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
+                             p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, block_n);
+  maps.dv = tma_host::encode(p.dv, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
+                             p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, block_n);
+  maps.dkdv_ok = 1;
+}
 #endif  // HIPFLASH_HAS_SM90_KERNELS
 
 /// A kernel as a type (a generic lambda's argument that can name it as a template argument).
@@ -153,7 +174,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
         using Dkdv = bwd::DkdvSm90WsTile<kHD>;
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
         if (const int64_t tiles = blocks * p.heads_kv * p.batch; tiles > 0) {
-          const bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
+          bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
           // Unmasked dense tiles (all of a cost): persistent, one block per multiprocessor, in a
@@ -182,6 +203,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
+          if (!persistent) add_dkdv_maps(maps, p, how, Dkdv::kBlockN);  // a tile a block
           // Deterministic unmasked calls walk rotated (bwd::RotatedWalk), a tile then waiting
           // on later key blocks of its head too: only where the stride puts a head's key
           // blocks on distinct blocks (blocks <= grid), each queued behind earlier heads' tiles
