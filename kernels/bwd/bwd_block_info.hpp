@@ -10,9 +10,16 @@
 
 namespace hipflash::bwd {
 
-/// Sequence b's bounds (common::SeqBounds) and what the backward asks of them.
+/// Sequence b's bounds (common::SeqBounds) and what the backward asks of them. The lengths are
+/// clamped to the call's max_seqlen_q / max_seqlen_k (p.seqlen_q / seqlen_k), which size the
+/// grids and the workspace: a varlen sequence longer than declared (validated, but not under
+/// graph capture) must not walk rows past its head's workspace rows or wait for a dq rank no
+/// tile adds; its rows and keys past them get no gradient. The diagonal stays the sequence's.
 struct SeqBounds : common::SeqBounds {
-  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) : common::SeqBounds(p, b) {}
+  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) : common::SeqBounds(p, b) {
+    if (len_q > p.seqlen_q) len_q = p.seqlen_q;
+    if (len_k > p.seqlen_k) len_k = p.seqlen_k;
+  }
 
   /// The query rows [lo, hi) that see at least one key of [n0, n1) under the window (SPEC §3:
   /// row i sees keys [i + diag - left, i + diag + right], -1 unbounded).
@@ -86,10 +93,14 @@ struct SeqBounds : common::SeqBounds {
 template <int kBM, bool kMasked>
 struct KeyPairRows {
   int lo[2] = {-1, -1}, hi[2] = {kBM, kBM};
+  /// Whether the step needs the test at all (SeqBounds::pair_needs_mask: the same for every
+  /// thread of the step); false: every row sees every key, and sees() is true throughout.
+  bool needed;
 
   HIPFLASH_HD KeyPairRows(const SeqBounds& seq, const FwdParams& p, int64_t m0, int64_t n0,
-                          int bn, int64_t key0) {
-    if (seq.pair_needs_mask(p, m0, kBM, n0, bn, kMasked))
+                          int bn, int64_t key0)
+      : needed(seq.pair_needs_mask(p, m0, kBM, n0, bn, kMasked)) {
+    if (needed)
       for (int hh = 0; hh < 2; ++hh)
         seq.rows_seeing_key(p, key0 + 8 * hh, m0, kBM, kMasked, lo[hh], hi[hh]);
   }
@@ -162,6 +173,29 @@ HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int
   return p.ws_row(b, h, row) * p.padded_head_dim + (((col >> 2) ^ (int(row) & 7)) << 2) +
          (col & 3);
 }
+
+/// The rotated walk of a deterministic unmasked dk/dv pass (bwd_sm90_ws_kernel.hpp's DkdvWork):
+/// a sequence's n key blocks each walk the same `steps` query steps (row blocks x query heads of
+/// the group), key block j from step j steps / n and wrapping round, so that when they run side
+/// by side they take different row blocks at any one time. Key block j adds its dq term to step
+/// x with rank (J - j) mod n, J the last key block whose walk starts at or before x: the order
+/// in which the walks reach x (J, J - 1, ..., 0, n - 1, ..., J + 1), steps / n steps apart, so
+/// no walk waits on another while they keep pace. Applies with distinct starts (n <= steps) and
+/// in 32 bits (n steps < 2^32).
+struct RotatedWalk {
+  uint32_t n, steps;
+
+  HIPFLASH_HD static bool applies(int64_t n, int64_t steps) {
+    return n > 0 && steps > 0 && n <= steps && n * steps <= int64_t(UINT32_MAX);
+  }
+  /// The step key block j's walk starts at.
+  HIPFLASH_HD uint32_t first(uint32_t j) const { return j * steps / n; }
+  /// Key block j's rank among the dq terms added to step x.
+  HIPFLASH_HD uint32_t rank(uint32_t x, uint32_t j) const {
+    const uint32_t last = ((x + 1) * n - 1) / steps;
+    return (last + n - j) % n;
+  }
+};
 
 /// How a dk/dv pass numbers its tiles (key block, kv head, batch): the key block fastest (a
 /// head's key blocks side by side: they share its Q, dO and dq rows in L2), fastest with the

@@ -9,10 +9,18 @@
 //   counter, where it adds in key-block order; the pass's tile counter, where it takes tiles
 //   from one, by the first row's thread).
 // Eight threads own a row; each sums 16-byte pieces and the eight reduce by shuffles.
+// Both passes walk the (batch, head) pairs last first, so that what each touches last (the
+// preprocess) or first (the conversion) is what the dk/dv pass touches first or last: L2 hits
+// where the workspace is larger than L2 (short rows, many heads).
 //
 // bwd_dq_convert_kernel, after it wherever the dk/dv pass adds dq: dq = softmax_scale *
 // dq_accum, rounded to the dtype, for the rows of every sequence (dq_accum's swizzled rows:
 // dq_accum_index).
+//
+// On sm_90+ the warp-specialised dk/dv pass follows the preprocess, and the conversion the dk/dv
+// pass, as programmatic dependents (port.hpp): the preprocess lets the dk/dv pass's blocks be
+// placed once all of its own have started, and each dependent waits for the pass before it
+// where it first reads what that pass wrote.
 //
 // bwd_zero_outside_kernel (varlen): the rows of a [total, H, D] gradient before cu_seqlens[0]
 // and from cu_seqlens[B] on belong to no sequence; their gradient is 0 (the CPU backward's rule).
@@ -35,8 +43,11 @@ __global__ void __launch_bounds__(kPrepThreads)
     bwd_preprocess_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int row_blocks) {
   using B = common::Bits<kDType>;
   using W = typename B::word;
-  const int64_t linear = blockIdx.x;
-  const int64_t rb = linear % row_blocks, rest = linear / row_blocks;
+  port::allow_dependent_launch();  // the dk/dv pass's blocks wait for ours to finish
+  // (batch, head) pairs last first: the blocks that run last, whose dq_accum rows, dO and
+  // statistics are then still in L2, are the pairs the dk/dv pass starts with.
+  const int64_t linear = blockIdx.x, pairs = gridDim.x / row_blocks;
+  const int64_t rb = linear % row_blocks, rest = pairs - 1 - linear / row_blocks;
   const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
   const int lane = int(threadIdx.x) % kPrepLanesPerRow;
   const int64_t row = rb * kPrepRows + int(threadIdx.x) / kPrepLanesPerRow;
@@ -82,14 +93,19 @@ __global__ void __launch_bounds__(kConvertThreads)
     bwd_dq_convert_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int piece_blocks) {
   using B = common::Bits<kDType>;
   using W = typename B::word;
-  const int64_t linear = blockIdx.x;
-  const int64_t pb = linear % piece_blocks, rest = linear / piece_blocks;
+  // (batch, head) pairs last first: the dk/dv pass ends with the last ones (its tiles run in
+  // (batch, kv head) order), whose dq_accum rows are then still in L2.
+  const int64_t linear = blockIdx.x, pairs = gridDim.x / piece_blocks;
+  const int64_t pb = linear % piece_blocks, rest = pairs - 1 - linear / piece_blocks;
   const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
   const int pieces = p.padded_head_dim / 8;
   const int64_t piece = pb * kConvertThreads + threadIdx.x;
   const int64_t row = piece / pieces;
   const int c = int(piece % pieces) * 8;
   const SeqBounds seq(p, b);
+  // Every thread waits for the dk/dv pass, also one with nothing to convert: the work after
+  // this grid waits for it alone, so it may not end before the pass does.
+  port::wait_prerequisite_grids();
   if (row >= seq.len_q || c >= p.head_dim) return;
   // Columns c .. c + 7: two 16-byte chunks of the swizzled row (dq_accum_index).
   const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c));

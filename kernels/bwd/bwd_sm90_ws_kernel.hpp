@@ -23,11 +23,14 @@
 //    dQ = dS K (wgmma SS: a 64 x 64 piece each, as in bwd_sm90_kernel.hpp) goes into the
 //    staged fp32 tile. Deterministic calls take the same path, the writer adding a row block's
 //    terms in a fixed key-block order (a counter per row block in dq_semaphore): unmasked
-//    calls walk rotated (DkdvWork), masked ones take their tiles from a counter (TileFeed).
+//    calls walk rotated (bwd::RotatedWalk), masked ones take their tiles from a counter
+//    (TileFeed).
 // The exponentials overlap the dP^T product, dV / dK the staging of dS^T; the two warpgroups'
 // non-MMA phases interleave with each other's products, and no consumer issues a load or a
 // global reduction.
 #pragma once
+
+#include <type_traits>
 
 #include "atoms/sm80.hpp"
 #include "atoms/sm90/tensor_map.hpp"
@@ -44,6 +47,11 @@ namespace hipflash::bwd {
 /// by the tile's rows (kBlockM for q and dout, kBlockN for k and v).
 struct BwdTmaMaps {
   atom::sm90::TensorMap q, k, v, dout;
+  /// dk and dv ([kBlockN rows x 64 columns] boxes, as k's), where every block takes one tile
+  /// and the gradients are dense ones a map describes (dkdv_ok): the block then stores its dK /
+  /// dV by bulk tensor stores (one tile a block: nothing overlaps its epilogue).
+  atom::sm90::TensorMap dk, dv;
+  int dkdv_ok = 0;
 };
 
 template <int kHeadDim_>
@@ -88,7 +96,7 @@ using namespace ::hipflash::atom::sm90;
 
 /// Named barriers (0 is __syncthreads): dS^T staged by both consumers; the dQ tile staged
 /// (consumers arrive, the writer syncs) and read back (the writer arrives, consumers sync).
-enum NamedBarrier : int { kDsReady = 1, kDqFull = 2, kDqEmpty = 3, kTailZeroed = 4 };
+enum NamedBarrier : int { kDsReady = 1, kDqFull = 2, kDqEmpty = 3, kTailZeroed = 4, kDkdvStaged = 5 };
 /// Consumers plus the writer warp.
 inline constexpr int kDqBarThreads = 256 + 32;
 
@@ -162,6 +170,28 @@ __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
+/// dk = scale dS^T Q and dv = P^T dO of this thread's tile rows `row` and row + 8 (accumulators
+/// in wgmma order: element 4i + 2h + e is row row + 8h, column 8i + 2t + e) in the layout the
+/// K / V maps load: SW128 panels of [kBN rows x 64 columns] at `k_tile` / `v_tile`, what one
+/// bulk tensor store a panel writes out. A warp's stores fill 32 banks (row phases g).
+template <DType kDT, int kHD, int kBN>
+__device__ __forceinline__ void stage_dkdv(uint32_t k_tile, uint32_t v_tile, float scale, int row,
+                                           int t, const float (&dK)[kHD / 2],
+                                           const float (&dV)[kHD / 2]) {
+  using ::hipflash::atom::sm80::pack2;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = row + 8 * hh;
+#pragma unroll
+    for (int i = 0; i < kHD / 8; ++i) {
+      const uint32_t off =
+          uint32_t((i / 8) * kBN * 128 + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * t);
+      st_shared(k_tile + off, pack2<kDT>(dK[4 * i + 2 * hh] * scale, dK[4 * i + 2 * hh + 1] * scale));
+      st_shared(v_tile + off, pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]));
+    }
+  }
+}
+
 /// Zeroes rows [first, kRows) of a tile (atom::sm90::zero_rows) by the consumer threads;
 /// `sync` 1: they then fence and meet (else the caller does).
 template <class Cfg, int kRows>
@@ -212,16 +242,9 @@ struct StepPos {
 
 /// One work tile of the persistent grid: key block `tile` of the dk/dv pass (bwd::KeyBlock's
 /// order), its query steps and where they start. Every role of a block decodes the same tiles.
-///
-/// `rotate` (deterministic unmasked calls, where a sequence's key blocks all walk the same T
-/// steps): key block j of the sequence's n starts its walk at step j T / n and wraps around,
-/// so that the key blocks of a head, running side by side, take different row blocks at any
-/// one time. The deterministic dq's additions to step x then come in the order the walks reach
-/// it: key blocks J, J - 1, ..., 0, n - 1, ..., J + 1, J the last whose walk starts at or
-/// before x — rank (J - j) mod n, T / n steps apart, so no tile waits while they keep pace
-/// (ranks from 0 in key-block order instead made each wait for the one before it at every
-/// step). Only with n <= T (distinct starts) and n T < 2^32 (32-bit arithmetic); else the
-/// walk starts at step 0 and ranks ascend.
+/// `rotate` (deterministic unmasked calls, where a sequence's key blocks all walk the same
+/// steps): the walk starts where bwd::RotatedWalk puts it, wrapping over the group's heads, if
+/// the sequence's walk applies (else it starts at step 0 and the dq ranks ascend).
 template <int kBM, int kBN>
 struct DkdvWork {
   KeyBlock kb;
@@ -237,11 +260,15 @@ struct DkdvWork {
     m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
     steps = m_steps * kb.groups;
     row_end = kb.row_lo + m_steps * kBM;
-    const int64_t n = (kb.seq.len_k + kBN - 1) / kBN;
-    if (rotate && steps > 0 && n <= steps && n * steps <= int64_t(UINT32_MAX)) {
-      key_blocks = n;  // 32-bit arithmetic below
-      first = uint32_t(kb.n_block) * uint32_t(steps) / uint32_t(n);
+    const int64_t n = (kb.seq.len_k + kBN - 1) / kBN;  // <= num_n_blocks (bwd::SeqBounds)
+    if (rotate && RotatedWalk::applies(n, steps)) {
+      key_blocks = n;
+      first = walk().first(uint32_t(kb.n_block));
     }
+  }
+
+  __device__ __forceinline__ RotatedWalk walk() const {
+    return {uint32_t(key_blocks), uint32_t(steps)};
   }
 
   __device__ __forceinline__ StepPos<kBM> first_step() const {
@@ -251,12 +278,11 @@ struct DkdvWork {
                         int(kb.row_lo), int(row_end), h_lo, h_lo + int(kb.groups)};
   }
 
-  /// The rank of this tile's dq addition at `pos` in a rotated walk (above).
+  /// The rank of this tile's dq addition at `pos` in a rotated walk.
   __device__ __forceinline__ int rotated_rank(const StepPos<kBM>& pos) const {
     const uint32_t x = uint32_t(pos.h - pos.h_lo) * uint32_t(m_steps) +
                        uint32_t(pos.m0 - pos.row_lo) / kBM;
-    const uint32_t n = uint32_t(key_blocks), last = ((x + 1) * n - 1) / uint32_t(steps);
-    return int((last + n - uint32_t(kb.n_block)) % n);
+    return int(walk().rank(x, uint32_t(kb.n_block)));
   }
 };
 
@@ -276,40 +302,45 @@ struct TileWalk {
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
 /// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
-/// the tiles a tile waits on (numbered lower) were taken before it. The producer takes each
-/// (the first is the block's own number) and posts it to the other roles through a ring of two
-/// numbers in shared memory; a number past the last tile ends every role's walk. Like the fixed
-/// walks it counts on the whole grid being resident (one block per multiprocessor): a first
-/// tile waits on a lower one only if that one's block has started.
+/// the tiles a tile waits on (numbered lower) were taken, by running blocks, before it: no
+/// deadlock however many of the grid's blocks are resident. The producer takes each (every one
+/// from the counter) and posts it to the other roles through a ring of two numbers in shared
+/// memory; a number past the last tile ends every role's walk.
 template <class Cfg, bool kCounted>
 struct TileFeed {
   dkdv_ws::Smem<Cfg> sm;
-  int32_t* counter;  ///< kCounted: the next tile's number, less gridDim.x
+  int32_t* counter;  ///< kCounted: the next tile's number
   bool snake;
   TileWalk walk{blockIdx.x};
   uint32_t taken = 0;
 
   /// The producer's next tile.
   __device__ __forceinline__ int64_t produce() {
-    if constexpr (!kCounted) return fixed();
-    const int64_t tile = taken == 0 ? int64_t(blockIdx.x) : gridDim.x + atomicAdd(counter, 1);
-    const int slot = int(taken & 1u);
-    sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
-    dkdv_ws::st_shared(sm.tile_number(slot), uint32_t(tile));
-    sm.tile_full(slot).arrive();
-    ++taken;
-    return tile;
+    if constexpr (!kCounted) {
+      return fixed();
+    } else {
+      const int slot = int(taken & 1u);
+      sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
+      const int64_t tile = atomicAdd(counter, 1);  // taken once the ring has room for it
+      dkdv_ws::st_shared(sm.tile_number(slot), uint32_t(tile));
+      sm.tile_full(slot).arrive();
+      ++taken;
+      return tile;
+    }
   }
   /// The next tile of a consumer or the writer (every lane of the warp).
   __device__ __forceinline__ int64_t consume() {
-    if constexpr (!kCounted) return fixed();
-    const int slot = int(taken & 1u);
-    sm.tile_full(slot).wait((taken >> 1) & 1u);
-    const int64_t tile = dkdv_ws::ld_shared(sm.tile_number(slot));
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) sm.tile_empty(slot).arrive();
-    ++taken;
-    return tile;
+    if constexpr (!kCounted) {
+      return fixed();
+    } else {
+      const int slot = int(taken & 1u);
+      sm.tile_full(slot).wait((taken >> 1) & 1u);
+      const int64_t tile = dkdv_ws::ld_shared(sm.tile_number(slot));
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) sm.tile_empty(slot).arrive();
+      ++taken;
+      return tile;
+    }
   }
 
  private:
@@ -352,6 +383,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     Mbarrier::fence_init();
   }
   __syncthreads();
+  // A programmatic dependent of the preprocess pass (bwd_preprocess_kernel.hpp): placed while it
+  // finishes, reading nothing it writes (lse_log2, delta, dq_accum, the counters) before this.
+  port::wait_prerequisite_grids();
+  port::allow_dependent_launch();  // the dq conversion's blocks wait for ours to finish
 
   if (warp >= kProducerWarp) {  // the producer warpgroup: loads and dQ reductions
     setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -493,53 +528,66 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       sm90_parts::issue_scores<kDT, kBM, kBN, kHD>(dP, sV_wg, sm.dout(st));
       wgmma::commit();
 
-      // P^T from the saved LSE while dP^T runs (a select for masked pairs: a masked NaN leaks
-      // nothing); the rows seeing this thread's keys key0 and key0 + 8 (KeyPairRows).
-      const float* lse2 = smem_floats(smem_raw, sm.lse(st));
-      const float* delta = smem_floats(smem_raw, sm.delta(st));
+      // P^T from the saved LSE while dP^T runs, then dS^T = P^T (dP^T - delta); where the step
+      // needs a mask (KeyPairRows::needed, uniform over the block), a select for masked pairs
+      // (a masked NaN leaks nothing), the other steps without one: the rows seeing this
+      // thread's keys key0 and key0 + 8.
+      // The statistics as pairs (a thread's columns 2t and 2t + 1 of each 8: one 8-byte load).
+      const float2* lse2 = reinterpret_cast<const float2*>(smem_floats(smem_raw, sm.lse(st)));
+      const float2* delta = reinterpret_cast<const float2*>(smem_floats(smem_raw, sm.delta(st)));
       const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
-      wgmma::wait<1>();
-      wgmma::fence_operands(S);
+      auto probabilities_and_grads = [&](auto select) {
+        constexpr bool kSelect = decltype(select)::value;
+        wgmma::wait<1>();
+        wgmma::fence_operands(S);
 #pragma unroll
-      for (int i = 0; i < kBM / 8; ++i)
+        for (int i = 0; i < kBM / 8; ++i) {
+          const float2 l2s = lse2[4 * i + t];  // columns 8i + 2t and 8i + 2t + 1
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * i + 2 * t + e;
-          const float l2 = lse2[col];
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * i + 2 * t + e;
+            const float l2 = e == 0 ? l2s.x : l2s.y;
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = 4 * i + 2 * hh + e;
-            const float pr = exp2f(S[r] * scale_log2 - l2);
-            S[r] = key_rows.sees(col, hh) ? pr : 0.f;
+            for (int hh = 0; hh < 2; ++hh) {
+              const int r = 4 * i + 2 * hh + e;
+              const float pr = exp2f(S[r] * scale_log2 - l2);
+              S[r] = !kSelect || key_rows.sees(col, hh) ? pr : 0.f;
+            }
           }
         }
-      wgmma::wait<0>();  // dP^T done
-      wgmma::fence_operands(dP);
+        wgmma::wait<0>();  // dP^T done
+        wgmma::fence_operands(dP);
 #pragma unroll
-      for (int i = 0; i < kBM / 8; ++i)
+        for (int i = 0; i < kBM / 8; ++i) {
+          const float2 dls = delta[4 * i + t];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * i + 2 * t + e;
-          const float dl = delta[col];
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * i + 2 * t + e;
+            const float dl = e == 0 ? dls.x : dls.y;
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = 4 * i + 2 * hh + e;
-            // P^T is 0 where masked, but dP^T - delta may be NaN there: select, don't multiply.
-            dP[r] = key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
+            for (int hh = 0; hh < 2; ++hh) {
+              const int r = 4 * i + 2 * hh + e;
+              // P^T is 0 where masked, but dP^T - delta may be NaN there: select, don't multiply.
+              dP[r] = !kSelect || key_rows.sees(col, hh) ? S[r] * (dP[r] - dl) : 0.f;
+            }
           }
         }
+      };
+      if (key_rows.needed)
+        probabilities_and_grads(std::true_type{});
+      else
+        probabilities_and_grads(std::false_type{});
       uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
       sm90_parts::pack_a<kDT, kBM>(S, Pf);
       sm90_parts::pack_a<kDT, kBM>(dP, dSf);
-      // dV += P^T dO, dK += dS^T Q.
-      wgmma::fence();
-      sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
-      sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
-      wgmma::commit();
-
       if (p.dq_accum != nullptr) {
-        // dS^T (rounded, as the A operand of dQ) into its SW128 tile. Free: both warpgroups
-        // passed the last step's kDqEmpty sync after their dQ products were done.
+        // dV += P^T dO first; while it runs, dS^T (rounded, as the A operand of dQ) into its
+        // SW128 tile. Free: both warpgroups passed the last step's kDqEmpty sync after their dQ
+        // products were done. Then dQ's product, and dK += dS^T Q behind it: the dQ piece is
+        // staged for the writer while dK's product runs.
+        wgmma::fence();
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
+        wgmma::commit();
         // Swizzled addresses from this thread's row phase g, kept opaque so that the compiler
         // builds each from a base and a constant instead of holding 16 of them across the loop.
         int phase = g;
@@ -552,12 +600,6 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             st_shared(ds_row + (i / 8) * kBN * 128 + hh * 8 * 128 + (((i % 8) ^ phase) << 4),
                       dSf[i / 2][2 * (i % 2) + hh]);
         fence_proxy_async();
-        wgmma::wait<0>();  // dV, dK done: P and dS leave the registers before dQ's arrive
-        wgmma::fence_operands(dV);
-        wgmma::fence_operands(dK);
-        // Q, dO and the statistics read: every lane's reads before its lane 0's release.
-        __syncwarp();
-        if (lane == 0) sm.q_empty(st).arrive();
         named_sync<Cfg::kConsumerThreads>(kDsReady);
         // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
         const uint32_t a0 = sm.ds() + (Cfg::kDqByColumns ? 0 : wg * kBN * 128);
@@ -566,7 +608,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::fence();
         sm90_parts::issue_dq<kDT, kBN>(dQ, a0, b0);
         wgmma::commit();
-        wgmma::wait<0>();
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
+        wgmma::commit();
+        wgmma::wait<1>();  // dV and dQ done, dK's product in flight
+        wgmma::fence_operands(dV);
         wgmma::fence_operands(dQ);
 
         // The piece into the staged tile, rows of kHD floats with dq_accum's chunk swizzle (a
@@ -583,7 +628,16 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
                       dQ[4 * i + 2 * hh], dQ[4 * i + 2 * hh + 1]);
         fence_proxy_async();
         named_arrive<kDqBarThreads>(kDqFull);
+        wgmma::wait<0>();  // dK done: Q, dO and the statistics read
+        wgmma::fence_operands(dK);
+        __syncwarp();  // every lane's reads before its lane 0's release
+        if (lane == 0) sm.q_empty(st).arrive();
       } else {
+        // dV += P^T dO, dK += dS^T Q.
+        wgmma::fence();
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
+        sm90_parts::issue_grad<kDT, kBM, kHD>(dK, dSf, sm.q(st));
+        wgmma::commit();
         wgmma::wait<0>();
         wgmma::fence_operands(dV);
         wgmma::fence_operands(dK);
@@ -597,8 +651,28 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       ++kv_it;
     }
 
-    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys.
-    sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
+    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys: with a map (one tile a
+    // block, dense), staged over K and V — which every warp of both warpgroups is done reading
+    // (each waited for its products) — and written by one bulk tensor store a panel (whole
+    // 128-byte rows; the map clips rows past the keys); the block's exit waits only for the
+    // stores to have read the tile. Else by the threads, 4 bytes a store.
+    if (maps.dkdv_ok) {
+      named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
+      stage_dkdv<kDT, kHD, kBN>(sm.k(), sm.v(), p.softmax_scale, wg * 64 + wi * 16 + g, t, dK, dV);
+      fence_proxy_async();
+      named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int c = 0; c < Cfg::kPanels; ++c) {
+          tma::store_4d(&maps.dk, sm.k() + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
+          tma::store_4d(&maps.dv, sm.v() + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
+        }
+        tma::commit_group();
+        tma::wait_group_read<0>();
+      }
+    } else {
+      sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
+    }
   }
 #else
   port::trap();  // TMA and wgmma need sm_90a; the launcher picks this kernel only where built

@@ -5,7 +5,9 @@
 // pass (on Hopper the warp-specialised kernel, adding dq in key-block order when deterministic;
 // the cp.async one for strides no tensor map describes; elsewhere dq added atomically unless
 // deterministic) -> dq pass (deterministic, not warp-specialised) or dq conversion ->
-// zero the rows outside every sequence's used rows (varlen; seqused).
+// zero the rows outside every sequence's used rows (varlen; seqused). The warp-specialised dk/dv
+// pass and the dq conversion go as programmatic dependents of the pass before them (where their
+// code waits for it: sm_90+), so that their blocks are placed while it ends.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include "bwd/bwd_preprocess_kernel.hpp"
 #include "bwd/bwd_sm80_kernel.hpp"
 #include "bwd/bwd_sm90_kernel.hpp"
+#include "gpu/device_guard.hpp"  // dependent_launch
 #include "gpu/launch_api.hpp"
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
 #include "bwd/bwd_sm90_ws_kernel.hpp"
@@ -98,6 +101,27 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
                             p.v_head_stride, p.v_batch_stride, block_n);
   return maps;
 }
+
+/// The maps of dk and dv (boxes of block_n rows, as k's) where a dense call's gradients have
+/// strides a map describes: a one-tile-a-block dk/dv pass then stores them by bulk tensor
+/// stores (BwdTmaMaps::dkdv_ok); else its threads store them.
+inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLaunch& how,
+                          int block_n) {
+  const MapRows k = k_map_rows(p, how);
+  auto ok = [&](const void* base, int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
+           tma_strides_ok(dtype_size(p.dtype), k.rows, row_stride, p.heads_kv, head_stride,
+                          k.batch, batch_stride);
+  };
+  if (p.is_varlen() || !ok(p.dk, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride) ||
+      !ok(p.dv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride))
+    return;  // varlen: a box would write into the next sequence's rows
+  maps.dk = tma_host::encode(p.dk, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
+                             p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, block_n);
+  maps.dv = tma_host::encode(p.dv, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
+                             p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, block_n);
+  maps.dkdv_ok = 1;
+}
 #endif  // HIPFLASH_HAS_SM90_KERNELS
 
 /// A kernel as a type (a generic lambda's argument that can name it as a template argument).
@@ -150,7 +174,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
         using Dkdv = bwd::DkdvSm90WsTile<kHD>;
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
         if (const int64_t tiles = blocks * p.heads_kv * p.batch; tiles > 0) {
-          const bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
+          bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
           // Unmasked dense tiles (all of a cost): persistent, one block per multiprocessor, in a
@@ -167,7 +191,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // blocks at scattered times, and each waited on the one started last).
           const int num_sms = device_arch(device).num_sms;
           const bool ordered = p.dq_semaphore != nullptr;
-          if (tiles > INT32_MAX) p.tile_counter = nullptr;  // the snake then (numbers: 32-bit)
+          // The counter ends at tiles + grid - 1 (each block's last take is past the end): 32-bit
+          // numbers, else the snake.
+          if (tiles > INT32_MAX - int64_t(num_sms)) p.tile_counter = nullptr;
           const bool counted = p.tile_counter != nullptr;
           const bool persistent = ordered || (!p.is_varlen() && !Traits::kMasked);
           const bwd::KeyOrder order =
@@ -177,7 +203,8 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
-          // Deterministic unmasked calls walk rotated (bwd::DkdvWork), a tile then waiting
+          if (!persistent) add_dkdv_maps(maps, p, how, Dkdv::kBlockN);  // a tile a block
+          // Deterministic unmasked calls walk rotated (bwd::RotatedWalk), a tile then waiting
           // on later key blocks of its head too: only where the stride puts a head's key
           // blocks on distinct blocks (blocks <= grid), each queued behind earlier heads' tiles
           // alone, so that every head completes in turn.
@@ -185,15 +212,18 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           auto launch = [&](auto kernel) {  // a KernelConstant
             constexpr auto dkdv = decltype(kernel)::value;
             set_smem_once_per_device<dkdv>(Dkdv::kSmemBytes, "backward dk/dv (sm90_ws)");
-            dkdv<<<grid_of(grid, "dk/dv (sm90_ws)"), Dkdv::kThreads, Dkdv::kSmemBytes,
-                   stream>>>(p, int(blocks), maps, tiles, snake, order, rotate);
+            // A programmatic dependent of the preprocess (its blocks placed while that ends).
+            port::check(port::launch_kernel(dkdv, dim3(grid_of(grid, "dk/dv (sm90_ws)")),
+                                            dim3(Dkdv::kThreads), Dkdv::kSmemBytes, stream,
+                                            dependent_launch<dkdv>(), p, int(blocks), maps,
+                                            tiles, snake, order, rotate),
+                        "launching the backward's dk/dv (sm90_ws) kernel");
           };
           if (!counted) {
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
           } else if constexpr (Traits::kMasked) {  // only masked calls keep the tile counter
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});
           }
-          check_launch("dk/dv (sm90_ws)");
         }
         done = true;
       } else if (how.sm90) {
@@ -222,10 +252,17 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
 #endif  // HIPFLASH_PLATFORM_NVIDIA
   }
 
-  if (p.dq_accum != nullptr && !how.portable)
-    pass(bwd::bwd_dq_convert_kernel<kDT>,
-         ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads), p.heads_q,
-         bwd::kConvertThreads, 0, "dq conversion");
+  if (p.dq_accum != nullptr && !how.portable) {
+    // A programmatic dependent of the dk/dv pass where its code waits for it (sm_90+ code).
+    constexpr auto convert = bwd::bwd_dq_convert_kernel<kDT>;
+    const int64_t blocks =
+        ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads);
+    if (const int64_t grid = blocks * p.heads_q * p.batch; grid > 0)
+      port::check(port::launch_kernel(convert, dim3(grid_of(grid, "dq conversion")),
+                                      dim3(bwd::kConvertThreads), 0, stream,
+                                      dependent_launch<convert>(), p, int(blocks)),
+                  "launching the backward's dq conversion kernel");
+  }
 
   if (p.is_varlen() && how.zero_q)
     zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, how.total_q, p.heads_q,

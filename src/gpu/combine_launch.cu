@@ -8,20 +8,11 @@
 namespace hipflash::gpu {
 
 /// Launched as a programmatic dependent of the split kernel where the combine kernel's code on
-/// this device waits for it: its binary was built from sm_90+ code (griddepcontrol.wait). An
-/// sm_80 build JIT-compiled for a newer GPU has no wait and launches plainly. Cached per device
-/// and kernel.
+/// this device waits for it (dependent_launch).
 template <auto kKernel>
 static void launch_programmatic(int64_t blocks, const FwdParams& p, port::stream_t stream) {
-  static PerDeviceBit waits;
-  int device = 0;
-  port::check(port::get_device(&device), "querying the current device");
-  const bool programmatic =
-      waits.get(device, [] { return port::waits_for_prerequisite_grids(kKernel); });
-  port::LaunchOptions how;
-  how.programmatic = programmatic;
   port::check(port::launch_kernel(kKernel, dim3(unsigned(blocks)), dim3(combine::kThreads), 0,
-                                  stream, how, p),
+                                  stream, dependent_launch<kKernel>(), p),
               "launching the split-K combine kernel");
 }
 

@@ -46,4 +46,19 @@ class PerDeviceBit {
   std::atomic<uint64_t> known_{0}, value_{0};
 };
 
+/// How to launch `kKernel` after the work before it in the stream: as a programmatic dependent
+/// where its code on the current device waits for that work (built from sm_90+ code: it calls
+/// griddepcontrol.wait where port::wait_prerequisite_grids() is written), so that its blocks are
+/// placed while that work finishes; plainly elsewhere (an sm_80 build JIT-compiled for a newer
+/// GPU has no wait). Cached per device and kernel.
+template <auto kKernel>
+port::LaunchOptions dependent_launch() {
+  static PerDeviceBit waits;
+  int device = 0;
+  port::check(port::get_device(&device), "querying the current device");
+  port::LaunchOptions how;
+  how.programmatic = waits.get(device, [] { return port::waits_for_prerequisite_grids(kKernel); });
+  return how;
+}
+
 }  // namespace hipflash::gpu

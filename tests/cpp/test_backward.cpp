@@ -1,6 +1,8 @@
 // The CPU backward's validation (include/hipflash/backward.hpp); its numerics are tested against
 // fp64 autograd in tests/python/test_backward.py. And the GPU backward's mask bounds (host code
 // of kernels/bwd/bwd_block_info.hpp and common::BlockInfo) against the per-element rule.
+#include <vector>
+
 #include "bwd/bwd_block_info.hpp"
 #include "common/block_info.hpp"
 #include "test_util.hpp"
@@ -76,6 +78,36 @@ TEST(BackwardMask, SolvedBoundsEqualThePerElementRule) {
       }
   });
   EXPECT_GT(checked, 10000);
+}
+
+// The deterministic dk/dv pass's rotated walk (bwd::RotatedWalk): at every step the n key
+// blocks' ranks are 0..n-1 in the order their walks reach the step when they keep pace, and
+// consecutive ranks arrive at least one step apart (no walk waits on another).
+TEST(BackwardRotatedWalk, RanksFollowTheArrivalOrder) {
+  int checked = 0;
+  for (uint32_t steps = 1; steps <= 69; ++steps)
+    for (uint32_t n = 1; n <= steps; ++n) {
+      ASSERT_TRUE(bwd::RotatedWalk::applies(n, steps));
+      const bwd::RotatedWalk walk{n, steps};
+      for (uint32_t x = 0; x < steps; ++x) {
+        std::vector<uint32_t> arrival(n);  // the step of its walk at which key block j reaches x
+        for (uint32_t j = 0; j < n; ++j) arrival[j] = (x + steps - walk.first(j)) % steps;
+        std::vector<int> by_rank(n, -1);
+        for (uint32_t j = 0; j < n; ++j) {
+          const uint32_t r = walk.rank(x, j);
+          ASSERT_LT(r, n);
+          ASSERT_EQ(by_rank[r], -1) << "steps " << steps << " n " << n << " x " << x;
+          by_rank[r] = int(j);
+        }
+        for (uint32_t r = 1; r < n; ++r)
+          ASSERT_LT(arrival[by_rank[r - 1]], arrival[by_rank[r]])
+              << "steps " << steps << " n " << n << " x " << x << " rank " << r;
+        ++checked;
+      }
+    }
+  EXPECT_FALSE(bwd::RotatedWalk::applies(5, 4));                  // starts would repeat
+  EXPECT_FALSE(bwd::RotatedWalk::applies(70000, 70000));          // past 32 bits
+  EXPECT_GT(checked, 50000);
 }
 
 }  // namespace
