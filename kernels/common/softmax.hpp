@@ -169,9 +169,8 @@ struct RowSoftmax {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const float x = fmaf(scores[r][c], scale_log2, -m_use);
-        constexpr int kEvery = kPolyEvery > 0 ? kPolyEvery : 1;
-        scores[r][c] = kPolyEvery > 0 && c % kEvery == kEvery - 1 ? detail::poly_exp2(x)
-                                                                  : detail::fast_exp2(x);
+        scores[r][c] = kPolyEvery > 0 && c % kPolyEvery == kPolyEvery - 1 ? detail::poly_exp2(x)
+                                                                          : detail::fast_exp2(x);
         sum += scores[r][c];
       }
       l[r] = l[r] * rescale[r] + sum;
