@@ -11,10 +11,6 @@
 #include "hipflash/params.hpp"
 #include "hipflash/port/port.hpp"
 
-#ifndef HIPFLASH_AB_POLY
-#define HIPFLASH_AB_POLY 0  // exp branch only: every Nth column's 2^x by poly_exp2
-#endif
-
 namespace hipflash::common {
 
 using detail::kNegInf;
@@ -152,7 +148,7 @@ struct RowSoftmax {
   /// accumulator. kExpOffset (the fp8 forward's 8, FlashAttention 3's max offset) puts the
   /// probabilities in (0, 2^kExpOffset], where e4m3 keeps them from underflowing; l then
   /// carries the factor 2^kExpOffset too, which the caller takes out before finalize().
-  template <int kCols, int kExpOffset = 0, int kPolyEvery = HIPFLASH_AB_POLY>
+  template <int kCols, int kExpOffset = 0>
   __device__ __forceinline__ void update(float (&scores)[kRows][kCols], float scale_log2,
                                          float (&rescale)[kRows]) {
 #pragma unroll
@@ -168,9 +164,7 @@ struct RowSoftmax {
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const float x = fmaf(scores[r][c], scale_log2, -m_use);
-        scores[r][c] = kPolyEvery > 0 && c % kPolyEvery == kPolyEvery - 1 ? detail::poly_exp2(x)
-                                                                          : detail::fast_exp2(x);
+        scores[r][c] = detail::fast_exp2(fmaf(scores[r][c], scale_log2, -m_use));
         sum += scores[r][c];
       }
       l[r] = l[r] * rescale[r] + sum;

@@ -14,7 +14,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -36,38 +35,6 @@ HIPFLASH_HD float fast_exp2(float x) {
 #else
   return std::exp2(x);
 #endif
-}
-
-/// 2^x on the FMA pipe (a Cody-Waite split and a cubic), for a share of a tile's exponentials
-/// so that the MUFU (16 a clock per SM on Hopper, the forward's limiter where the products are
-/// fast) takes the rest: 2^x = 2^j 2^f, j = round(x) (by the 1.5 2^23 + 127 shift, whose low
-/// bits are then j + 127, the exponent field of 2^j), f = x - j in [-0.5, 0.5], 2^f by a
-/// cubic fitted for relative error (<= 7.5e-5 on [-0.5, 0.5]). x clamped to -127 keeping NaN
-/// (2^-127's exponent field is 0: the product is 0), so -inf gives 0 and NaN stays NaN. For
-/// x <= 127.
-HIPFLASH_HD float poly_exp2(float x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // max(x, -127), NaN kept
-#else
-  x = x != x ? x : (x < -127.f ? -127.f : x);
-#endif
-  constexpr float kShift = 12582912.f + 127.f;  // 1.5 2^23 + 127
-  const float t = x + kShift;
-  const float j = t - kShift;
-  const float f = x - j;
-  float p = fmaf(f, 0.05517132207751274f, 0.24261054396629333f);
-  p = fmaf(p, f, 0.6932609677314758f);
-  p = fmaf(p, f, 0.9999281167984009f);
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  const float scale = __uint_as_float(__float_as_uint(t) << 23);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &t, 4);
-  bits <<= 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-#endif
-  return p * scale;
 }
 
 /// Logit soft-capping (FlashAttention 2's `softcap`, Gemma 2's attn_logit_softcapping): a row's
