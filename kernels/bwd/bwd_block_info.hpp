@@ -15,10 +15,14 @@ namespace hipflash::bwd {
 /// grids and the workspace: a varlen sequence longer than declared (validated, but not under
 /// graph capture) must not walk rows past its head's workspace rows or wait for a dq rank no
 /// tile adds; its rows and keys past them get no gradient. The diagonal stays the sequence's.
+/// `clamp` false: the sequence's own lengths, as before the clamp (the portable dk/dv pass: it
+/// waits for no rank, but with the clamp clang 22 spilled SGPRs on gfx942 / gfx950; there a
+/// sequence longer than declared, under capture, still reads past its head's workspace rows).
 struct SeqBounds : common::SeqBounds {
-  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b) : common::SeqBounds(p, b) {
-    if (len_q > p.seqlen_q) len_q = p.seqlen_q;
-    if (len_k > p.seqlen_k) len_k = p.seqlen_k;
+  HIPFLASH_HD SeqBounds(const FwdParams& p, int64_t b, bool clamp = true)
+      : common::SeqBounds(p, b) {
+    if (clamp && len_q > p.seqlen_q) len_q = p.seqlen_q;
+    if (clamp && len_k > p.seqlen_k) len_k = p.seqlen_k;
   }
 
   /// The query rows [lo, hi) that see at least one key of [n0, n1) under the window (SPEC §3:
@@ -215,13 +219,13 @@ struct KeyBlock {
   int64_t n0, groups, row_lo = 0, row_hi = 0;
 
   HIPFLASH_HD KeyBlock(const FwdParams& p, int64_t linear, int num_n_blocks, KeyOrder order,
-                       int block_n, int block_m)
+                       int block_n, int block_m, bool clamp = true)
       : n_block(int(order == KeyOrder::kSlowest ? linear / (p.batch * p.heads_kv)
                     : order == KeyOrder::kFastest ? linear % num_n_blocks
                                                   : num_n_blocks - 1 - linear % num_n_blocks)),
         hk(head_batch(p, linear, num_n_blocks, order) % p.heads_kv),
         b(head_batch(p, linear, num_n_blocks, order) / p.heads_kv),
-        seq(p, b),
+        seq(p, b, clamp),
         n0(int64_t(n_block) * block_n),
         groups(p.heads_q / p.heads_kv) {
     seq.rows_seeing(p, n0, n0 + block_n, row_lo, row_hi);

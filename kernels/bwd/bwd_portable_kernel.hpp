@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(PortableTile<Traits::kHeadDim>::kThreads)
   constexpr int kBM = Tile::kBlockM, kBN = Tile::kBlockN, kP = Tile::kPitch, kAcc = Tile::kAcc;
   __shared__ Step sm;
 
-  const KeyBlock kb(p, blockIdx.x, num_n_blocks, KeyOrder::kFastest, kBN, kBM);
+  const KeyBlock kb(p, blockIdx.x, num_n_blocks, KeyOrder::kFastest, kBN, kBM, /*clamp=*/false);
   if (kb.past_keys()) return;  // past this varlen sequence's keys
   const int64_t hk = kb.hk, b = kb.b, n0 = kb.n0, groups = kb.groups;
   const SeqBounds& seq = kb.seq;
