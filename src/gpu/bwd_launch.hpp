@@ -146,13 +146,16 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
   if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
   if (p.dq_semaphore == nullptr || !Traits::kMasked) p.tile_counter = nullptr;
   if (!ws && p.deterministic) p.dq_accum = nullptr;
-  // Launches kernel<<<blocks (per (head, batch)) * heads * B, threads, smem>>>(p, blocks).
+  // Launches kernel<<<blocks (per (head, batch)) * heads * B, threads, smem>>>(p, blocks) with
+  // `launch`'s attributes (the dq conversion: a programmatic dependent of the dk/dv pass).
   auto pass = [&](auto kernel, int64_t blocks, int64_t heads, int threads, int smem,
-                  const char* what) {
+                  const char* what, port::LaunchOptions launch = {}) {
     const int64_t grid = blocks * heads * p.batch;
     if (grid == 0) return;  // nothing to do (and a zero grid is a launch error)
-    kernel<<<grid_of(grid, what), threads, smem, stream>>>(p, int(blocks));
-    check_launch(what);
+    const port::error_t err = port::launch_kernel(kernel, dim3(grid_of(grid, what)),
+                                                  dim3(threads), smem, stream, launch, p,
+                                                  int(blocks));
+    port::check(err, (std::string("launching the backward's ") + what + " kernel").c_str());
   };
   auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
 
@@ -253,15 +256,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
   }
 
   if (p.dq_accum != nullptr && !how.portable) {
-    // A programmatic dependent of the dk/dv pass where its code waits for it (sm_90+ code).
     constexpr auto convert = bwd::bwd_dq_convert_kernel<kDT>;
-    const int64_t blocks =
-        ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads);
-    if (const int64_t grid = blocks * p.heads_q * p.batch; grid > 0)
-      port::check(port::launch_kernel(convert, dim3(grid_of(grid, "dq conversion")),
-                                      dim3(bwd::kConvertThreads), 0, stream,
-                                      dependent_launch<convert>(), p, int(blocks)),
-                  "launching the backward's dq conversion kernel");
+    pass(convert, ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads),
+         p.heads_q, bwd::kConvertThreads, 0, "dq conversion", dependent_launch<convert>());
   }
 
   if (p.is_varlen() && how.zero_q)
