@@ -216,27 +216,34 @@ def test_no_backward_where_there_is_none(device):
     ([40, 300, 9], [600, 300, 700]),  # GPU, unmasked: sequences 0 and 2 walk unrotated (n > steps)
 ], ids=["short", "mixed"])
 def test_varlen_gradients_equal_per_sequence_dense(lse_layout, causal, lens, device):
-    # Each sequence's gradients of the packed call equal the dense call's on that sequence
-    # (deterministic dq: bitwise), both forwards unsplit: the split count the calls would pick
-    # follows their shapes and the machine's cores (on the CPU), and a split forward's out and
-    # LSE round differently.
+    # Each sequence's gradients of the packed backward equal the dense backward's on that
+    # sequence (deterministic dq: bitwise). Both take the packed forward's out and LSE: the
+    # forwards may run different kernels (on Hopper, short hd64 varlen sequences take the
+    # cp.async kernel, a dense call the TMA one; each is tested against the reference on its own).
     lens_q, lens_k = lens
     q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, 2, 64, torch.bfloat16, device=device, seed=9)
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-    _, (dq, dk, dv) = grads(lambda *a: hipflash.flash_attn_varlen_func(
-        *a, cq, ck, max(lens_q), max(lens_k), causal=causal, lse_layout=lse_layout,
-        num_splits=1, deterministic=True), q, k, v, dout)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(device,
+                                                                                torch.bfloat16)
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k),
+                                               causal=causal, lse_layout=lse_layout,
+                                               return_lse=True)
+    dq, dk, dv = torch.ops.hipflash.varlen_bwd(dout, q, k, v, out, lse, cq, ck, max(lens_q),
+                                               max(lens_k), None, causal, -1, -1, True,
+                                               lse_layout)
     for b in range(len(lens_q)):
         qs, ks = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         if lens_q[b] == 0:
             assert torch.equal(dk[ks], torch.zeros_like(dk[ks]))  # no query sees these keys
             continue
-        _, (eq, ek, ev) = grads(lambda *a: hipflash.flash_attn_func(*a, causal=causal,
-                                                                   num_splits=1,
-                                                                   deterministic=True),
-                                q[qs][None], k[ks][None], v[ks][None], dout[qs][None])
-        for got, want in ((dq[qs], eq[0]), (dk[ks], ek[0]), (dv[ks], ev[0])):
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"sequence {b}"
+        seq_lse = lse[b, :, :lens_q[b]] if lse_layout == "padded" else lse[:, qs]
+        eq, ek, ev = torch.ops.hipflash.bwd(dout[qs][None], q[qs][None], k[ks][None],
+                                            v[ks][None], out[qs][None],
+                                            seq_lse[None].contiguous(), None, causal, -1, -1,
+                                            True)
+        for name, got, want in (("dq", dq[qs], eq[0]), ("dk", dk[ks], ek[0]),
+                                ("dv", dv[ks], ev[0])):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                f"sequence {b}: {name}"
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
