@@ -180,23 +180,32 @@ HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int
 
 /// The rotated walk of a deterministic unmasked dk/dv pass (bwd_sm90_ws_kernel.hpp's DkdvWork):
 /// a sequence's n key blocks each walk the same `steps` query steps (row blocks x query heads of
-/// the group), key block j from step j steps / n and wrapping round, so that when they run side
-/// by side they take different row blocks at any one time. Key block j adds its dq term to step
-/// x with rank (J - j) mod n, J the last key block whose walk starts at or before x: the order
-/// in which the walks reach x (J, J - 1, ..., 0, n - 1, ..., J + 1), steps / n steps apart, so
-/// no walk waits on another while they keep pace. Applies with distinct starts (n <= steps) and
-/// in 32 bits (n steps < 2^32).
+/// the group), key block j from step j d (d = min(steps / n, kMaxSpacing) >= 1) and wrapping
+/// round, so that when they run side by side they take different row blocks at any one time.
+/// Key block j adds its dq term to step x with rank (J - j) mod n, J = min(x / d, n - 1) the last
+/// key block whose walk starts at or before x: the order in which the walks reach x (J, J - 1,
+/// ..., 0, n - 1, ..., J + 1), at least d steps apart, so no walk waits on another while they
+/// keep pace. d stays small so that a row block's Q, dO and dq_accum rows, read by one key
+/// block, are still in L2 when the next reaches them: spread steps / n apart, a GQA group's
+/// walks (steps = row blocks x 8 heads) came back to a row block 16 steps later, after the grid
+/// had read more than L2 holds, and deterministic GQA calls ran 1.35-1.67x the default's time.
+/// Applies with distinct starts (n <= steps) and in 32 bits (n steps < 2^32).
 struct RotatedWalk {
+  static constexpr uint32_t kMaxSpacing = 2;
   uint32_t n, steps;
 
   HIPFLASH_HD static bool applies(int64_t n, int64_t steps) {
     return n > 0 && steps > 0 && n <= steps && n * steps <= int64_t(UINT32_MAX);
   }
+  /// log2 of the steps between consecutive key blocks' starts (1 or kMaxSpacing: a shift, no
+  /// division in the kernel's walk).
+  HIPFLASH_HD uint32_t spacing_log2() const { return steps >= kMaxSpacing * n ? 1u : 0u; }
   /// The step key block j's walk starts at.
-  HIPFLASH_HD uint32_t first(uint32_t j) const { return j * steps / n; }
+  HIPFLASH_HD uint32_t first(uint32_t j) const { return j << spacing_log2(); }
   /// Key block j's rank among the dq terms added to step x.
   HIPFLASH_HD uint32_t rank(uint32_t x, uint32_t j) const {
-    const uint32_t last = ((x + 1) * n - 1) / steps;
+    const uint32_t started = x >> spacing_log2();
+    const uint32_t last = started < n - 1 ? started : n - 1;
     return (last + n - j) % n;
   }
 };

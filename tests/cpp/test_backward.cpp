@@ -82,13 +82,16 @@ TEST(BackwardMask, SolvedBoundsEqualThePerElementRule) {
 
 // The deterministic dk/dv pass's rotated walk (bwd::RotatedWalk): at every step the n key
 // blocks' ranks are 0..n-1 in the order their walks reach the step when they keep pace, and
-// consecutive ranks arrive at least one step apart (no walk waits on another).
+// consecutive ranks arrive at least one step apart (no walk waits on another); consecutive key
+// blocks start at most kMaxSpacing steps apart (a row block's rows still in L2 for the next).
 TEST(BackwardRotatedWalk, RanksFollowTheArrivalOrder) {
   int checked = 0;
   for (uint32_t steps = 1; steps <= 69; ++steps)
     for (uint32_t n = 1; n <= steps; ++n) {
       ASSERT_TRUE(bwd::RotatedWalk::applies(n, steps));
       const bwd::RotatedWalk walk{n, steps};
+      for (uint32_t j = 1; j < n; ++j)
+        ASSERT_LE(walk.first(j) - walk.first(j - 1), bwd::RotatedWalk::kMaxSpacing);
       for (uint32_t x = 0; x < steps; ++x) {
         std::vector<uint32_t> arrival(n);  // the step of its walk at which key block j reaches x
         for (uint32_t j = 0; j < n; ++j) arrival[j] = (x + steps - walk.first(j)) % steps;
