@@ -180,8 +180,9 @@ HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int
 
 /// The rotated walk of a deterministic unmasked dk/dv pass (bwd_sm90_ws_kernel.hpp's DkdvWork):
 /// a sequence's n key blocks each walk the same `steps` query steps (row blocks x query heads of
-/// the group), key block j from step j d (d = min(steps / n, kMaxSpacing) >= 1) and wrapping
-/// round, so that when they run side by side they take different row blocks at any one time.
+/// the group), key block j from step j d (d = kMaxSpacing where steps >= kMaxSpacing n, else 1)
+/// and wrapping round, so that when they run side by side they take different row blocks at
+/// any one time.
 /// Key block j adds its dq term to step x with rank (J - j) mod n, J = min(x / d, n - 1) the last
 /// key block whose walk starts at or before x: the order in which the walks reach x (J, J - 1,
 /// ..., 0, n - 1, ..., J + 1), at least d steps apart, so no walk waits on another while they
@@ -191,15 +192,17 @@ HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int
 /// had read more than L2 holds, and deterministic GQA calls ran 1.35-1.67x the default's time.
 /// Applies with distinct starts (n <= steps) and in 32 bits (n steps < 2^32).
 struct RotatedWalk {
-  static constexpr uint32_t kMaxSpacing = 2;
+  static constexpr uint32_t kMaxSpacingLog2 = 1, kMaxSpacing = 1u << kMaxSpacingLog2;
   uint32_t n, steps;
 
   HIPFLASH_HD static bool applies(int64_t n, int64_t steps) {
     return n > 0 && steps > 0 && n <= steps && n * steps <= int64_t(UINT32_MAX);
   }
-  /// log2 of the steps between consecutive key blocks' starts (1 or kMaxSpacing: a shift, no
-  /// division in the kernel's walk).
-  HIPFLASH_HD uint32_t spacing_log2() const { return steps >= kMaxSpacing * n ? 1u : 0u; }
+  /// log2 of d, the steps between consecutive key blocks' starts (a shift, no division in the
+  /// kernel's walk).
+  HIPFLASH_HD uint32_t spacing_log2() const {
+    return steps >= kMaxSpacing * n ? kMaxSpacingLog2 : 0u;
+  }
   /// The step key block j's walk starts at.
   HIPFLASH_HD uint32_t first(uint32_t j) const { return j << spacing_log2(); }
   /// Key block j's rank among the dq terms added to step x.

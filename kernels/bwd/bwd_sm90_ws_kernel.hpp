@@ -184,8 +184,7 @@ __device__ __forceinline__ void stage_dkdv(uint32_t k_tile, uint32_t v_tile, flo
     const int r = row + 8 * hh;
 #pragma unroll
     for (int i = 0; i < kHD / 8; ++i) {
-      const uint32_t off =
-          uint32_t((i / 8) * kBN * 128 + r * 128 + (((i % 8) ^ (r % 8)) << 4) + 4 * t);
+      const uint32_t off = sw128_offset<kBN>(r, i) + 4 * t;
       st_shared(k_tile + off, pack2<kDT>(dK[4 * i + 2 * hh] * scale, dK[4 * i + 2 * hh + 1] * scale));
       st_shared(v_tile + off, pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]));
     }
