@@ -47,11 +47,17 @@ namespace hipflash::bwd {
 /// by the tile's rows (kBlockM for q and dout, kBlockN for k and v).
 struct BwdTmaMaps {
   atom::sm90::TensorMap q, k, v, dout;
-  /// dk and dv ([kBlockN rows x 64 columns] boxes, as k's), where every block takes one tile
-  /// and the gradients are dense ones a map describes (dkdv_ok): the block then stores its dK /
-  /// dV by bulk tensor stores (one tile a block: nothing overlaps its epilogue).
+  /// dk and dv ([kBlockN rows x 64 columns] boxes, as k's), where the gradients are dense ones
+  /// a map describes: the block then stores its dK / dV by bulk tensor stores (dkdv_store).
   atom::sm90::TensorMap dk, dv;
-  int dkdv_ok = 0;
+  /// How a block writes a tile's dK / dV.
+  enum class DkdvStore : int {
+    kThreads,   ///< 4-byte stores by the threads (the gradients no map describes)
+    kOverKV,    ///< one tile a block: staged over its K and V tiles, then bulk tensor stores
+    kOwnStage,  ///< a persistent block: staged in a region of their own
+                ///< (DkdvSm90WsTile::kOffStage), the next tile's K / V loading meanwhile
+  };
+  DkdvStore dkdv_store = DkdvStore::kThreads;
 };
 
 template <int kHeadDim_>
@@ -68,6 +74,10 @@ struct DkdvSm90WsTile {
   static constexpr int kStages = 2, kPanels = kHeadDim / 64;
   static constexpr uint32_t kSmemKV = kBlockN * kHeadDim * 2, kSmemQ = kBlockM * kHeadDim * 2;
   static constexpr uint32_t kSmemDs = kBlockN * kBlockM * 2, kSmemDq = kBlockM * kHeadDim * 4;
+  /// A persistent block's dK / dV staging region: both at head dim 64, one after the other at
+  /// 128 (32 KiB: 64 more would pass the 227 KiB a block may have).
+  static constexpr uint32_t kSmemStage = 32768;
+  static constexpr int kStagePasses = int(2 * kSmemKV / kSmemStage);
   static constexpr uint32_t kStatBytes = kBlockM * 4;  ///< one stage's lse_log2 or delta
   /// Bytes a stage's full barrier counts: Q, dO, lse_log2 and delta.
   static constexpr uint32_t kStageBytes = 2 * kSmemQ + 2 * kStatBytes;
@@ -78,7 +88,8 @@ struct DkdvSm90WsTile {
   static constexpr uint32_t kOffDo = kOffQ + kStages * kSmemQ;
   static constexpr uint32_t kOffDs = kOffDo + kStages * kSmemQ;
   static constexpr uint32_t kOffDq = kOffDs + kSmemDs;
-  static constexpr uint32_t kOffLse = kOffDq + kSmemDq;
+  static constexpr uint32_t kOffStage = kOffDq + kSmemDq;
+  static constexpr uint32_t kOffLse = kOffStage + kSmemStage;
   static constexpr uint32_t kOffDelta = kOffLse + kStages * kStatBytes;
   static constexpr uint32_t kOffBars = kOffDelta + kStages * kStatBytes;
   static constexpr uint32_t kOffTiles = kOffBars + (6 + 2 * kStages) * 8;
@@ -111,6 +122,7 @@ struct Smem {
   }
   __device__ __forceinline__ uint32_t ds() const { return base + Cfg::kOffDs; }
   __device__ __forceinline__ uint32_t dq() const { return base + Cfg::kOffDq; }
+  __device__ __forceinline__ uint32_t stage() const { return base + Cfg::kOffStage; }
   __device__ __forceinline__ uint32_t lse(int s) const {
     return base + Cfg::kOffLse + s * Cfg::kStatBytes;
   }
@@ -170,14 +182,13 @@ __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
-/// dk = scale dS^T Q and dv = P^T dO of this thread's tile rows `row` and row + 8 (accumulators
+/// dk = scale dS^T Q or dv = P^T dO of this thread's tile rows `row` and row + 8 (accumulators
 /// in wgmma order: element 4i + 2h + e is row row + 8h, column 8i + 2t + e) in the layout the
-/// K / V maps load: SW128 panels of [kBN rows x 64 columns] at `k_tile` / `v_tile`, what one
-/// bulk tensor store a panel writes out. A warp's stores fill 32 banks (row phases g).
+/// K / V maps load: SW128 panels of [kBN rows x 64 columns] at `tile`, what one bulk tensor
+/// store a panel writes out. A warp's stores fill 32 banks (row phases g).
 template <DType kDT, int kHD, int kBN>
-__device__ __forceinline__ void stage_dkdv(uint32_t k_tile, uint32_t v_tile, float scale, int row,
-                                           int t, const float (&dK)[kHD / 2],
-                                           const float (&dV)[kHD / 2]) {
+__device__ __forceinline__ void stage_grad(uint32_t tile, float scale, int row, int t,
+                                           const float (&acc)[kHD / 2]) {
   using ::hipflash::atom::sm80::pack2;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -185,8 +196,7 @@ __device__ __forceinline__ void stage_dkdv(uint32_t k_tile, uint32_t v_tile, flo
 #pragma unroll
     for (int i = 0; i < kHD / 8; ++i) {
       const uint32_t off = sw128_offset<kBN>(r, i) + 4 * t;
-      st_shared(k_tile + off, pack2<kDT>(dK[4 * i + 2 * hh] * scale, dK[4 * i + 2 * hh + 1] * scale));
-      st_shared(v_tile + off, pack2<kDT>(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]));
+      st_shared(tile + off, pack2<kDT>(acc[4 * i + 2 * hh] * scale, acc[4 * i + 2 * hh + 1] * scale));
     }
   }
 }
@@ -650,29 +660,58 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       ++kv_it;
     }
 
-    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys: with a map (one tile a
-    // block, dense), staged over K and V — which every warp of both warpgroups is done reading
-    // (each waited for its products) — and written by one bulk tensor store a panel (whole
-    // 128-byte rows; the map clips rows past the keys); the block's exit waits only for the
-    // stores to have read the tile. Else by the threads, 4 bytes a store.
-    if (maps.dkdv_ok) {
+    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys: with maps (dense), staged in
+    // shared memory and written by one bulk tensor store a panel (whole 128-byte rows; the map
+    // clips rows past the keys) — one tile a block over K and V, which every warp of both
+    // warpgroups is done reading (each waited for its products), a persistent block in a region
+    // of its own while its next tile's K and V load; the exit waits only for the stores to have
+    // read shared memory. Else by the threads, 4 bytes a store (a persistent block's stores
+    // measured 12% slower at B 32 S 512 hd128 fwd+bwd, H100: docs/design-decisions.md).
+    const int row = wg * 64 + wi * 16 + g;
+    auto store = [&](const TensorMap* map, uint32_t tile) {  // thread 0: the staged panels
+#pragma unroll
+      for (int c = 0; c < Cfg::kPanels; ++c)
+        tma::store_4d(map, tile + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
+    };
+    if (maps.dkdv_store == BwdTmaMaps::DkdvStore::kOverKV) {
       named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
-      stage_dkdv<kDT, kHD, kBN>(sm.k(), sm.v(), p.softmax_scale, wg * 64 + wi * 16 + g, t, dK, dV);
+      stage_grad<kDT, kHD, kBN>(sm.k(), p.softmax_scale, row, t, dK);
+      stage_grad<kDT, kHD, kBN>(sm.v(), 1.f, row, t, dV);
       fence_proxy_async();
       named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
       if (threadIdx.x == 0) {
-#pragma unroll
-        for (int c = 0; c < Cfg::kPanels; ++c) {
-          tma::store_4d(&maps.dk, sm.k() + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
-          tma::store_4d(&maps.dv, sm.v() + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
-        }
+        store(&maps.dk, sm.k());
+        store(&maps.dv, sm.v());
         tma::commit_group();
         tma::wait_group_read<0>();
+      }
+    } else if (maps.dkdv_store == BwdTmaMaps::DkdvStore::kOwnStage) {
+      // The staging region: the last tile's stores must have read it (thread 0 waits, then
+      // the consumers meet), then dK (and dV beside it at head dim 64, after it at 128).
+      // Stores still reading at the block's exit are waited for after the walk.
+#pragma unroll
+      for (int pass = 0; pass < Cfg::kStagePasses; ++pass) {
+        if (threadIdx.x == 0) tma::wait_group_read<0>();
+        named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
+        if (pass == 0) stage_grad<kDT, kHD, kBN>(sm.stage(), p.softmax_scale, row, t, dK);
+        if (pass == 1 || Cfg::kStagePasses == 1)
+          stage_grad<kDT, kHD, kBN>(sm.stage() + (Cfg::kStagePasses == 1 ? Cfg::kSmemKV : 0), 1.f,
+                                    row, t, dV);
+        fence_proxy_async();
+        named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
+        if (threadIdx.x == 0) {
+          if (pass == 0) store(&maps.dk, sm.stage());
+          if (pass == 1 || Cfg::kStagePasses == 1)
+            store(&maps.dv, sm.stage() + (Cfg::kStagePasses == 1 ? Cfg::kSmemKV : 0));
+          tma::commit_group();
+        }
       }
     } else {
       sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
     }
   }
+  if (maps.dkdv_store == BwdTmaMaps::DkdvStore::kOwnStage && threadIdx.x == 0)
+    tma::wait_group_read<0>();  // the last tile's stores have read the staging region
 #else
   port::trap();  // TMA and wgmma need sm_90a; the launcher picks this kernel only where built
 #endif  // HIPFLASH_HAS_WGMMA

@@ -103,10 +103,11 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
 }
 
 /// The maps of dk and dv (boxes of block_n rows, as k's) where a dense call's gradients have
-/// strides a map describes: a one-tile-a-block dk/dv pass then stores them by bulk tensor
-/// stores (BwdTmaMaps::dkdv_ok); else its threads store them.
+/// strides a map describes: the dk/dv pass then stores them by bulk tensor stores, staged over
+/// K and V (one tile a block) or in a region of their own (`persistent`: the next tile's K / V
+/// load overlaps the stores; BwdTmaMaps::dkdv_store); else its threads store them.
 inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLaunch& how,
-                          int block_n) {
+                          int block_n, bool persistent) {
   const MapRows k = k_map_rows(p, how);
   auto ok = [&](const void* base, int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
     return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
@@ -120,7 +121,8 @@ inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLa
                              p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, block_n);
   maps.dv = tma_host::encode(p.dv, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
                              p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, block_n);
-  maps.dkdv_ok = 1;
+  maps.dkdv_store = persistent ? bwd::BwdTmaMaps::DkdvStore::kOwnStage
+                               : bwd::BwdTmaMaps::DkdvStore::kOverKV;
 }
 #endif  // HIPFLASH_HAS_SM90_KERNELS
 
@@ -206,7 +208,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
-          if (!persistent) add_dkdv_maps(maps, p, how, Dkdv::kBlockN);  // a tile a block
+          add_dkdv_maps(maps, p, how, Dkdv::kBlockN, persistent);
           // Deterministic unmasked calls walk rotated (bwd::RotatedWalk), a tile then waiting
           // on later key blocks of its head too: only where the stride puts a head's key
           // blocks on distinct blocks (blocks <= grid), each queued behind earlier heads' tiles
