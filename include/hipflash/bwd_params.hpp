@@ -43,6 +43,22 @@ struct BwdParams : FwdParams {
   int32_t* __restrict__ tile_counter = nullptr;
   int64_t seqlen_rounded = 0;
   int padded_head_dim = 0;
+  /// GQA calls whose warp-specialised dk/dv tiles walk heads_per_tile of a kv head's Hq / Hkv
+  /// query heads (0: all of them): the tiles of one key block then add their dK (scaled) and
+  /// dV into dkv_accum, fp32 [2 (dk, dv), B, Hkv, seqlen_k_rounded, padded head dim], zeroed
+  /// by the preprocess and rounded into dk / dv by the conversion after the pass.
+  int heads_per_tile = 0;
+  int64_t seqlen_k_rounded = 0;
+  float* __restrict__ dkv_accum = nullptr;
+
+  /// Index of (b, kv head, key) in one half of dkv_accum; times padded_head_dim, its row.
+  HIPFLASH_HD int64_t dkv_row(int64_t b, int64_t hk, int64_t key) const {
+    return (b * heads_kv + hk) * seqlen_k_rounded + key;
+  }
+  /// Floats in one half of dkv_accum (dk's; dv's follow).
+  HIPFLASH_HD int64_t dkv_half() const {
+    return batch * heads_kv * seqlen_k_rounded * padded_head_dim;
+  }
 
   /// Index of (b, h, row) in lse_log2 / delta; times padded_head_dim, the row of dq_accum.
   HIPFLASH_HD int64_t ws_row(int64_t b, int64_t h, int64_t row) const {

@@ -222,35 +222,55 @@ enum class KeyOrder : int { kFastest, kFastestLastFirst, kSlowest };
 
 /// What one block of a dk/dv pass owns: key block n_block (keys [n0, n0 + block_n)) of kv head
 /// hk of batch b, and the query rows [row_lo, row_hi) that see those keys (row_lo rounded down
-/// to the pass's query step block_m), walked for each of the kv head's `groups` query heads.
+/// to the pass's query step block_m), walked for `groups` query heads from h0: all of the kv
+/// head's, or (`heads_per_tile` > 0, a divisor of Hq / Hkv) one slice of them — the pass then
+/// numbers (kv head, slice) pairs where it numbers kv heads, the slices of a kv head adjacent.
 /// Tile `linear` in the grid's order `order`.
 struct KeyBlock {
   int n_block;
   int64_t hk, b;
   SeqBounds seq;
-  int64_t n0, groups, row_lo = 0, row_hi = 0;
+  int64_t n0, groups, h0, row_lo = 0, row_hi = 0;
 
   HIPFLASH_HD KeyBlock(const FwdParams& p, int64_t linear, int num_n_blocks, KeyOrder order,
-                       int block_n, int block_m, bool clamp = true)
-      : n_block(int(order == KeyOrder::kSlowest ? linear / (p.batch * p.heads_kv)
-                    : order == KeyOrder::kFastest ? linear % num_n_blocks
-                                                  : num_n_blocks - 1 - linear % num_n_blocks)),
-        hk(head_batch(p, linear, num_n_blocks, order) % p.heads_kv),
-        b(head_batch(p, linear, num_n_blocks, order) / p.heads_kv),
-        seq(p, b, clamp),
-        n0(int64_t(n_block) * block_n),
-        groups(p.heads_q / p.heads_kv) {
-    seq.rows_seeing(p, n0, n0 + block_n, row_lo, row_hi);
-    row_lo = row_lo / block_m * block_m;
-  }
+                       int block_n, int block_m, bool clamp = true, int64_t heads_per_tile = 0)
+      : KeyBlock(p, place(p, linear, num_n_blocks, order, heads_per_tile), block_n, block_m,
+                 clamp) {}
 
   /// Whether the block lies past its sequence's keys (a shorter varlen sequence): no work.
   HIPFLASH_HD bool past_keys() const { return n0 >= seq.len_k; }
 
  private:
-  HIPFLASH_HD static int64_t head_batch(const FwdParams& p, int64_t linear, int num_n_blocks,
-                                        KeyOrder order) {
-    return order == KeyOrder::kSlowest ? linear % (p.batch * p.heads_kv) : linear / num_n_blocks;
+  struct Place {
+    int n_block;
+    int64_t hk, b, h0, heads;
+  };
+  HIPFLASH_HD static Place place(const FwdParams& p, int64_t linear, int num_n_blocks,
+                                 KeyOrder order, int64_t heads_per_tile) {
+    const int64_t group = p.heads_q / p.heads_kv;
+    const int64_t heads = heads_per_tile > 0 ? heads_per_tile : group, slices = group / heads;
+    const int64_t units = p.batch * p.heads_kv * slices;  // (batch, kv head, slice)
+    const int64_t unit = order == KeyOrder::kSlowest ? linear % units : linear / num_n_blocks;
+    Place at;
+    at.n_block = int(order == KeyOrder::kSlowest   ? linear / units
+                     : order == KeyOrder::kFastest ? linear % num_n_blocks
+                                                   : num_n_blocks - 1 - linear % num_n_blocks);
+    at.b = unit / (p.heads_kv * slices);
+    at.hk = unit / slices % p.heads_kv;
+    at.h0 = at.hk * group + unit % slices * heads;
+    at.heads = heads;
+    return at;
+  }
+  HIPFLASH_HD KeyBlock(const FwdParams& p, const Place& at, int block_n, int block_m, bool clamp)
+      : n_block(at.n_block),
+        hk(at.hk),
+        b(at.b),
+        seq(p, at.b, clamp),
+        n0(int64_t(at.n_block) * block_n),
+        groups(at.heads),
+        h0(at.h0) {
+    seq.rows_seeing(p, n0, n0 + block_n, row_lo, row_hi);
+    row_lo = row_lo / block_m * block_m;
   }
 };
 

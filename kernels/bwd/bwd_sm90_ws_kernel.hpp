@@ -265,7 +265,7 @@ struct DkdvWork {
 
   __device__ __forceinline__ DkdvWork(const BwdParams& p, int64_t tile, int num_n_blocks,
                                       KeyOrder order, bool rotate)
-      : kb(p, tile, num_n_blocks, order, kBN, kBM) {
+      : kb(p, tile, num_n_blocks, order, kBN, kBM, true, p.heads_per_tile) {
     m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
     steps = m_steps * kb.groups;
     row_end = kb.row_lo + m_steps * kBM;
@@ -281,7 +281,7 @@ struct DkdvWork {
   }
 
   __device__ __forceinline__ StepPos<kBM> first_step() const {
-    const int h_lo = int(kb.hk * kb.groups);
+    const int h_lo = int(kb.h0);
     const int head = first > 0 ? int(uint32_t(first) / uint32_t(m_steps)) : 0;
     return StepPos<kBM>{h_lo + head, int(kb.row_lo + (first - head * m_steps) * kBM),
                         int(kb.row_lo), int(row_end), h_lo, h_lo + int(kb.groups)};
@@ -673,7 +673,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       for (int c = 0; c < Cfg::kPanels; ++c)
         tma::store_4d(map, tile + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
     };
-    if (maps.dkdv_store == BwdTmaMaps::DkdvStore::kOverKV) {
+    if (p.dkv_accum != nullptr) {  // one slice of the kv head's query heads: their sum
+      if (w.steps > 0) sm90_parts::add_dkdv<kHD>(p, b, hk, key0, t, dK, dV);
+    } else if (maps.dkdv_store == BwdTmaMaps::DkdvStore::kOverKV) {
       named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
       stage_grad<kDT, kHD, kBN>(sm.k(), p.softmax_scale, row, t, dK);
       stage_grad<kDT, kHD, kBN>(sm.v(), 1.f, row, t, dV);

@@ -4,7 +4,8 @@
 // Order on the stream: preprocess (delta, lse_log2, dq_accum and its counters zeroed) -> dk/dv
 // pass (on Hopper the warp-specialised kernel, adding dq in key-block order when deterministic;
 // the cp.async one for strides no tensor map describes; elsewhere dq added atomically unless
-// deterministic) -> dq pass (deterministic, not warp-specialised) or dq conversion ->
+// deterministic) -> dq pass (deterministic, not warp-specialised) or dq conversion -> dk/dv
+// conversion (where the pass's GQA tiles took slices of a group: BwdParams::heads_per_tile) ->
 // zero the rows outside every sequence's used rows (varlen; seqused). The warp-specialised dk/dv
 // pass and the dq conversion go as programmatic dependents of the pass before them (where their
 // code waits for it: sm_90+), so that their blocks are placed while it ends.
@@ -148,6 +149,10 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
   if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
   if (p.dq_semaphore == nullptr || !Traits::kMasked) p.tile_counter = nullptr;
   if (!ws && p.deterministic) p.dq_accum = nullptr;
+  if (!ws) {  // the other passes walk whole groups
+    p.dkv_accum = nullptr;
+    p.heads_per_tile = 0;
+  }
   // Launches kernel<<<blocks (per (head, batch)) * heads * B, threads, smem>>>(p, blocks) with
   // `launch`'s attributes (the dq conversion: a programmatic dependent of the dk/dv pass).
   auto pass = [&](auto kernel, int64_t blocks, int64_t heads, int threads, int smem,
@@ -177,8 +182,10 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
     if constexpr (kHD <= kBwdSm90MaxHeadDim) {
       if (ws) {
         using Dkdv = bwd::DkdvSm90WsTile<kHD>;
+        static_assert(Dkdv::kBlockN == kBwdSm90WsBlockN);
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
-        if (const int64_t tiles = blocks * p.heads_kv * p.batch; tiles > 0) {
+        const int64_t slices = p.heads_per_tile > 0 ? p.heads_q / p.heads_kv / p.heads_per_tile : 1;
+        if (const int64_t tiles = blocks * p.heads_kv * slices * p.batch; tiles > 0) {
           bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
@@ -186,8 +193,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // stride. Masked and varlen ones: a block per tile, handed out by the hardware as
           // multiprocessors free up, key block fastest, so that a head's key blocks run side by
           // side and share its Q, dO and dq_accum in L2 (+13-15% at causal S = 512-1k, hd128),
-          // unless there are too few tiles to even out: heaviest first then (GQA 8 at S = 2k:
-          // 256 tiles, -15% key block fastest). Deterministic: persistent (a block waits on
+          // unless there are too few tiles to even out: heaviest first then (GQA 8 at S = 2k
+          // with whole groups: 256 tiles, -15% key block fastest) — a GQA call first splits
+          // its groups over more tiles (bwd_heads_per_tile; the workspace decided it). Deterministic: persistent (a block waits on
           // tiles its grid's resident blocks are sure to reach), key block fastest; unmasked
           // calls rotated (below); masked calls each head's last key block first, adding
           // dq in descending key-block order (heaviest first cost masked calls 1.23-1.42x the
@@ -204,11 +212,11 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           const bwd::KeyOrder order =
               !Traits::kMasked                 ? bwd::KeyOrder::kFastest
               : ordered                        ? bwd::KeyOrder::kFastestLastFirst
-              : tiles < 4 * int64_t(num_sms)   ? bwd::KeyOrder::kSlowest
+              : tiles < kBwdMinTilesPerSm * num_sms ? bwd::KeyOrder::kSlowest
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
-          add_dkdv_maps(maps, p, how, Dkdv::kBlockN, persistent);
+          if (p.dkv_accum == nullptr) add_dkdv_maps(maps, p, how, Dkdv::kBlockN, persistent);
           // Deterministic unmasked calls walk rotated (bwd::RotatedWalk), a tile then waiting
           // on later key blocks of its head too: only where the stride puts a head's key
           // blocks on distinct blocks (blocks <= grid), each queued behind earlier heads' tiles
@@ -262,6 +270,10 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
     pass(convert, ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads),
          p.heads_q, bwd::kConvertThreads, 0, "dq conversion", dependent_launch<convert>());
   }
+  if (p.dkv_accum != nullptr)
+    pass(bwd::bwd_dkv_convert_kernel<kDT>,
+         ceil_div(p.seqlen_k_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads), p.heads_kv,
+         bwd::kConvertThreads, 0, "dk/dv conversion");
 
   if (p.is_varlen() && how.zero_q)
     zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, how.total_q, p.heads_q,

@@ -389,8 +389,8 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
 
   // Workspace: lse_log2 and delta [B, Hq, rows], dq_accum [B, Hq, rows, hd] where the dk/dv pass
   // adds dq (atomic; deterministic on Hopper, where the warp-specialised pass may order it:
-  // launch_bwd drops it where that pass does not run), then dq_semaphore [B, Hq, rows / 64]
-  // and, masked, the pass's tile counter (ordered);
+  // launch_bwd drops it where that pass does not run), dkv_accum (below), then dq_semaphore
+  // [B, Hq, rows / 64] and, masked, the pass's tile counter (ordered);
   // rows padded to 128 (every tile's row block stays inside).
   p.seqlen_rounded = (p.seqlen_q + 127) / 128 * 128;
   p.padded_head_dim = hd;
@@ -398,8 +398,18 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   const bool ordered = p.deterministic && how.sm90;
   const size_t rows = size_t(p.batch) * size_t(p.heads_q) * size_t(p.seqlen_rounded);
   const bool counted = ordered && p.has_window() && rows > 0;  // masked: the tile counter
+  // dkv_accum [2, B, Hkv, keys padded to 128, hd] after dq_accum where the warp-specialised
+  // pass's tiles take slices of a kv head's query heads (bwd_heads_per_tile).
+  if (how.sm90) {
+    const int64_t key_blocks = (p.seqlen_k + kBwdSm90WsBlockN - 1) / kBwdSm90WsBlockN;
+    p.heads_per_tile = int(bwd_heads_per_tile(
+        key_blocks * p.heads_kv * p.batch, p.heads_q / p.heads_kv, device_arch(device).num_sms,
+        p.has_window(), p.deterministic, p.is_varlen()));
+  }
+  p.seqlen_k_rounded = p.heads_per_tile > 0 ? (p.seqlen_k + 127) / 128 * 128 : 0;
+  const size_t dkv_floats = size_t(2 * p.dkv_half());
   const size_t need = rows * sizeof(float) * (2 + (accum ? size_t(hd) : 0)) +
-                      (ordered ? rows / 64 * sizeof(int32_t) : 0) +
+                      dkv_floats * sizeof(float) + (ordered ? rows / 64 * sizeof(int32_t) : 0) +
                       (counted ? sizeof(int32_t) : 0);
   ScopedDevice guard(device);
   std::unique_ptr<ScratchBuffer> scratch;
@@ -411,7 +421,9 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   p.lse_log2 = static_cast<float*>(base);
   p.delta = p.lse_log2 + rows;
   p.dq_accum = accum ? p.delta + rows : nullptr;
-  p.dq_semaphore = ordered ? reinterpret_cast<int32_t*>(p.dq_accum + rows * hd) : nullptr;
+  p.dkv_accum = dkv_floats > 0 ? p.dq_accum + rows * hd : nullptr;
+  p.dq_semaphore =
+      ordered ? reinterpret_cast<int32_t*>(p.dq_accum + rows * hd + dkv_floats) : nullptr;
   p.tile_counter = counted ? p.dq_semaphore + rows / 64 : nullptr;
   how.total_q = total_q;
   how.total_k = total_k;

@@ -113,5 +113,51 @@ TEST(BackwardRotatedWalk, RanksFollowTheArrivalOrder) {
   EXPECT_GT(checked, 50000);
 }
 
+// GQA tiles of the warp-specialised dk/dv pass over slices of a kv head's query heads
+// (BwdParams::heads_per_tile): in every order, the tiles cover each (batch, query head, key
+// block) exactly once, each with the kv head that query head reads; whole groups (0) as before.
+TEST(BackwardKeyBlock, SlicesCoverEveryQueryHeadOnce) {
+  FwdParams p;
+  p.batch = 3, p.heads_q = 8, p.heads_kv = 2, p.head_dim = 64, p.num_splits = 1;
+  p.seqlen_q = p.seqlen_k = 300;
+  p.window_left = -1, p.window_right = 0;
+  constexpr int kBN = 128, kBM = 64;
+  const int n_blocks = 3;
+  for (const bwd::KeyOrder order :
+       {bwd::KeyOrder::kFastest, bwd::KeyOrder::kFastestLastFirst, bwd::KeyOrder::kSlowest})
+    for (const int64_t per_tile : {0, 1, 2, 4}) {
+      const int64_t heads = per_tile > 0 ? per_tile : 4;
+      const int64_t tiles = n_blocks * p.batch * p.heads_q / heads;
+      std::vector<int> seen(size_t(p.batch * p.heads_q * n_blocks), 0);
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const bwd::KeyBlock kb(p, tile, n_blocks, order, kBN, kBM, true, per_tile);
+        ASSERT_EQ(kb.groups, heads);
+        ASSERT_LT(kb.b, p.batch);
+        ASSERT_LT(kb.n_block, n_blocks);
+        for (int64_t h = kb.h0; h < kb.h0 + kb.groups; ++h) {
+          ASSERT_EQ(h / (p.heads_q / p.heads_kv), kb.hk) << "tile " << tile;
+          ++seen[size_t((kb.b * p.heads_q + h) * n_blocks + kb.n_block)];
+        }
+      }
+      for (int s : seen) ASSERT_EQ(s, 1) << "order " << int(order) << " per tile " << per_tile;
+    }
+}
+
+// The split's rule (bwd_heads_per_tile): the fewest slices that give kBwdMinTilesPerSm tiles a
+// multiprocessor, whole groups where nothing needs it or the slices would not sum in order.
+TEST(BackwardKeyBlock, HeadsPerTileRule) {
+  constexpr int kSms = 132;
+  // GQA 8 causal hd128 at S = 2k, B 8, Hkv 2: 256 whole-group tiles -> 4 slices of 2 heads.
+  EXPECT_EQ(bwd_heads_per_tile(256, 8, kSms, true, false, false), 2);
+  EXPECT_EQ(bwd_heads_per_tile(512, 4, kSms, true, false, false), 2);  // GQA 4: 2 slices
+  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, false, false), 1);    // never enough: all
+  EXPECT_EQ(bwd_heads_per_tile(528, 8, kSms, true, false, false), 0);  // enough already
+  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, false, false, false), 0);   // unmasked
+  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, true, false), 0);     // deterministic
+  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, false, true), 0);     // varlen
+  EXPECT_EQ(bwd_heads_per_tile(4, 1, kSms, true, false, false), 0);    // no group
+  EXPECT_EQ(bwd_heads_per_tile(100, 6, kSms, true, false, false), 1);  // 6 slices: 600 tiles
+}
+
 }  // namespace
 }  // namespace hipflash::test
