@@ -44,20 +44,25 @@ struct BwdParams : FwdParams {
   int64_t seqlen_rounded = 0;
   int padded_head_dim = 0;
   /// GQA calls whose warp-specialised dk/dv tiles walk heads_per_tile of a kv head's Hq / Hkv
-  /// query heads (0: all of them): the tiles of one key block then add their dK (scaled) and
-  /// dV into dkv_accum, fp32 [2 (dk, dv), B, Hkv, seqlen_k_rounded, padded head dim], zeroed
-  /// by the preprocess and rounded into dk / dv by the conversion after the pass.
+  /// query heads (0: all of them): each tile writes its slice's dK (scaled) and dV to
+  /// dkv_accum, fp32 [2 (dk, dv), slices, B, Hkv, seqlen_k_rounded, padded head dim], and the
+  /// conversion after the pass sums the slices in order into dk / dv (bitwise repeatable).
   int heads_per_tile = 0;
   int64_t seqlen_k_rounded = 0;
   float* __restrict__ dkv_accum = nullptr;
 
-  /// Index of (b, kv head, key) in one half of dkv_accum; times padded_head_dim, its row.
-  HIPFLASH_HD int64_t dkv_row(int64_t b, int64_t hk, int64_t key) const {
-    return (b * heads_kv + hk) * seqlen_k_rounded + key;
+  /// Slices of a kv head's query heads (1: whole groups).
+  HIPFLASH_HD int64_t dkv_slices() const {
+    return heads_per_tile > 0 ? heads_q / heads_kv / heads_per_tile : 1;
   }
-  /// Floats in one half of dkv_accum (dk's; dv's follow).
-  HIPFLASH_HD int64_t dkv_half() const {
+  /// Floats in one slice's dk (or dv) part of dkv_accum.
+  HIPFLASH_HD int64_t dkv_part() const {
     return batch * heads_kv * seqlen_k_rounded * padded_head_dim;
+  }
+  /// dkv_accum's row of (dk: half 0, dv: 1), slice, b, kv head, key.
+  HIPFLASH_HD float* dkv_row(int half, int64_t slice, int64_t b, int64_t hk, int64_t key) const {
+    return dkv_accum + (half * dkv_slices() + slice) * dkv_part() +
+           ((b * heads_kv + hk) * seqlen_k_rounded + key) * padded_head_dim;
   }
 
   /// Index of (b, h, row) in lse_log2 / delta; times padded_head_dim, the row of dq_accum.

@@ -7,8 +7,7 @@
 //   rows past the sequence: delta 0, lse_log2 +inf (they take part in nothing);
 //   and, where the dk/dv pass adds dq, the row's dq_accum zeroed (and its 64-row block's
 //   counter, where it adds in key-block order; the pass's tile counter, where it takes tiles
-//   from one, by the first row's thread); where it adds dK / dV over slices of a kv head's
-//   query heads, dkv_accum zeroed by a grid-stride sweep.
+//   from one, by the first row's thread).
 // Eight threads own a row; each sums 16-byte pieces and the eight reduce by shuffles.
 // Both passes walk the (batch, head) pairs last first, so that what each touches last (the
 // preprocess) or first (the conversion) is what the dk/dv pass touches first or last: L2 hits
@@ -23,8 +22,9 @@
 // placed once all of its own have started, and each dependent waits for the pass before it
 // where it first reads what that pass wrote.
 //
-// bwd_dkv_convert_kernel, after the dq conversion wherever the dk/dv pass adds into dkv_accum:
-// dk and dv = its two halves (dK already scaled), rounded to the dtype.
+// bwd_dkv_convert_kernel, after the dq conversion wherever the dk/dv pass's GQA tiles took
+// slices of a kv head's query heads: dk and dv = the sums of the slices' parts of dkv_accum
+// (dK already scaled), slice 0 first, rounded to the dtype.
 //
 // bwd_zero_outside_kernel (varlen): the rows of a [total, H, D] gradient before cu_seqlens[0]
 // and from cu_seqlens[B] on belong to no sequence; their gradient is 0 (the CPU backward's rule).
@@ -53,12 +53,6 @@ __global__ void __launch_bounds__(kPrepThreads)
   const int64_t linear = blockIdx.x, pairs = gridDim.x / row_blocks;
   const int64_t rb = linear % row_blocks, rest = pairs - 1 - linear / row_blocks;
   const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
-  if (p.dkv_accum != nullptr) {  // a grid-stride sweep over both halves
-    float4* acc = reinterpret_cast<float4*>(p.dkv_accum);
-    const int64_t n = 2 * p.dkv_half() / 4, stride = int64_t(gridDim.x) * kPrepThreads;
-    for (int64_t i = linear * kPrepThreads + threadIdx.x; i < n; i += stride)
-      acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   const int lane = int(threadIdx.x) % kPrepLanesPerRow;
   const int64_t row = rb * kPrepRows + int(threadIdx.x) / kPrepLanesPerRow;
   if (row >= p.seqlen_rounded) return;
@@ -145,14 +139,18 @@ __global__ void __launch_bounds__(kConvertThreads)
   const int c = int(piece % pieces) * 8;
   const SeqBounds seq(p, b);
   if (key >= seq.len_k || c >= p.head_dim) return;
-  const float* src = p.dkv_accum + p.dkv_row(b, hk, key) * p.padded_head_dim + c;
   W* dst[2] = {dk_rows<W>(p, b, seq.k_start, hk) + key * p.dk_row_stride + c,
                dv_rows<W>(p, b, seq.k_start, hk) + key * p.dv_row_stride + c};
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const float4 lo = reinterpret_cast<const float4*>(src + half * p.dkv_half())[0];
-    const float4 hi = reinterpret_cast<const float4*>(src + half * p.dkv_half())[1];
-    const float acc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float acc[8] = {};
+    for (int64_t slice = 0; slice < p.dkv_slices(); ++slice) {
+      const float4* src = reinterpret_cast<const float4*>(p.dkv_row(half, slice, b, hk, key) + c);
+      const float4 lo = src[0], hi = src[1];
+      const float part[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += part[e];
+    }
     W w[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) w[e] = B::from_float(acc[e]);

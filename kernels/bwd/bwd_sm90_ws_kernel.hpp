@@ -673,8 +673,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       for (int c = 0; c < Cfg::kPanels; ++c)
         tma::store_4d(map, tile + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
     };
-    if (p.dkv_accum != nullptr) {  // one slice of the kv head's query heads: their sum
-      if (w.steps > 0) sm90_parts::add_dkdv<kHD>(p, b, hk, key0, t, dK, dV);
+    if (p.dkv_accum != nullptr) {  // one slice of the kv head's query heads: its parts
+      const int64_t slice = w.kb.h0 % (p.heads_q / p.heads_kv) / w.kb.groups;
+      sm90_parts::store_dkdv_part<kHD>(p, slice, b, hk, key0, t, dK, dV);
     } else if (maps.dkdv_store == BwdTmaMaps::DkdvStore::kOverKV) {
       named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
       stage_grad<kDT, kHD, kBN>(sm.k(), p.softmax_scale, row, t, dK);

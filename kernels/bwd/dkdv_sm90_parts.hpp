@@ -1,7 +1,7 @@
 // hipflash — the pieces both Hopper dk/dv passes share (bwd_sm90_kernel.hpp, cp.async;
 // bwd_sm90_ws_kernel.hpp, warp-specialised): the transposed score products, the gradient
 // products with register A operands, the C-to-A fragment packing, the dQ piece and the dK / dV
-// stores (or, over slices of a kv head's query heads, reductions). Each product helper only
+// stores (or, over slices of a kv head's query heads, a slice's parts). Each product helper only
 // issues wgmmas; the caller fences, commits and waits.
 #pragma once
 
@@ -89,24 +89,23 @@ __device__ __forceinline__ void store_dkdv(const BwdParams& p, const SeqBounds& 
   }
 }
 
-/// dkv_accum += (scale dS^T Q, P^T dO) for this thread's keys key0 and key0 + 8 of kv head hk
-/// (sequence-relative; rows up to seqlen_k_rounded exist, so none is skipped): one vector
-/// reduction (red.global.add.v2.f32, sm_90) per pair of columns.
+/// Slice `slice`'s parts of dkv_accum = (scale dS^T Q, P^T dO) for this thread's keys key0 and
+/// key0 + 8 of kv head hk (sequence-relative; rows up to seqlen_k_rounded exist, so none is
+/// skipped): one 8-byte store per pair of columns.
 template <int kHD>
-__device__ __forceinline__ void add_dkdv(const BwdParams& p, int64_t b, int64_t hk, int64_t key0,
-                                         int t, const float (&dK)[kHD / 2],
-                                         const float (&dV)[kHD / 2]) {
-  auto red = [](float* at, float x, float y) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
-  };
+__device__ __forceinline__ void store_dkdv_part(const BwdParams& p, int64_t slice, int64_t b,
+                                                int64_t hk, int64_t key0, int t,
+                                                const float (&dK)[kHD / 2],
+                                                const float (&dV)[kHD / 2]) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    float* dk = p.dkv_accum + p.dkv_row(b, hk, key0 + 8 * hh) * p.padded_head_dim + 2 * t;
-    float* dv = dk + p.dkv_half();
+    float2* dk = reinterpret_cast<float2*>(p.dkv_row(0, slice, b, hk, key0 + 8 * hh) + 2 * t);
+    float2* dv = reinterpret_cast<float2*>(p.dkv_row(1, slice, b, hk, key0 + 8 * hh) + 2 * t);
 #pragma unroll
     for (int i = 0; i < kHD / 8; ++i) {
-      red(dk + 8 * i, dK[4 * i + 2 * hh] * p.softmax_scale, dK[4 * i + 2 * hh + 1] * p.softmax_scale);
-      red(dv + 8 * i, dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]);
+      dk[4 * i] = make_float2(dK[4 * i + 2 * hh] * p.softmax_scale,
+                              dK[4 * i + 2 * hh + 1] * p.softmax_scale);
+      dv[4 * i] = make_float2(dV[4 * i + 2 * hh], dV[4 * i + 2 * hh + 1]);
     }
   }
 }

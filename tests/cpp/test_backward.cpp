@@ -144,19 +144,18 @@ TEST(BackwardKeyBlock, SlicesCoverEveryQueryHeadOnce) {
 }
 
 // The split's rule (bwd_heads_per_tile): the fewest slices that give kBwdMinTilesPerSm tiles a
-// multiprocessor, whole groups where nothing needs it or the slices would not sum in order.
+// multiprocessor, whole groups where nothing needs it.
 TEST(BackwardKeyBlock, HeadsPerTileRule) {
   constexpr int kSms = 132;
   // GQA 8 causal hd128 at S = 2k, B 8, Hkv 2: 256 whole-group tiles -> 4 slices of 2 heads.
-  EXPECT_EQ(bwd_heads_per_tile(256, 8, kSms, true, false, false), 2);
-  EXPECT_EQ(bwd_heads_per_tile(512, 4, kSms, true, false, false), 2);  // GQA 4: 2 slices
-  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, false, false), 1);    // never enough: all
-  EXPECT_EQ(bwd_heads_per_tile(528, 8, kSms, true, false, false), 0);  // enough already
-  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, false, false, false), 0);   // unmasked
-  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, true, false), 0);     // deterministic
-  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, false, true), 0);     // varlen
-  EXPECT_EQ(bwd_heads_per_tile(4, 1, kSms, true, false, false), 0);    // no group
-  EXPECT_EQ(bwd_heads_per_tile(100, 6, kSms, true, false, false), 1);  // 6 slices: 600 tiles
+  EXPECT_EQ(bwd_heads_per_tile(256, 8, kSms, true, false), 2);
+  EXPECT_EQ(bwd_heads_per_tile(512, 4, kSms, true, false), 2);  // GQA 4: 2 slices
+  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, false), 1);    // never enough: all
+  EXPECT_EQ(bwd_heads_per_tile(528, 8, kSms, true, false), 0);  // enough already
+  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, false, false), 0);   // unmasked
+  EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, true), 0);     // varlen
+  EXPECT_EQ(bwd_heads_per_tile(4, 1, kSms, true, false), 0);    // no group
+  EXPECT_EQ(bwd_heads_per_tile(100, 6, kSms, true, false), 1);  // 6 slices: 600 tiles
 }
 
 }  // namespace
