@@ -221,7 +221,12 @@ def test_varlen_gradients_equal_per_sequence_dense(lse_layout, causal, lens, dev
     # forwards may run different kernels (on Hopper, short hd64 varlen sequences take the
     # cp.async kernel, a dense call the TMA one; each is tested against the reference on its own).
     lens_q, lens_k = lens
-    q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, 2, 64, torch.bfloat16, device=device, seed=9)
+    # Causal: no GQA. A dense causal GQA call this small splits a kv head's query heads over
+    # tiles (bwd_heads_per_tile), summing dk / dv in another order than a packed call's whole
+    # groups (both repeatable; equal to the reference within the rule, test_gradients_*).
+    hkv = 4 if causal else 2
+    q, k, v, cq, ck = make_varlen(lens_q, lens_k, 4, hkv, 64, torch.bfloat16, device=device,
+                                  seed=9)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(device,
                                                                                 torch.bfloat16)
     out, lse = hipflash.flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k),
