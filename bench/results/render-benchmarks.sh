@@ -18,6 +18,7 @@ python3 bench/make_report.py \
   --append bench/results/h100-2026-12-05c/train \
   --append bench/results/h200-2026-12-05b/train \
   --append bench/results/h100-2026-12-06b/train \
+  --append bench/results/h100-2026-12-06c/train \
   --append bench/results/h200-2026-12-04/merge \
   --append bench/results/h200-2026-12-05/generate \
   --note-file bench/results/benchmarks-note.md
