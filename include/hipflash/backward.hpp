@@ -13,7 +13,11 @@
 // workspace from `workspace` (or allocate it on the stream) of R = B * Hq * round_up(Sq, 128)
 // rows: 4 R (2 + D) bytes (D the padded head dim; deterministic off Hopper: 4 R 2 bytes), and
 // on Hopper (head dims up to 128) when deterministic R / 16 bytes more (a counter per 64
-// rows) plus 4 (a tile counter) when causal or windowed.
+// rows) plus 4 (a tile counter) when causal or windowed; and on Hopper, for a causal or
+// windowed dense GQA call whose dk/dv tiles take slices of a kv head's query heads
+// (bwd_heads_per_tile in hipflash/detail/selector.hpp), 8 s B Hkv round_up(Sk, 128) D bytes
+// more (s slices; at most 2 x 4 tiles a multiprocessor of 128 keys each: s B Hkv round_up(Sk,
+// 128) <= 1024 x the multiprocessors).
 #pragma once
 
 #include <optional>
@@ -30,7 +34,8 @@ struct BwdOptions {
   const TensorRef* alibi_slopes = nullptr;  ///< the forward's (FwdOptions::alibi_slopes)
   /// Bitwise-repeatable gradients. The CPU backward always is (each kv head's dk/dv are
   /// accumulated by one thread, in a fixed order). On the GPU dk/dv always are (one thread block
-  /// owns a key block of a kv head and walks its query heads); dq, when set, is summed in a
+  /// owns a key block of a kv head and walks its query heads, or a slice of them whose sums a
+  /// later pass adds in slice order); dq, when set, is summed in a
   /// fixed order (on Hopper by the dk/dv pass, its terms ordered by counters; elsewhere by a
   /// separate pass), else added by fp32 atomics from the dk/dv pass (faster, the order of the
   /// additions varies from run to run). Repeatable run to run on one GPU model: the order may

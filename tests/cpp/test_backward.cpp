@@ -156,6 +156,21 @@ TEST(BackwardKeyBlock, HeadsPerTileRule) {
   EXPECT_EQ(bwd_heads_per_tile(4, 8, kSms, true, true), 0);     // varlen
   EXPECT_EQ(bwd_heads_per_tile(4, 1, kSms, true, false), 0);    // no group
   EXPECT_EQ(bwd_heads_per_tile(100, 6, kSms, true, false), 1);  // 6 slices: 600 tiles
+  // Never past twice the target: GQA 7 at 300 tiles (7 slices: 2100) keeps whole groups; GQA 6
+  // at 200 tiles (3 slices: 600; 6: 1200) takes 3 slices; at 120 tiles (6 slices: 720) all 6.
+  EXPECT_EQ(bwd_heads_per_tile(300, 7, kSms, true, false), 0);
+  EXPECT_EQ(bwd_heads_per_tile(200, 6, kSms, true, false), 2);
+  EXPECT_EQ(bwd_heads_per_tile(120, 6, kSms, true, false), 1);
+  EXPECT_EQ(bwd_heads_per_tile(60, 12, kSms, true, false), 1);   // 12 slices: 720
+  EXPECT_EQ(bwd_heads_per_tile(40, 12, kSms, true, false), 1);   // 12 slices: 480, below: all
+  for (int64_t tiles = 1; tiles < 2000; ++tiles)
+    for (int64_t group : {2, 3, 4, 6, 7, 8, 12, 16}) {
+      const int64_t per_tile = bwd_heads_per_tile(tiles, group, kSms, true, false);
+      const int64_t slices = per_tile > 0 ? group / per_tile : 1;
+      ASSERT_EQ(group % slices, 0);
+      ASSERT_TRUE(slices == 1 || tiles * slices <= 2 * kBwdMinTilesPerSm * kSms)
+          << tiles << " tiles, group " << group;
+    }
 }
 
 }  // namespace

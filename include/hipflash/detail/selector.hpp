@@ -54,18 +54,27 @@ inline constexpr int64_t kBwdMinTilesPerSm = 4;
 
 /// The query heads a tile of the warp-specialised dk/dv pass walks (0: all Hq / Hkv = `group`
 /// of its kv head): a masked dense GQA call with fewer than kBwdMinTilesPerSm tiles a
-/// multiprocessor (`tiles` whole-group ones) takes the fewest slices of the group that reach it
-/// (all of them at most), the slices' dK / dV summed after the pass in a fixed order. Whole
-/// groups ran those tiles heaviest first across every kv head at once, each reading all of its
-/// group's Q and dO: more than L2 holds (GQA 8 causal hd128 at S = 2k, H100: 0.83x the dense
-/// call's TFLOP/s; 4 slices: 0.97x; a head a tile: level at GQA 8, -8% at GQA 4 hd64).
+/// multiprocessor (`tiles` whole-group ones) takes the fewest slices of the group that reach
+/// it, if they stay within twice that (else the most that stay below it: the slices' fp32 dK /
+/// dV parts are workspace, 1 KiB a key per slice at hd128), the parts summed after the pass in a
+/// fixed order. Whole groups ran those tiles heaviest first across every kv head at once, each
+/// reading all of its group's Q and dO: more than L2 holds (GQA 8 causal hd128 at S = 2k, H100:
+/// 0.83x the dense call's TFLOP/s; 4 slices: 0.97x; a head a tile: level at GQA 8, -8% at GQA
+/// 4 hd64).
 constexpr int64_t bwd_heads_per_tile(int64_t tiles, int64_t group, int num_sms, bool masked,
                                      bool varlen) {
   if (!masked || varlen || group <= 1) return 0;
-  for (int64_t slices = 1; slices <= group; ++slices)
-    if (group % slices == 0 && (tiles * slices >= kBwdMinTilesPerSm * num_sms || slices == group))
-      return slices == 1 ? 0 : group / slices;
-  return 0;
+  const int64_t target = kBwdMinTilesPerSm * num_sms;
+  int64_t below = 1;  // the most slices that stay below the target
+  for (int64_t slices = 1; slices <= group; ++slices) {
+    if (group % slices != 0) continue;
+    if (tiles * slices >= target) {
+      if (tiles * slices <= 2 * target) below = slices;
+      break;
+    }
+    below = slices;
+  }
+  return below == 1 ? 0 : group / below;
 }
 
 /// What the caller asks for, already validated.
