@@ -82,7 +82,7 @@ struct DkdvSm90WsTile {
   /// Bytes a stage's full barrier counts: Q, dO, lse_log2 and delta.
   static constexpr uint32_t kStageBytes = 2 * kSmemQ + 2 * kStatBytes;
   // Shared-memory map from the 1024-byte-aligned base: K | V | Q[2] | dO[2] | dS^T | dQ (fp32)
-  // | lse_log2[2] | delta[2] | barriers (Q full[2], Q empty[2], K/V full, K/V empty, tile
+  // | dK / dV staging | lse_log2[2] | delta[2] | barriers (Q full[2], Q empty[2], K/V full, K/V empty, tile
   // full[2], tile empty[2]) | tile numbers[2] (a counter's, TileFeed).
   static constexpr uint32_t kOffV = kSmemKV, kOffQ = 2 * kSmemKV;
   static constexpr uint32_t kOffDo = kOffQ + kStages * kSmemQ;
@@ -97,6 +97,8 @@ struct DkdvSm90WsTile {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (one or two panels)");
   static_assert(kSmemBytes <= 227 * 1024, "one block's shared memory on sm_90");
   static_assert(kSmemQ % 1024 == 0 && kSmemDs % 1024 == 0, "1024-byte aligned tiles");
+  static_assert(kOffStage % 1024 == 0 && kSmemKV % 1024 == 0,
+                "the staging region (and dV's half in it) 1024-byte aligned for SW128 stores");
 };
 
 #if defined(HIPFLASH_HAS_WGMMA)
