@@ -195,13 +195,14 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // side and share its Q, dO and dq_accum in L2 (+13-15% at causal S = 512-1k, hd128),
           // unless there are too few tiles to even out: heaviest first then (GQA 8 at S = 2k
           // with whole groups: 256 tiles, -15% key block fastest) — a GQA call first splits
-          // its groups over more tiles (bwd_heads_per_tile; the workspace decided it). Deterministic: persistent (a block waits on
-          // tiles its grid's resident blocks are sure to reach), key block fastest; unmasked
-          // calls rotated (below); masked calls each head's last key block first, adding
-          // dq in descending key-block order (heaviest first cost masked calls 1.23-1.42x the
-          // default's time even with no wait at all: the L2 sharing lost), their tiles taken
-          // from a counter as blocks free up (bwd::TileFeed: a fixed walk started a head's key
-          // blocks at scattered times, and each waited on the one started last).
+          // its groups over more tiles (bwd_heads_per_tile; the workspace decided it).
+          // Deterministic: persistent (a block waits on tiles its grid's resident blocks are
+          // sure to reach), key block fastest; unmasked calls rotated (below); masked calls
+          // each head's last key block first, adding dq in descending key-block order
+          // (heaviest first cost masked calls 1.23-1.42x the default's time even with no wait
+          // at all: the L2 sharing lost), their tiles taken from a counter as blocks free up
+          // (bwd::TileFeed: a fixed walk started a head's key blocks at scattered times, and
+          // each waited on the one started last).
           const int num_sms = device_arch(device).num_sms;
           const bool ordered = p.dq_semaphore != nullptr;
           // The counter ends at tiles + grid - 1 (each block's last take is past the end): 32-bit
