@@ -90,6 +90,19 @@ __global__ void __launch_bounds__(kPrepThreads)
 
 inline constexpr int kConvertThreads = 256;
 
+/// A conversion thread's piece: columns c .. c + 7 of row `row` of its (batch, head), rows
+/// split in padded_head_dim / 8 pieces, kConvertThreads pieces to block `piece_block`.
+struct ConvertPiece {
+  int64_t row;
+  int c;
+  __device__ __forceinline__ ConvertPiece(const BwdParams& p, int64_t piece_block) {
+    const int pieces = p.padded_head_dim / 8;
+    const int64_t piece = piece_block * kConvertThreads + threadIdx.x;
+    row = piece / pieces;
+    c = int(piece % pieces) * 8;
+  }
+};
+
 /// Grid: ceil(seqlen_rounded * padded_head_dim / 8 / kConvertThreads) * Hq * B blocks; a
 /// thread converts 8 elements of one row.
 template <DType kDType>
@@ -102,10 +115,7 @@ __global__ void __launch_bounds__(kConvertThreads)
   const int64_t linear = blockIdx.x, pairs = gridDim.x / piece_blocks;
   const int64_t pb = linear % piece_blocks, rest = pairs - 1 - linear / piece_blocks;
   const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
-  const int pieces = p.padded_head_dim / 8;
-  const int64_t piece = pb * kConvertThreads + threadIdx.x;
-  const int64_t row = piece / pieces;
-  const int c = int(piece % pieces) * 8;
+  const auto [row, c] = ConvertPiece(p, pb);
   const SeqBounds seq(p, b);
   // Every thread waits for the dk/dv pass, also one with nothing to convert: the work after
   // this grid waits for it alone, so it may not end before the pass does.
@@ -133,10 +143,7 @@ __global__ void __launch_bounds__(kConvertThreads)
   const int64_t linear = blockIdx.x;
   const int64_t pb = linear % piece_blocks, rest = linear / piece_blocks;
   const int64_t hk = rest % p.heads_kv, b = rest / p.heads_kv;
-  const int pieces = p.padded_head_dim / 8;
-  const int64_t piece = pb * kConvertThreads + threadIdx.x;
-  const int64_t key = piece / pieces;
-  const int c = int(piece % pieces) * 8;
+  const auto [key, c] = ConvertPiece(p, pb);
   const SeqBounds seq(p, b);
   if (key >= seq.len_k || c >= p.head_dim) return;
   W* dst[2] = {dk_rows<W>(p, b, seq.k_start, hk) + key * p.dk_row_stride + c,

@@ -82,8 +82,8 @@ struct DkdvSm90WsTile {
   /// Bytes a stage's full barrier counts: Q, dO, lse_log2 and delta.
   static constexpr uint32_t kStageBytes = 2 * kSmemQ + 2 * kStatBytes;
   // Shared-memory map from the 1024-byte-aligned base: K | V | Q[2] | dO[2] | dS^T | dQ (fp32)
-  // | dK / dV staging | lse_log2[2] | delta[2] | barriers (Q full[2], Q empty[2], K/V full, K/V empty, tile
-  // full[2], tile empty[2]) | tile numbers[2] (a counter's, TileFeed).
+  // | dK / dV staging | lse_log2[2] | delta[2] | barriers (Q full[2], Q empty[2], K/V full,
+  // K/V empty, tile full[2], tile empty[2]) | tile numbers[2] (a counter's, TileFeed).
   static constexpr uint32_t kOffV = kSmemKV, kOffQ = 2 * kSmemKV;
   static constexpr uint32_t kOffDo = kOffQ + kStages * kSmemQ;
   static constexpr uint32_t kOffDs = kOffDo + kStages * kSmemQ;
@@ -694,20 +694,20 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // The staging region: the last tile's stores must have read it (thread 0 waits, then
       // the consumers meet), then dK (and dV beside it at head dim 64, after it at 128).
       // Stores still reading at the block's exit are waited for after the walk.
+      const uint32_t dk_at = sm.stage();
+      const uint32_t dv_at = dk_at + (Cfg::kStagePasses == 1 ? Cfg::kSmemKV : 0);
 #pragma unroll
       for (int pass = 0; pass < Cfg::kStagePasses; ++pass) {
+        const bool dk_pass = pass == 0, dv_pass = pass == Cfg::kStagePasses - 1;
         if (threadIdx.x == 0) tma::wait_group_read<0>();
         named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
-        if (pass == 0) stage_grad<kDT, kHD, kBN>(sm.stage(), p.softmax_scale, row, t, dK);
-        if (pass == 1 || Cfg::kStagePasses == 1)
-          stage_grad<kDT, kHD, kBN>(sm.stage() + (Cfg::kStagePasses == 1 ? Cfg::kSmemKV : 0), 1.f,
-                                    row, t, dV);
+        if (dk_pass) stage_grad<kDT, kHD, kBN>(dk_at, p.softmax_scale, row, t, dK);
+        if (dv_pass) stage_grad<kDT, kHD, kBN>(dv_at, 1.f, row, t, dV);
         fence_proxy_async();
         named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
         if (threadIdx.x == 0) {
-          if (pass == 0) store(&maps.dk, sm.stage());
-          if (pass == 1 || Cfg::kStagePasses == 1)
-            store(&maps.dv, sm.stage() + (Cfg::kStagePasses == 1 ? Cfg::kSmemKV : 0));
+          if (dk_pass) store(&maps.dk, dk_at);
+          if (dv_pass) store(&maps.dv, dv_at);
           tma::commit_group();
         }
       }

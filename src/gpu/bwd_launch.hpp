@@ -184,8 +184,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
         using Dkdv = bwd::DkdvSm90WsTile<kHD>;
         static_assert(Dkdv::kBlockN == kBwdSm90WsBlockN);
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
-        const int64_t slices = p.heads_per_tile > 0 ? p.heads_q / p.heads_kv / p.heads_per_tile : 1;
-        if (const int64_t tiles = blocks * p.heads_kv * slices * p.batch; tiles > 0) {
+        if (const int64_t tiles = blocks * p.heads_kv * p.dkv_slices() * p.batch; tiles > 0) {
           bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");

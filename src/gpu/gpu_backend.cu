@@ -400,13 +400,12 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   const bool counted = ordered && p.has_window() && rows > 0;  // masked: the tile counter
   // dkv_accum [2, slices, B, Hkv, keys padded to 128, hd] after dq_accum where the
   // warp-specialised pass's tiles take slices of a kv head's query heads (bwd_heads_per_tile).
-  if (how.sm90) {
-    const int64_t key_blocks = (p.seqlen_k + kBwdSm90WsBlockN - 1) / kBwdSm90WsBlockN;
+  const int64_t key_blocks = (p.seqlen_k + kBwdSm90WsBlockN - 1) / kBwdSm90WsBlockN;
+  if (how.sm90)
     p.heads_per_tile = int(bwd_heads_per_tile(
         key_blocks * p.heads_kv * p.batch, p.heads_q / p.heads_kv, device_arch(device).num_sms,
         p.has_window(), p.is_varlen()));
-  }
-  p.seqlen_k_rounded = p.heads_per_tile > 0 ? (p.seqlen_k + 127) / 128 * 128 : 0;
+  p.seqlen_k_rounded = p.heads_per_tile > 0 ? key_blocks * kBwdSm90WsBlockN : 0;
   const size_t dkv_floats = size_t(2 * p.dkv_slices() * p.dkv_part());
   const size_t need = rows * sizeof(float) * (2 + (accum ? size_t(hd) : 0)) +
                       dkv_floats * sizeof(float) + (ordered ? rows / 64 * sizeof(int32_t) : 0) +
