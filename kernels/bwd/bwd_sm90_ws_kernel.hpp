@@ -27,7 +27,9 @@
 //    (TileFeed).
 // The exponentials overlap the dP^T product, dV / dK the staging of dS^T; the two warpgroups'
 // non-MMA phases interleave with each other's products, and no consumer issues a load or a
-// global reduction.
+// global reduction. The score-modifier instantiation (kScoreMods: the softcap, ALiBi, as
+// bwd::ScoreMods recomputes them) waits for both products, then per pair takes the modified
+// score, P, and dS^T = P^T (dP^T - delta) (1 - tanh^2) (the cap's derivative).
 #pragma once
 
 #include <type_traits>
@@ -37,6 +39,7 @@
 #include "atoms/sm90/tma.hpp"
 #include "atoms/sm90/wgmma.hpp"
 #include "bwd/bwd_block_info.hpp"
+#include "bwd/bwd_score_mods.hpp"
 #include "bwd/dkdv_sm90_parts.hpp"
 #include "common/element.hpp"
 #include "hipflash/detail/softmax_state.hpp"
@@ -369,7 +372,7 @@ struct TileFeed {
 /// of its additions, below). The
 /// producer loads a tile's K / V as soon as the consumers have released the last tile's, so
 /// that load overlaps their dK / dV stores.
-template <class Traits, bool kCounted = false>
+template <class Traits, bool kCounted = false, bool kScoreMods = false>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,
                             const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles,
@@ -584,10 +587,44 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
           }
         }
       };
-      if (key_rows.needed)
+      // kScoreMods (the softcap, ALiBi: ScoreMods, as the forward applies them): both products
+      // first, then per pair the modified score, P, and dS with the cap's derivative.
+      auto modified_probabilities_and_grads = [&](auto select) {
+        constexpr bool kSelect = decltype(select)::value;
+        const ScoreMods mods = ScoreMods::of(p, b, pos.h);
+        wgmma::wait<0>();
+        wgmma::fence_operands(S);
+        wgmma::fence_operands(dP);
+        const int64_t dist0 = m0 + seq.diag - key0;  // row m0's distance from key key0
+#pragma unroll
+        for (int i = 0; i < kBM / 8; ++i) {
+          const float2 l2s = lse2[4 * i + t], dls = delta[4 * i + t];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * i + 2 * t + e;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int r = 4 * i + 2 * hh + e;
+              float slope = 1.f;  // d(the score the softmax saw) / d(s): the cap's 1 - tanh^2
+              const float x = mods.apply(S[r], dist0 + col - 8 * hh, slope);
+              const float pr = exp2f(x * mods.scale_log2 - (e == 0 ? l2s.x : l2s.y));
+              const bool sees = !kSelect || key_rows.sees(col, hh);
+              S[r] = sees ? pr : 0.f;
+              dP[r] = sees ? pr * (dP[r] - (e == 0 ? dls.x : dls.y)) * slope : 0.f;
+            }
+          }
+        }
+      };
+      if constexpr (kScoreMods) {
+        if (key_rows.needed)
+          modified_probabilities_and_grads(std::true_type{});
+        else
+          modified_probabilities_and_grads(std::false_type{});
+      } else if (key_rows.needed) {
         probabilities_and_grads(std::true_type{});
-      else
+      } else {
         probabilities_and_grads(std::false_type{});
+      }
       uint32_t Pf[kBM / 16][4], dSf[kBM / 16][4];
       sm90_parts::pack_a<kDT, kBM>(S, Pf);
       sm90_parts::pack_a<kDT, kBM>(dP, dSf);

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -59,34 +60,6 @@ void zero_outside(void* base, int64_t row_stride, int64_t head_stride, int64_t t
 }
 
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
-/// The rows, batch extent and batch stride a tensor map describes: a dense operand's (rows a
-/// sequence, its batches), or a varlen one's packed rows as one batch (total rows).
-struct MapRows {
-  int64_t rows, batch;
-};
-inline MapRows q_map_rows(const BwdParams& p, const BwdLaunch& how) {
-  return p.is_varlen() ? MapRows{how.total_q, 1} : MapRows{p.seqlen_q, p.batch};
-}
-inline MapRows k_map_rows(const BwdParams& p, const BwdLaunch& how) {
-  return p.is_varlen() ? MapRows{how.total_k, 1} : MapRows{p.seqlen_k, p.batch};
-}
-
-/// Whether the warp-specialised dk/dv pass takes the call: operands TMA can describe (a varlen
-/// call's packed rows as one batch), with rows to describe (a map's extents are >= 1).
-inline bool sm90_ws_ok(const BwdParams& p, const BwdLaunch& how) {
-  const MapRows q = q_map_rows(p, how), k = k_map_rows(p, how);
-  auto ok = [&](const void* base, MapRows m, int64_t row_stride, int64_t heads,
-                int64_t head_stride, int64_t batch_stride) {
-    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && m.rows > 0 &&
-           tma_strides_ok(dtype_size(p.dtype), m.rows, row_stride, heads, head_stride, m.batch,
-                          batch_stride);
-  };
-  return ok(p.q, q, p.q_row_stride, p.heads_q, p.q_head_stride, p.q_batch_stride) &&
-         ok(p.dout, q, p.do_row_stride, p.heads_q, p.do_head_stride, p.do_batch_stride) &&
-         ok(p.k, k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.k_batch_stride) &&
-         ok(p.v, k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.v_batch_stride);
-}
-
 /// The tensor maps of q and dout (boxes of block_m rows) and of k and v (block_n rows).
 inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int block_m,
                                 int block_n) {
@@ -232,7 +205,13 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                             tiles, snake, order, rotate),
                         "launching the backward's dk/dv (sm90_ws) kernel");
           };
-          if (!counted) {
+          const bool score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
+          if (score_mods && !bwd_score_mods_on_ws(p, true))  // run_backward sent it elsewhere
+            throw std::logic_error("hipflash: the backward's score modifiers reached a dk/dv "
+                                   "pass without them");
+          if (score_mods) {
+            launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, false, true>>{});
+          } else if (!counted) {
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
           } else if constexpr (Traits::kMasked) {  // only masked calls keep the tile counter
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});

@@ -365,9 +365,9 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   HIPFLASH_CHECK_AS(not_implemented, head_dim_in_mask(HIPFLASH_HEAD_DIM_MASK, hd),
                     "head dim kernel hd", hd, " was not built");
   // The portable kernels on AMD (the matrix-core backward is NVIDIA's mma.sync today), for a
-  // softcap or ALiBi (only they recompute the modified scores: fp32 FMAs, a correct backward,
-  // not a fast one) and, with HIPFLASH_BWD_PORTABLE=1, on NVIDIA too (for the tests). They are
-  // deterministic.
+  // softcap or ALiBi where the warp-specialised dk/dv pass does not take them
+  // (bwd_score_mods_on_ws; the portable kernels' fp32 FMAs: a correct backward, not a fast one)
+  // and, with HIPFLASH_BWD_PORTABLE=1, on NVIDIA too (for the tests). They are deterministic.
   static const bool portable_always = [] {
     if (kVendor == Arch::amd) return true;
     const char* e = std::getenv("HIPFLASH_BWD_PORTABLE");
@@ -377,15 +377,21 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
                     kVendor != Arch::amd || (p.softcap == 0.f && p.alibi_slopes == nullptr),
                     "the softcap's and ALiBi's backward run on the CPU and NVIDIA GPUs; AMD GPUs "
                     "refuse them (as their forward does)");
-  const bool portable = portable_always || p.softcap > 0.f || p.alibi_slopes != nullptr;
-  if (portable) p.deterministic = true;
-
   BwdLaunch how;
-  how.portable = portable;
+  how.total_q = total_q;
+  how.total_k = total_k;
+  how.zero_q = zero_q;
+  how.zero_k = zero_k;
   // The wgmma dk/dv pass where it was built (sm_90a) and the device is Hopper; the switch that
   // hides the sm90 forward kernels (HIPFLASH_DISABLE_SM90=1) hides it too.
-  how.sm90 = !portable && build_caps().sm90 && hd <= kBwdSm90MaxHeadDim &&
-             device_arch(device).version == 90;
+  const bool sm90 = !portable_always && build_caps().sm90 && hd <= kBwdSm90MaxHeadDim &&
+                    device_arch(device).version == 90;
+  const bool score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
+  const bool portable =
+      portable_always || (score_mods && !bwd_score_mods_on_ws(p, sm90 && sm90_ws_ok(p, how)));
+  if (portable) p.deterministic = true;
+  how.portable = portable;
+  how.sm90 = !portable && sm90;
 
   // Workspace: lse_log2 and delta [B, Hq, rows], dq_accum [B, Hq, rows, hd] where the dk/dv pass
   // adds dq (atomic; deterministic on Hopper, where the warp-specialised pass may order it:
@@ -424,10 +430,6 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   p.dq_semaphore =
       ordered ? reinterpret_cast<int32_t*>(p.dq_accum + rows * hd + dkv_floats) : nullptr;
   p.tile_counter = counted ? p.dq_semaphore + rows / 64 : nullptr;
-  how.total_q = total_q;
-  how.total_k = total_k;
-  how.zero_q = zero_q;
-  how.zero_k = zero_k;
   HIPFLASH_DTYPE_SWITCH(p.dtype, kDT, [&] {
     HIPFLASH_HEADDIM_SWITCH(int(p.head_dim), kHD, [&] {
       HIPFLASH_BOOL_SWITCH(p.has_window(), kMasked, [&] {

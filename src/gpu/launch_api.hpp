@@ -6,6 +6,7 @@
 
 #include "hipflash/bwd_params.hpp"
 #include "hipflash/detail/kernel_traits.hpp"
+#include "hipflash/detail/selector.hpp"  // tma_strides_ok
 #include "hipflash/params.hpp"
 #include "hipflash/port/port.hpp"
 
@@ -53,6 +54,41 @@ struct BwdLaunch {
   int64_t total_q = 0, total_k = 0;  ///< varlen: the tensors' rows
   bool zero_q = true, zero_k = true;  ///< varlen: rows outside every used row to zero (dq; dk, dv)
 };
+
+/// The rows, batch extent and batch stride a tensor map describes: a dense operand's (rows a
+/// sequence, its batches), or a varlen one's packed rows as one batch (total rows).
+struct MapRows {
+  int64_t rows, batch;
+};
+inline MapRows q_map_rows(const BwdParams& p, const BwdLaunch& how) {
+  return p.is_varlen() ? MapRows{how.total_q, 1} : MapRows{p.seqlen_q, p.batch};
+}
+inline MapRows k_map_rows(const BwdParams& p, const BwdLaunch& how) {
+  return p.is_varlen() ? MapRows{how.total_k, 1} : MapRows{p.seqlen_k, p.batch};
+}
+
+/// Whether the warp-specialised dk/dv pass takes the call: operands TMA can describe (a varlen
+/// call's packed rows as one batch), with rows to describe (a map's extents are >= 1).
+inline bool sm90_ws_ok(const BwdParams& p, const BwdLaunch& how) {
+  const MapRows q = q_map_rows(p, how), k = k_map_rows(p, how);
+  auto ok = [&](const void* base, MapRows m, int64_t row_stride, int64_t heads,
+                int64_t head_stride, int64_t batch_stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && m.rows > 0 &&
+           tma_strides_ok(dtype_size(p.dtype), m.rows, row_stride, heads, head_stride, m.batch,
+                          batch_stride);
+  };
+  return ok(p.q, q, p.q_row_stride, p.heads_q, p.q_head_stride, p.q_batch_stride) &&
+         ok(p.dout, q, p.do_row_stride, p.heads_q, p.do_head_stride, p.do_batch_stride) &&
+         ok(p.k, k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.k_batch_stride) &&
+         ok(p.v, k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.v_batch_stride);
+}
+
+/// Whether the backward's score modifiers (the softcap, ALiBi) run on the warp-specialised dk/dv
+/// pass: a call it takes (`ws`: Hopper, sm90_ws_ok) that is not deterministic and masked (its
+/// counted instantiation has no modifier variant). Else they take the portable kernels.
+inline bool bwd_score_mods_on_ws(const BwdParams& p, bool ws) {
+  return ws && !(p.deterministic && p.has_window());
+}
 
 /// Launches the backward passes for `p` (validated, workspace set; see gpu/bwd_launch.hpp).
 template <class Traits>

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <memory>
 #include <random>
 
 #include "gpu_test_util.hpp"
@@ -29,12 +30,18 @@ struct BwdProblem {
   HostTensor dq_cpu, dk_cpu, dv_cpu;  // the CPU backward's
   BwdOptions bo;
 
-  BwdProblem(const Case& c, bool deterministic, uint32_t seed = 7)
-      : t(c.dtype, c.b, c.sq, c.sk, c.hq, c.hkv, c.d, seed) {
+  const HostTensor* slopes = nullptr;  // ALiBi's, on the host (run_gpu copies them)
+
+  /// `softcap` / `slopes`: the forward's score modifiers, which the backward then gets too.
+  BwdProblem(const Case& c, bool deterministic, uint32_t seed = 7, float softcap = 0.f,
+             const HostTensor* alibi_slopes = nullptr)
+      : t(c.dtype, c.b, c.sq, c.sk, c.hq, c.hkv, c.d, seed), slopes(alibi_slopes) {
     t.opts.causal = c.causal;
     t.opts.window_left = c.wl;
     t.opts.window_right = c.wr;
     t.opts.num_splits = 1;
+    t.opts.softcap = bo.softcap = softcap;
+    if (slopes != nullptr) t.opts.alibi_slopes = bo.alibi_slopes = &slopes->ref;
     t.run();
     std::mt19937 rng(seed + 1);
     dout = t.out;
@@ -54,7 +61,13 @@ struct BwdProblem {
   void run_gpu() {
     DeviceTensor q(t.q), k(t.k), v(t.v), out(t.out), lse(t.lse), d_out(dout);
     DeviceTensor g_q(dq), g_k(dk), g_v(dv);
-    backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, g_q.ref, g_k.ref, g_v.ref, bo);
+    BwdOptions on_gpu = bo;
+    std::unique_ptr<DeviceTensor> d_slopes;
+    if (slopes != nullptr) {
+      d_slopes = std::make_unique<DeviceTensor>(*slopes);
+      on_gpu.alibi_slopes = &d_slopes->ref;
+    }
+    backward(d_out.ref, q.ref, k.ref, v.ref, out.ref, lse.ref, g_q.ref, g_k.ref, g_v.ref, on_gpu);
     sync();
     g_q.download(dq);
     g_k.download(dk);
@@ -139,6 +152,34 @@ std::vector<BwdCase> bwd_grid() {
 
 INSTANTIATE_TEST_SUITE_P(Grid, GpuBackward, ::testing::ValuesIn(bwd_grid()),
                          [](const ::testing::TestParamInfo<BwdCase>& info) { return info.param.name(); });
+
+// The softcap and ALiBi (per head or per (batch, head)) in the backward: on Hopper the
+// warp-specialised dk/dv pass's score-modifier instantiation (deterministic masked calls: the
+// portable kernels), against the CPU backward — causal and not, GQA (masked: over slices of a
+// group), Sq != Sk both ways, both dq paths, head dims 64 and 128.
+TEST_F(Gpu, BackwardScoreModifiersMatchTheCpu) {
+  int i = 0;
+  for (const int64_t d : {64, 128})
+    for (const bool causal : {false, true})
+      for (const bool det : {false, true})
+        for (const int mods : {1, 2, 3}) {  // softcap, ALiBi, both
+          const bool per_batch = i % 2 == 1;
+          const auto [sq, sk] = i % 3 == 0 ? std::pair<int64_t, int64_t>{300, 333}
+                                           : std::pair<int64_t, int64_t>{257, 200};
+          const Case c{i % 4 == 3 ? DType::f16 : DType::bf16, 2, sq, sk, 4, 2, d, causal};
+          HostTensor slopes = per_batch ? HostTensor(DType::f32, {2, 4}) : HostTensor(DType::f32, {4});
+          for (int64_t j = 0; j < slopes.ref.numel(); ++j)
+            slopes.f32()[j] = std::exp2(-8.f * float(j % 4 + 1) / 4.f) * float(1 + j / 4);
+          BwdProblem pb(c, det, 7 + i, mods & 1 ? 5.f : 0.f, mods & 2 ? &slopes : nullptr);
+          pb.run_gpu();
+          const std::string what = c.name() + (det ? " det" : " atomic") + " mods " +
+                                   std::to_string(mods) + (per_batch ? " per batch" : "");
+          EXPECT_TRUE(close(pb.dq, pb.dq_cpu, c.dtype, ("dq " + what).c_str()));
+          EXPECT_TRUE(close(pb.dk, pb.dk_cpu, c.dtype, ("dk " + what).c_str()));
+          EXPECT_TRUE(close(pb.dv, pb.dv_cpu, c.dtype, ("dv " + what).c_str()));
+          ++i;
+        }
+}
 
 TEST_F(Gpu, BackwardDeterministicIsBitwiseRepeatable) {
   // Causal GQA hd128, and a sliding window with a left edge at hd64 (a row block's first key
