@@ -118,6 +118,11 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
   if constexpr (kHD <= kBwdSm90MaxHeadDim) ws = how.sm90 && sm90_ws_ok(params, how);
 #endif
+  // The score modifiers: the portable kernels, or the warp-specialised pass's instantiation
+  // with them (run_backward's routing, bwd_score_mods_on_ws); no other pass applies them.
+  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  if (score_mods && !how.portable && !bwd_score_mods_on_ws(params, ws))
+    throw std::logic_error("hipflash: the backward's score modifiers reached passes without them");
   BwdParams p = params;
   if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
   if (p.dq_semaphore == nullptr || !Traits::kMasked) p.tile_counter = nullptr;
@@ -205,10 +210,6 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                             tiles, snake, order, rotate),
                         "launching the backward's dk/dv (sm90_ws) kernel");
           };
-          const bool score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
-          if (score_mods && !bwd_score_mods_on_ws(p, true))  // run_backward sent it elsewhere
-            throw std::logic_error("hipflash: the backward's score modifiers reached a dk/dv "
-                                   "pass without them");
           if (score_mods) {
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, false, true>>{});
           } else if (!counted) {
