@@ -179,6 +179,54 @@ TEST_F(Gpu, BackwardScoreModifiersMatchTheCpu) {
           EXPECT_TRUE(close(pb.dv, pb.dv_cpu, c.dtype, ("dv " + what).c_str()));
           ++i;
         }
+  // A sliding window (masked, both sides), both modifiers, both dq paths.
+  for (const bool det : {false, true}) {
+    const Case c{DType::bf16, 1, 300, 333, 4, 2, 128, false, 40, 7};
+    HostTensor slopes(DType::f32, {4});
+    for (int64_t j = 0; j < 4; ++j) slopes.f32()[j] = 0.02f * float(j + 1);
+    BwdProblem pb(c, det, 29, 5.f, &slopes);
+    pb.run_gpu();
+    EXPECT_TRUE(close(pb.dq, pb.dq_cpu, c.dtype, "dq window")) << det;
+    EXPECT_TRUE(close(pb.dk, pb.dk_cpu, c.dtype, "dk window")) << det;
+    EXPECT_TRUE(close(pb.dv, pb.dv_cpu, c.dtype, "dv window")) << det;
+  }
+}
+
+// Varlen with both modifiers, ALiBi per (batch, head): each sequence's own lengths set its
+// diagonal (Sq < Sk and Sq > Sk); causal and not, both dq paths.
+TEST_F(Gpu, VarlenBackwardScoreModifiersMatchTheCpu) {
+  for (const bool causal : {false, true})
+    for (const bool det : {false, true}) {
+      Varlen t(DType::bf16, {37, 200, 5}, {60, 129, 40}, 4, 2, 128, LseLayout::packed, 17);
+      HostTensor slopes(DType::f32, {3, 4});
+      for (int64_t j = 0; j < 12; ++j) slopes.f32()[j] = 0.03f * float(j + 1);
+      t.opts.causal = causal;
+      t.opts.softcap = 5.f;
+      t.opts.alibi_slopes = &slopes.ref;
+      t.run();
+      std::mt19937 rng(5);
+      HostTensor dout = t.out;
+      dout.randomize(rng);
+      HostTensor dq = t.q, dk = t.k, dv = t.v, dq_c = t.q, dk_c = t.k, dv_c = t.v;
+      for (HostTensor* g : {&dq, &dk, &dv, &dq_c, &dk_c, &dv_c}) g->fill(kNaN);
+      VarlenBwdOptions bo;
+      bo.causal = causal;
+      bo.deterministic = det;
+      bo.max_seqlen_q = t.opts.max_seqlen_q;
+      bo.max_seqlen_k = t.opts.max_seqlen_k;
+      bo.lse_layout = LseLayout::packed;
+      bo.softcap = 5.f;
+      bo.alibi_slopes = &slopes.ref;
+      varlen_backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, t.cu_q.ref,
+                      t.cu_k.ref, dq_c.ref, dk_c.ref, dv_c.ref, bo);
+      DeviceTensor d_slopes(slopes);
+      VarlenBwdOptions on_gpu = bo;
+      on_gpu.alibi_slopes = &d_slopes.ref;
+      run_gpu_varlen_backward(t, dout, on_gpu, dq, dk, dv);
+      EXPECT_TRUE(close(dq, dq_c, DType::bf16, "dq")) << "causal " << causal << " det " << det;
+      EXPECT_TRUE(close(dk, dk_c, DType::bf16, "dk")) << "causal " << causal << " det " << det;
+      EXPECT_TRUE(close(dv, dv_c, DType::bf16, "dv")) << "causal " << causal << " det " << det;
+    }
 }
 
 TEST_F(Gpu, BackwardDeterministicIsBitwiseRepeatable) {
