@@ -315,7 +315,7 @@ struct TileWalk {
 
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
-/// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
+/// or (kCounted: deterministic masked or varlen calls) taken from a counter as blocks free up, so that
 /// the tiles a tile waits on (numbered lower) were taken, by running blocks, before it: no
 /// deadlock however many of the grid's blocks are resident. The producer takes each (every one
 /// from the counter) and posts it to the other roles through a ring of two numbers in shared
