@@ -4,12 +4,15 @@
 # hipflash's backward (a saved forward's graph reused) and of cuDNN's (SDPA cuDNN backend) in
 # the same run: each kernel's device time per call (preprocess, dk/dv, dq conversion or dq
 # pass), the sum, and cuDNN's sum beside it — the fixed passes' share at short rows, before
-# and after a kernel change.
+# and after a kernel change. --sides picks what is profiled side by side: hipflash,
+# hipflash-det (deterministic=True) and cudnn (dense cells only).
 # Usage (GPU machine, after scripts/gpu-check build):
 #   python3 bench/probes/bwd_split_probe.py build-gpu/python [--cells S:D[:c],...] [--calls N]
-#     [--deterministic]
-# A cell S:D is B = 16k / S, H = 2048 / D; a trailing :c makes it causal.
+#     [--sides hipflash,hipflash-det,cudnn]
+# A cell S:D is B = 16k / S, H = 2048 / D; a trailing :c makes it causal. S = varlen is the train
+# suite's varlen cell (16k tokens packed, sequences of 512..4k, bench/train_bench.py).
 import argparse
+import pathlib
 import sys
 from collections import defaultdict
 
@@ -20,8 +23,11 @@ ap = argparse.ArgumentParser()
 ap.add_argument("hipflash_path")
 ap.add_argument("--cells", default="512:128:c,1024:128:c,4096:128:c,16384:128:c,512:64:c,512:128")
 ap.add_argument("--calls", type=int, default=5, help="profiled backward calls per side")
-ap.add_argument("--deterministic", action="store_true", help="hipflash's deterministic mode")
+ap.add_argument("--sides", default="hipflash,cudnn",
+                help="comma-separated: hipflash, hipflash-det, cudnn (dense cells)")
 args = ap.parse_args()
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from attn_cells import varlen_lengths  # noqa: E402
 sys.path.insert(0, args.hipflash_path)
 import hipflash as hf  # noqa: E402
 
@@ -32,24 +38,32 @@ if not torch.cuda.is_available():
 def cells():
     for spec in args.cells.split(","):
         parts = spec.split(":")
-        s, d = int(parts[0]), int(parts[1])
+        s, d = (None if parts[0] == "varlen" else int(parts[0])), int(parts[1])
         yield s, d, len(parts) > 2 and parts[2] == "c"
 
 
-def cudnn(q, k, v, causal):
+def cudnn(q, k, v, causal, lens):
+    del lens  # dense cells only
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), is_causal=causal).transpose(1, 2)
 
 
-def ours(q, k, v, causal):
-    return hf.flash_attn_func(q, k, v, causal=causal, deterministic=args.deterministic)
+def ours(deterministic):
+    def attn(q, k, v, causal, lens):
+        if lens is None:
+            return hf.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+        out = hf.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max(lens), max(lens),
+                                        causal=causal, deterministic=deterministic)
+        return out.unsqueeze(0)
+    return attn
 
 
-def per_kernel(attn, q, k, v, dout, causal):
+def per_kernel(attn, q, k, v, dout, causal, lens):
     """Device time per backward call of each kernel (ms), from torch.profiler."""
-    out = attn(q, k, v, causal)
+    out = attn(q, k, v, causal, lens)
     for _ in range(2):  # warm-up
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     torch.cuda.synchronize()
@@ -66,31 +80,40 @@ def per_kernel(attn, q, k, v, dout, causal):
 
 
 torch.manual_seed(0)
-print(f"{'cell':22s} {'side':9s} {'ms/call':>8s}  kernels (ms/call)")
+print(f"{'cell':22s} {'side':12s} {'ms/call':>8s}  kernels (ms/call)")
+sides = {"hipflash": ours(False), "hipflash-det": ours(True), "cudnn": cudnn}
 for s, d, causal in cells():
-    b, h = 16384 // s, 2048 // d
+    lens = None if s is not None else varlen_lengths(16384, 512, 4096, seed=d)
+    b, h, s = (16384 // s, 2048 // d, s) if lens is None else (1, 2048 // d, 16384)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    label = f"S={s} D={d}{' causal' if causal else ''}"
-    # Correct first: hipflash's gradients against PyTorch's fp32 math on a slice of the heads.
-    hs = slice(0, 2)
-    qs, ks, vs = (t[:, :, hs].detach().float().requires_grad_() for t in (q, k, v))
+    label = f"{'varlen' if lens else f'S={s}'} D={d}{' causal' if causal else ''}"
+    # Correct first: hipflash's gradients against PyTorch's fp32 math on a slice of the heads
+    # (varlen: of the first sequence's rows).
+    hs, rows = slice(0, 2), slice(0, lens[0] if lens else s)
+    qs, ks, vs = (t[:, rows, hs].detach().float().requires_grad_() for t in (q, k, v))
     ref_out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2),
                                              vs.transpose(1, 2), is_causal=causal).transpose(1, 2)
-    ref = torch.autograd.grad(ref_out, (qs, ks, vs), dout[:, :, hs].float())
-    got = torch.autograd.grad(ours(q, k, v, causal), (q, k, v), dout)
-    for name, g, r in zip("qkv", got, ref):
-        err = (g[:, :, hs].float() - r).abs().max().item()
-        if not err <= 2e-2 * r.abs().max().item() + 1e-3:
-            print(f"{label:22s} d{name} max|err| {err:.3g}: not timed")
-            break
+    ref = torch.autograd.grad(ref_out, (qs, ks, vs), dout[:, rows, hs].float())
+    bad = None
+    for side in args.sides.split(","):
+        if side != "cudnn":
+            got = torch.autograd.grad(sides[side](q, k, v, causal, lens), (q, k, v), dout)
+            for name, g, r in zip("qkv", got, ref):
+                err = (g[:, rows, hs].float() - r).abs().max().item()
+                if not err <= 2e-2 * r.abs().max().item() + 1e-3:
+                    bad = f"{side} d{name} max|err| {err:.3g}"
+    if bad:
+        print(f"{label:22s} {bad}: not timed")
     else:
-        for side, attn in (("hipflash", ours), ("cudnn", cudnn)):
-            times = per_kernel(attn, q, k, v, dout, causal)
+        for side in args.sides.split(","):
+            if side == "cudnn" and lens:
+                continue
+            times = per_kernel(sides[side], q, k, v, dout, causal, lens)
             total = sum(times.values())
             top = sorted(times.items(), key=lambda kv: -kv[1])[:5]
-            print(f"{label:22s} {side:9s} {total:8.3f}  " +
-                  ", ".join(f"{name[:48]} {t:.3f}" for name, t in top), flush=True)
+            print(f"{label:22s} {side:12s} {total:8.3f}  " +
+                  ", ".join(f"{name[:60]} {t:.3f}" for name, t in top), flush=True)
     del q, k, v, dout
     torch.cuda.empty_cache()
