@@ -10,7 +10,8 @@
 #   python3 bench/probes/bwd_split_probe.py build-gpu/python [--cells S:D[:c],...] [--calls N]
 #     [--sides hipflash,hipflash-det,cudnn]
 # A cell S:D is B = 16k / S, H = 2048 / D; a trailing :c makes it causal. S = varlen is the train
-# suite's varlen cell (16k tokens packed, sequences of 512..4k, bench/train_bench.py).
+# suite's varlen cell (16k tokens packed, sequences of 512..4k, bench/train_bench.py), varlen-desc
+# / varlen-asc its lengths sorted, RxN a varlen call of N sequences of R tokens.
 import argparse
 import pathlib
 import sys
@@ -38,8 +39,7 @@ if not torch.cuda.is_available():
 def cells():
     for spec in args.cells.split(","):
         parts = spec.split(":")
-        s, d = (None if parts[0] == "varlen" else int(parts[0])), int(parts[1])
-        yield s, d, len(parts) > 2 and parts[2] == "c"
+        yield parts[0], int(parts[1]), len(parts) > 2 and parts[2] == "c"
 
 
 def cudnn(q, k, v, causal, lens):
@@ -82,13 +82,26 @@ def per_kernel(attn, q, k, v, dout, causal, lens):
 torch.manual_seed(0)
 print(f"{'cell':22s} {'side':12s} {'ms/call':>8s}  kernels (ms/call)")
 sides = {"hipflash": ours(False), "hipflash-det": ours(True), "cudnn": cudnn}
-for s, d, causal in cells():
-    lens = None if s is not None else varlen_lengths(16384, 512, 4096, seed=d)
-    b, h, s = (16384 // s, 2048 // d, s) if lens is None else (1, 2048 // d, 16384)
+def varlen_cell(spec, d):
+    """A varlen cell's sequence lengths: varlen (the train suite's mix), varlen-desc /
+    varlen-asc (the same lengths sorted), RxN (N sequences of R tokens); else None (dense)."""
+    if spec.startswith("varlen"):
+        lens = varlen_lengths(16384, 512, 4096, seed=d)
+        order = spec.partition("-")[2]
+        return sorted(lens, reverse=order == "desc") if order else lens
+    if "x" in spec:
+        r, n = spec.split("x")
+        return [int(r)] * int(n)
+    return None
+
+
+for spec, d, causal in cells():
+    lens = varlen_cell(spec, d)
+    b, h, s = (16384 // int(spec), 2048 // d, int(spec)) if lens is None else (1, 2048 // d, sum(lens))
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    label = f"{'varlen' if lens else f'S={s}'} D={d}{' causal' if causal else ''}"
+    label = f"{spec if lens else f'S={s}'} D={d}{' causal' if causal else ''}"
     # Correct first: hipflash's gradients against PyTorch's fp32 math on a slice of the heads
     # (varlen: of the first sequence's rows).
     hs, rows = slice(0, 2), slice(0, lens[0] if lens else s)
