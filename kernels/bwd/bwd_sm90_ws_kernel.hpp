@@ -699,22 +699,28 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       ++kv_it;
     }
 
-    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys: with maps (dense), staged in
-    // shared memory and written by one bulk tensor store a panel (whole 128-byte rows; the map
-    // clips rows past the keys) — one tile a block over K and V, which every warp of both
+    // dk = scale dS^T Q, dv = P^T dO, rows of this thread's keys: with maps, staged in shared
+    // memory and written by one bulk tensor store a panel (whole 128-byte rows; the map clips
+    // rows past the keys; a varlen call's map is its packed rows, so only key blocks whole
+    // inside their sequence) — one tile a block over K and V, which every warp of both
     // warpgroups is done reading (each waited for its products), a persistent block in a region
     // of its own while its next tile's K and V load; the exit waits only for the stores to have
     // read shared memory. Else by the threads, 4 bytes a store (a persistent block's stores
-    // measured 12% slower at B 32 S 512 hd128 fwd+bwd, H100: docs/design-decisions.md).
+    // measured 12% slower at B 32 S 512 hd128 fwd+bwd, H100; varlen deterministic causal hd64
+    // 34% slower than by boxes: docs/design-decisions.md).
     const int row = wg * 64 + wi * 16 + g;
+    const bool boxed = !varlen || n0 + kBN <= seq.len_k;
     auto store = [&](const TensorMap* map, uint32_t tile) {  // thread 0: the staged panels
 #pragma unroll
       for (int c = 0; c < Cfg::kPanels; ++c)
-        tma::store_4d(map, tile + c * kBN * 128, 64 * c, int(n0), int(hk), int(b));
+        tma::store_4d(map, tile + c * kBN * 128, 64 * c, int(seq.k_start + n0), int(hk),
+                      varlen ? 0 : int(b));
     };
     if (p.dkv_accum != nullptr) {  // one slice of the kv head's query heads: its parts
       const int64_t slice = w.kb.h0 % (p.heads_q / p.heads_kv) / w.kb.groups;
       sm90_parts::store_dkdv_part<kHD>(p, slice, b, hk, key0, t, dK, dV);
+    } else if (!boxed) {
+      sm90_parts::store_dkdv<kDT, kHD>(p, seq, b, hk, key0, t, dK, dV);
     } else if (maps.dkdv_store == BwdTmaMaps::DkdvStore::kOverKV) {
       named_sync<Cfg::kConsumerThreads>(kDkdvStaged);
       stage_grad<kDT, kHD, kBN>(sm.k(), p.softmax_scale, row, t, dK);

@@ -88,9 +88,9 @@ inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLa
            tma_strides_ok(dtype_size(p.dtype), k.rows, row_stride, p.heads_kv, head_stride,
                           k.batch, batch_stride);
   };
-  if (p.is_varlen() || !ok(p.dk, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride) ||
+  if (!ok(p.dk, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride) ||
       !ok(p.dv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride))
-    return;  // varlen: a box would write into the next sequence's rows
+    return;  // (varlen: packed rows as one batch; the kernel boxes whole key blocks only)
   maps.dk = tma_host::encode(p.dk, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
                              p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, block_n);
   maps.dv = tma_host::encode(p.dv, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
