@@ -50,12 +50,13 @@ namespace hipflash::bwd {
 /// by the tile's rows (kBlockM for q and dout, kBlockN for k and v).
 struct BwdTmaMaps {
   atom::sm90::TensorMap q, k, v, dout;
-  /// dk and dv ([kBlockN rows x 64 columns] boxes, as k's), where the gradients are dense ones
-  /// a map describes: the block then stores its dK / dV by bulk tensor stores (dkdv_store).
+  /// dk and dv ([kBlockN rows x 64 columns] boxes, as k's; a varlen call's packed rows as one
+  /// batch), where a map describes the gradients: the block then stores its dK / dV by bulk
+  /// tensor stores (dkdv_store) — a varlen call's key blocks whole inside their sequence.
   atom::sm90::TensorMap dk, dv;
   /// How a block writes a tile's dK / dV.
   enum class DkdvStore : int {
-    kThreads,   ///< 4-byte stores by the threads (the gradients no map describes)
+    kThreads,   ///< 4-byte stores by the threads (no map; varlen tail blocks in any mode)
     kOverKV,    ///< one tile a block: staged over its K and V tiles, then bulk tensor stores
     kOwnStage,  ///< a persistent block: staged in a region of their own
                 ///< (DkdvSm90WsTile::kOffStage), the next tile's K / V loading meanwhile
@@ -315,7 +316,7 @@ struct TileWalk {
 
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
-/// or (kCounted: deterministic masked or varlen calls) taken from a counter as blocks free up, so that
+/// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
 /// the tiles a tile waits on (numbered lower) were taken, by running blocks, before it: no
 /// deadlock however many of the grid's blocks are resident. The producer takes each (every one
 /// from the counter) and posts it to the other roles through a ring of two numbers in shared

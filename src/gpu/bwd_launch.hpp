@@ -76,8 +76,8 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
   return maps;
 }
 
-/// The maps of dk and dv (boxes of block_n rows, as k's) where a dense call's gradients have
-/// strides a map describes: the dk/dv pass then stores them by bulk tensor stores, staged over
+/// The maps of dk and dv (boxes of block_n rows, as k's; varlen: the packed rows as one batch)
+/// where the gradients have strides a map describes: the dk/dv pass then stores them by bulk tensor stores, staged over
 /// K and V (one tile a block) or in a region of their own (`persistent`: the next tile's K / V
 /// load overlaps the stores; BwdTmaMaps::dkdv_store); else its threads store them.
 inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLaunch& how,
@@ -125,7 +125,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
     throw std::logic_error("hipflash: the backward's score modifiers reached passes without them");
   BwdParams p = params;
   if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
-  if (p.dq_semaphore == nullptr || !(Traits::kMasked || p.is_varlen()) || score_mods)
+  if (p.dq_semaphore == nullptr || !Traits::kMasked || score_mods)
     p.tile_counter = nullptr;  // the score modifiers' instantiation is not counted
   if (!ws && p.deterministic) p.dq_accum = nullptr;
   if (!ws) {  // the other passes walk whole groups
@@ -180,11 +180,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // (heaviest first cost masked calls 1.23-1.42x the default's time even with no wait
           // at all: the L2 sharing lost), their tiles taken from a counter as blocks free up
           // (bwd::TileFeed: a fixed walk started a head's key blocks at scattered times, and
-          // each waited on the one started last); varlen ones too (experiment: a fixed
-          // stride's rounds fall out of step over sequences of unequal lengths). A rotated walk
-          // from a counter stays deadlock-free: a head's tiles are taken in a row after every
-          // earlier head's, which wait on their own head alone, and n <= grid of them fit on
-          // the grid at once.
+          // each waited on the one started last).
           const int num_sms = device_arch(device).num_sms;
           const bool ordered = p.dq_semaphore != nullptr;
           // The counter ends at tiles + grid - 1 (each block's last take is past the end): 32-bit
@@ -219,7 +215,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, false, true>>{});
           } else if (!counted) {
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
-          } else {  // deterministic masked or varlen calls
+          } else if constexpr (Traits::kMasked) {  // only masked calls keep the tile counter
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});
           }
         }

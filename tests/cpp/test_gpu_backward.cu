@@ -6,12 +6,14 @@
 // as is (mma.sync kernels on NVIDIA) and with HIPFLASH_BWD_PORTABLE=1 (the portable kernels).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <random>
 
 #include "gpu_test_util.hpp"
 #include "hipflash/backward.hpp"
+#include "hipflash/detail/selector.hpp"
 
 namespace hipflash::test {
 namespace {
@@ -317,6 +319,39 @@ TEST_F(Gpu, VarlenBackwardMatchesTheCpuAndZeroesRowsOutsideSequences) {
       EXPECT_TRUE(close(dk, dk_c, DType::bf16, "dk")) << int(layout) << det;
       EXPECT_TRUE(close(dv, dv_c, DType::bf16, "dv")) << int(layout) << det;
     }
+}
+
+TEST_F(Gpu, VarlenDeterministicBackwardFinishesOverUnevenHeads) {
+  // A deterministic unmasked varlen call whose first sequence has one key block fewer than the
+  // device has multiprocessors and whose second has two: the shape under which a block that
+  // takes both short tiles of a head from a tile counter would wait on the one queued behind
+  // it (a rotated walk's tile waits on later key blocks of its head; review of 6c362cc). It
+  // must finish, agree with the atomic path and repeat bitwise. The forward is not run (its
+  // cost on the CPU at 17k rows): random out, a constant LSE keeps every P small and finite.
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const int32_t first = int32_t(std::max(sms - 1, 1)) * kBwdSm90WsBlockN;
+  Varlen t(DType::bf16, {first, 256}, {first, 256}, 1, 1, 64, LseLayout::padded, 23);
+  std::mt19937 rng(29);
+  t.out.randomize(rng);
+  t.lse.fill(8.f);
+  HostTensor dout = t.out;
+  dout.randomize(rng);
+  VarlenBwdOptions bo;
+  bo.max_seqlen_q = t.opts.max_seqlen_q;
+  bo.max_seqlen_k = t.opts.max_seqlen_k;
+  bo.lse_layout = LseLayout::padded;
+  HostTensor dq[3] = {t.q, t.q, t.q}, dk[3] = {t.k, t.k, t.k}, dv[3] = {t.v, t.v, t.v};
+  for (int run = 0; run < 3; ++run) {  // deterministic twice, then atomic
+    for (HostTensor* g : {&dq[run], &dk[run], &dv[run]}) g->fill(kNaN);
+    bo.deterministic = run < 2;
+    run_gpu_varlen_backward(t, dout, bo, dq[run], dk[run], dv[run]);
+  }
+  EXPECT_TRUE(dq[0].bitwise_equal(dq[1]) && dk[0].bitwise_equal(dk[1]) &&
+              dv[0].bitwise_equal(dv[1]));
+  EXPECT_TRUE(close(dq[0], dq[2], DType::bf16, "dq"));
+  EXPECT_TRUE(close(dk[0], dk[2], DType::bf16, "dk"));
+  EXPECT_TRUE(close(dv[0], dv[2], DType::bf16, "dv"));
 }
 
 TEST_F(Gpu, VarlenBackwardKeepsTheNextSequencesNanOut) {
