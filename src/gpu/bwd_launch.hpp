@@ -77,9 +77,10 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
 }
 
 /// The maps of dk and dv (boxes of block_n rows, as k's; varlen: the packed rows as one batch)
-/// where the gradients have strides a map describes: the dk/dv pass then stores them by bulk tensor stores, staged over
-/// K and V (one tile a block) or in a region of their own (`persistent`: the next tile's K / V
-/// load overlaps the stores; BwdTmaMaps::dkdv_store); else its threads store them.
+/// where the gradients have strides a map describes: the dk/dv pass then stores them by bulk
+/// tensor stores, staged over K and V (one tile a block) or in a region of their own
+/// (`persistent`: the next tile's K / V load overlaps the stores; BwdTmaMaps::dkdv_store); else
+/// its threads store them.
 inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLaunch& how,
                           int block_n, bool persistent) {
   const MapRows k = k_map_rows(p, how);
