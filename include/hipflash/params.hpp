@@ -153,6 +153,8 @@ struct FwdParams {
   int64_t map_batch() const { return is_varlen() ? 1 : batch; }
   bool is_kvcache() const { return seqlens_k != nullptr || block_table != nullptr; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  /// The softcap or ALiBi modifies the scores (SPEC §3).
+  bool has_score_mods() const { return softcap > 0.f || alibi_slopes != nullptr; }
   /// GQA decode (one query row, no window, dense): the GPU launcher packs the query heads that
   /// share a kv head into the rows of one query block (see gpu_backend.cu). With ALiBi (the
   /// kernels that read a slope a row) or an fp8 KV cache (the kernel that reads one) only where

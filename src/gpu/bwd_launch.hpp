@@ -61,17 +61,16 @@ void zero_outside(void* base, int64_t row_stride, int64_t head_stride, int64_t t
 
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
 /// The tensor maps of q and dout (boxes of block_m rows) and of k and v (block_n rows).
-inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int block_m,
-                                int block_n) {
-  const MapRows q = q_map_rows(p, how), k = k_map_rows(p, how);
+inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, int block_m, int block_n) {
+  const int64_t q = p.map_rows_q(), k = p.map_rows_k(), batch = p.map_batch();
   bwd::BwdTmaMaps maps;
-  maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, q.rows, p.heads_q, q.batch, p.q_row_stride,
+  maps.q = tma_host::encode(p.q, p.dtype, p.head_dim, q, p.heads_q, batch, p.q_row_stride,
                             p.q_head_stride, p.q_batch_stride, block_m);
-  maps.dout = tma_host::encode(p.dout, p.dtype, p.head_dim, q.rows, p.heads_q, q.batch,
-                               p.do_row_stride, p.do_head_stride, p.do_batch_stride, block_m);
-  maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch, p.k_row_stride,
+  maps.dout = tma_host::encode(p.dout, p.dtype, p.head_dim, q, p.heads_q, batch, p.do_row_stride,
+                               p.do_head_stride, p.do_batch_stride, block_m);
+  maps.k = tma_host::encode(p.k, p.dtype, p.head_dim, k, p.heads_kv, batch, p.k_row_stride,
                             p.k_head_stride, p.k_batch_stride, block_n);
-  maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch, p.v_row_stride,
+  maps.v = tma_host::encode(p.v, p.dtype, p.head_dim, k, p.heads_kv, batch, p.v_row_stride,
                             p.v_head_stride, p.v_batch_stride, block_n);
   return maps;
 }
@@ -81,21 +80,16 @@ inline bwd::BwdTmaMaps tma_maps(const BwdParams& p, const BwdLaunch& how, int bl
 /// tensor stores, staged over K and V (one tile a block) or in a region of their own
 /// (`persistent`: the next tile's K / V load overlaps the stores; BwdTmaMaps::dkdv_store); else
 /// its threads store them.
-inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, const BwdLaunch& how,
-                          int block_n, bool persistent) {
-  const MapRows k = k_map_rows(p, how);
-  auto ok = [&](const void* base, int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
-    return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
-           tma_strides_ok(dtype_size(p.dtype), k.rows, row_stride, p.heads_kv, head_stride,
-                          k.batch, batch_stride);
-  };
-  if (!ok(p.dk, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride) ||
-      !ok(p.dv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride))
+inline void add_dkdv_maps(bwd::BwdTmaMaps& maps, const BwdParams& p, int block_n,
+                          bool persistent) {
+  const int64_t k = p.map_rows_k(), batch = p.map_batch();
+  if (!bwd_map_ok(p, p.dk, k, p.heads_kv, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride) ||
+      !bwd_map_ok(p, p.dv, k, p.heads_kv, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride))
     return;  // (varlen: packed rows as one batch; the kernel boxes whole key blocks only)
-  maps.dk = tma_host::encode(p.dk, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
-                             p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, block_n);
-  maps.dv = tma_host::encode(p.dv, p.dtype, p.head_dim, k.rows, p.heads_kv, k.batch,
-                             p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, block_n);
+  maps.dk = tma_host::encode(p.dk, p.dtype, p.head_dim, k, p.heads_kv, batch, p.dk_row_stride,
+                             p.dk_head_stride, p.dk_batch_stride, block_n);
+  maps.dv = tma_host::encode(p.dv, p.dtype, p.head_dim, k, p.heads_kv, batch, p.dv_row_stride,
+                             p.dv_head_stride, p.dv_batch_stride, block_n);
   maps.dkdv_store = persistent ? bwd::BwdTmaMaps::DkdvStore::kOwnStage
                                : bwd::BwdTmaMaps::DkdvStore::kOverKV;
 }
@@ -117,17 +111,16 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
   // to the dq pass when deterministic (dq_accum and the counters then unused: dropped here).
   bool ws = false;
 #if defined(HIPFLASH_HAS_SM90_KERNELS)
-  if constexpr (kHD <= kBwdSm90MaxHeadDim) ws = how.sm90 && sm90_ws_ok(params, how);
+  if constexpr (kHD <= kBwdSm90MaxHeadDim) ws = how.sm90 && sm90_ws_ok(params);
 #endif
   // The score modifiers: the portable kernels, or the warp-specialised pass's instantiation
   // with them (run_backward's routing, bwd_score_mods_on_ws); no other pass applies them.
-  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const bool score_mods = params.has_score_mods();
   if (score_mods && !how.portable && !bwd_score_mods_on_ws(params, ws))
     throw std::logic_error("hipflash: the backward's score modifiers reached passes without them");
   BwdParams p = params;
   if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
-  if (p.dq_semaphore == nullptr || !Traits::kMasked || score_mods)
-    p.tile_counter = nullptr;  // the score modifiers' instantiation is not counted
+  if (p.dq_semaphore == nullptr || !Traits::kMasked) p.tile_counter = nullptr;
   if (!ws && p.deterministic) p.dq_accum = nullptr;
   if (!ws) {  // the other passes walk whole groups
     p.dkv_accum = nullptr;
@@ -165,7 +158,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
         static_assert(Dkdv::kBlockN == kBwdSm90WsBlockN);
         const int64_t blocks = ceil_div(p.seqlen_k, Dkdv::kBlockN);
         if (const int64_t tiles = blocks * p.heads_kv * p.dkv_slices() * p.batch; tiles > 0) {
-          bwd::BwdTmaMaps maps = tma_maps(p, how, Dkdv::kBlockM, Dkdv::kBlockN);
+          bwd::BwdTmaMaps maps = tma_maps(p, Dkdv::kBlockM, Dkdv::kBlockN);
           int device = 0;
           port::check(port::get_device(&device), "querying the current device");
           // Unmasked dense tiles (all of a cost): persistent, one block per multiprocessor, in a
@@ -196,7 +189,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
                                                : bwd::KeyOrder::kFastest;
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
-          if (p.dkv_accum == nullptr) add_dkdv_maps(maps, p, how, Dkdv::kBlockN, persistent);
+          if (p.dkv_accum == nullptr) add_dkdv_maps(maps, p, Dkdv::kBlockN, persistent);
           // Deterministic unmasked calls walk rotated (bwd::RotatedWalk), a tile then waiting
           // on later key blocks of its head too: only where the stride puts a head's key
           // blocks on distinct blocks (blocks <= grid), each queued behind earlier heads' tiles
@@ -258,12 +251,12 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
          bwd::kConvertThreads, 0, "dk/dv conversion");
 
   if (p.is_varlen() && how.zero_q)
-    zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, how.total_q, p.heads_q,
+    zero_outside<kDT>(p.dq, p.dq_row_stride, p.dq_head_stride, p.total_q, p.heads_q,
                       int(p.head_dim), p.cu_seqlens_q, p.seqused_q, p.batch, stream);
   if (p.is_varlen() && how.zero_k) {
-    zero_outside<kDT>(p.dk, p.dk_row_stride, p.dk_head_stride, how.total_k, p.heads_kv,
+    zero_outside<kDT>(p.dk, p.dk_row_stride, p.dk_head_stride, p.total_k, p.heads_kv,
                       int(p.head_dim), p.cu_seqlens_k, p.seqused_k, p.batch, stream);
-    zero_outside<kDT>(p.dv, p.dv_row_stride, p.dv_head_stride, how.total_k, p.heads_kv,
+    zero_outside<kDT>(p.dv, p.dv_row_stride, p.dv_head_stride, p.total_k, p.heads_kv,
                       int(p.head_dim), p.cu_seqlens_k, p.seqused_k, p.batch, stream);
   }
 }

@@ -374,21 +374,21 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
     return e != nullptr && e[0] == '1';
   }();
   HIPFLASH_CHECK_AS(not_implemented,
-                    kVendor != Arch::amd || (p.softcap == 0.f && p.alibi_slopes == nullptr),
+                    kVendor != Arch::amd || !p.has_score_mods(),
                     "the softcap's and ALiBi's backward run on the CPU and NVIDIA GPUs; AMD GPUs "
                     "refuse them (as their forward does)");
+  p.total_q = total_q;  // varlen: the tensors' rows (the maps' rows, FwdParams::map_rows_q)
+  p.total_k = total_k;
   BwdLaunch how;
-  how.total_q = total_q;
-  how.total_k = total_k;
   how.zero_q = zero_q;
   how.zero_k = zero_k;
   // The wgmma dk/dv pass where it was built (sm_90a) and the device is Hopper; the switch that
   // hides the sm90 forward kernels (HIPFLASH_DISABLE_SM90=1) hides it too.
   const bool sm90 = !portable_always && build_caps().sm90 && hd <= kBwdSm90MaxHeadDim &&
                     device_arch(device).version == 90;
-  const bool score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
+  const bool score_mods = p.has_score_mods();
   const bool portable =
-      portable_always || (score_mods && !bwd_score_mods_on_ws(p, sm90 && sm90_ws_ok(p, how)));
+      portable_always || (score_mods && !bwd_score_mods_on_ws(p, sm90 && sm90_ws_ok(p)));
   if (portable) p.deterministic = true;
   how.portable = portable;
   how.sm90 = !portable && sm90;

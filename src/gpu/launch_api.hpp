@@ -46,41 +46,31 @@ void launch_dualwave_fwd(const FwdParams& p, port::stream_t stream);
 FwdParams widen_fp8_operands(const FwdParams& p, void* base, port::stream_t stream);
 
 /// How a backward runs beyond its params: the portable kernels instead of the matrix-core ones
-/// (always deterministic; HIPFLASH_BWD_PORTABLE=1, and always on AMD today), and the rows of the
-/// varlen tensors.
+/// (always deterministic; HIPFLASH_BWD_PORTABLE=1, and always on AMD today).
 struct BwdLaunch {
   bool portable = false;
   bool sm90 = false;  ///< the wgmma dk/dv pass (sm_90a builds, Hopper, head dims <= 128)
-  int64_t total_q = 0, total_k = 0;  ///< varlen: the tensors' rows
   bool zero_q = true, zero_k = true;  ///< varlen: rows outside every used row to zero (dq; dk, dv)
 };
 
-/// The rows, batch extent and batch stride a tensor map describes: a dense operand's (rows a
-/// sequence, its batches), or a varlen one's packed rows as one batch (total rows).
-struct MapRows {
-  int64_t rows, batch;
-};
-inline MapRows q_map_rows(const BwdParams& p, const BwdLaunch& how) {
-  return p.is_varlen() ? MapRows{how.total_q, 1} : MapRows{p.seqlen_q, p.batch};
-}
-inline MapRows k_map_rows(const BwdParams& p, const BwdLaunch& how) {
-  return p.is_varlen() ? MapRows{how.total_k, 1} : MapRows{p.seqlen_k, p.batch};
+/// Whether a tensor map describes a [batch, rows, heads, D] operand of the backward at `base`
+/// (16-byte aligned, strides TMA takes, rows >= 1): `rows` p.map_rows_q() or p.map_rows_k(),
+/// a varlen call's packed rows as one batch (p.map_batch()).
+inline bool bwd_map_ok(const BwdParams& p, const void* base, int64_t rows, int64_t heads,
+                       int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && rows > 0 &&
+         tma_strides_ok(dtype_size(p.dtype), rows, row_stride, heads, head_stride, p.map_batch(),
+                        batch_stride);
 }
 
-/// Whether the warp-specialised dk/dv pass takes the call: operands TMA can describe (a varlen
-/// call's packed rows as one batch), with rows to describe (a map's extents are >= 1).
-inline bool sm90_ws_ok(const BwdParams& p, const BwdLaunch& how) {
-  const MapRows q = q_map_rows(p, how), k = k_map_rows(p, how);
-  auto ok = [&](const void* base, MapRows m, int64_t row_stride, int64_t heads,
-                int64_t head_stride, int64_t batch_stride) {
-    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && m.rows > 0 &&
-           tma_strides_ok(dtype_size(p.dtype), m.rows, row_stride, heads, head_stride, m.batch,
-                          batch_stride);
-  };
-  return ok(p.q, q, p.q_row_stride, p.heads_q, p.q_head_stride, p.q_batch_stride) &&
-         ok(p.dout, q, p.do_row_stride, p.heads_q, p.do_head_stride, p.do_batch_stride) &&
-         ok(p.k, k, p.k_row_stride, p.heads_kv, p.k_head_stride, p.k_batch_stride) &&
-         ok(p.v, k, p.v_row_stride, p.heads_kv, p.v_head_stride, p.v_batch_stride);
+/// Whether the warp-specialised dk/dv pass takes the call: operands TMA can describe.
+inline bool sm90_ws_ok(const BwdParams& p) {
+  const int64_t q = p.map_rows_q(), k = p.map_rows_k();
+  return bwd_map_ok(p, p.q, q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride) &&
+         bwd_map_ok(p, p.dout, q, p.heads_q, p.do_row_stride, p.do_head_stride,
+                    p.do_batch_stride) &&
+         bwd_map_ok(p, p.k, k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride) &&
+         bwd_map_ok(p, p.v, k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 }
 
 /// Whether the backward's score modifiers (the softcap, ALiBi) run on the warp-specialised dk/dv

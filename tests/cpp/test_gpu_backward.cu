@@ -113,6 +113,35 @@ void run_gpu_varlen_backward(const Varlen& t, const HostTensor& dout, const Varl
   g_v.download(dv);
 }
 
+/// A forward-run varlen problem's backward on the CPU (the expectation: dq_c, dk_c, dv_c) and
+/// on the GPU (dq, dk, dv), all NaN-poisoned first, for an upstream gradient drawn from `seed`.
+struct VarlenBwdRun {
+  HostTensor dout, dq, dk, dv, dq_c, dk_c, dv_c;
+
+  VarlenBwdRun(const Varlen& t, uint32_t seed)
+      : dout(t.out), dq(t.q), dk(t.k), dv(t.v), dq_c(t.q), dk_c(t.k), dv_c(t.v) {
+    std::mt19937 rng(seed);
+    dout.randomize(rng);
+    for (HostTensor* g : {&dq, &dk, &dv, &dq_c, &dk_c, &dv_c}) g->fill(kNaN);
+  }
+  /// The backward's options for `t` (its lengths and LSE layout), causal or not.
+  static VarlenBwdOptions options(const Varlen& t, bool causal, bool deterministic) {
+    VarlenBwdOptions bo;
+    bo.causal = causal;
+    bo.deterministic = deterministic;
+    bo.max_seqlen_q = t.opts.max_seqlen_q;
+    bo.max_seqlen_k = t.opts.max_seqlen_k;
+    bo.lse_layout = t.opts.lse_layout;
+    return bo;
+  }
+  /// `on_gpu`: `bo` with device pointers where it holds host ones (ALiBi's slopes).
+  void run(const Varlen& t, const VarlenBwdOptions& bo, const VarlenBwdOptions& on_gpu) {
+    varlen_backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, t.cu_q.ref,
+                    t.cu_k.ref, dq_c.ref, dk_c.ref, dv_c.ref, bo);
+    run_gpu_varlen_backward(t, dout, on_gpu, dq, dk, dv);
+  }
+};
+
 class GpuBackward : public GpuParam<BwdCase> {};
 
 TEST_P(GpuBackward, MatchesTheCpuBackward) {
@@ -169,7 +198,8 @@ TEST_F(Gpu, BackwardScoreModifiersMatchTheCpu) {
           const auto [sq, sk] = i / 3 % 2 == 0 ? std::pair<int64_t, int64_t>{300, 333}
                                                : std::pair<int64_t, int64_t>{257, 200};
           const Case c{i % 4 == 3 ? DType::f16 : DType::bf16, 2, sq, sk, 4, 2, d, causal};
-          HostTensor slopes = per_batch ? HostTensor(DType::f32, {2, 4}) : HostTensor(DType::f32, {4});
+          HostTensor slopes =
+              per_batch ? HostTensor(DType::f32, {2, 4}) : HostTensor(DType::f32, {4});
           for (int64_t j = 0; j < slopes.ref.numel(); ++j)
             slopes.f32()[j] = std::exp2(-8.f * float(j % 4 + 1) / 4.f) * float(1 + j / 4);
           BwdProblem pb(c, det, 7 + i, mods & 1 ? 5.f : 0.f, mods & 2 ? &slopes : nullptr);
@@ -206,28 +236,17 @@ TEST_F(Gpu, VarlenBackwardScoreModifiersMatchTheCpu) {
       t.opts.softcap = 5.f;
       t.opts.alibi_slopes = &slopes.ref;
       t.run();
-      std::mt19937 rng(5);
-      HostTensor dout = t.out;
-      dout.randomize(rng);
-      HostTensor dq = t.q, dk = t.k, dv = t.v, dq_c = t.q, dk_c = t.k, dv_c = t.v;
-      for (HostTensor* g : {&dq, &dk, &dv, &dq_c, &dk_c, &dv_c}) g->fill(kNaN);
-      VarlenBwdOptions bo;
-      bo.causal = causal;
-      bo.deterministic = det;
-      bo.max_seqlen_q = t.opts.max_seqlen_q;
-      bo.max_seqlen_k = t.opts.max_seqlen_k;
-      bo.lse_layout = LseLayout::packed;
+      VarlenBwdRun r(t, 5);
+      VarlenBwdOptions bo = VarlenBwdRun::options(t, causal, det);
       bo.softcap = 5.f;
       bo.alibi_slopes = &slopes.ref;
-      varlen_backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, t.cu_q.ref,
-                      t.cu_k.ref, dq_c.ref, dk_c.ref, dv_c.ref, bo);
       DeviceTensor d_slopes(slopes);
       VarlenBwdOptions on_gpu = bo;
       on_gpu.alibi_slopes = &d_slopes.ref;
-      run_gpu_varlen_backward(t, dout, on_gpu, dq, dk, dv);
-      EXPECT_TRUE(close(dq, dq_c, DType::bf16, "dq")) << "causal " << causal << " det " << det;
-      EXPECT_TRUE(close(dk, dk_c, DType::bf16, "dk")) << "causal " << causal << " det " << det;
-      EXPECT_TRUE(close(dv, dv_c, DType::bf16, "dv")) << "causal " << causal << " det " << det;
+      r.run(t, bo, on_gpu);
+      EXPECT_TRUE(close(r.dq, r.dq_c, DType::bf16, "dq")) << "causal " << causal << " det " << det;
+      EXPECT_TRUE(close(r.dk, r.dk_c, DType::bf16, "dk")) << "causal " << causal << " det " << det;
+      EXPECT_TRUE(close(r.dv, r.dv_c, DType::bf16, "dv")) << "causal " << causal << " det " << det;
     }
 }
 
@@ -301,23 +320,12 @@ TEST_F(Gpu, VarlenBackwardMatchesTheCpuAndZeroesRowsOutsideSequences) {
       Varlen t(DType::bf16, {0, 37, 130, 5}, {10, 60, 129, 0}, 4, 2, 96, layout, 11);
       t.opts.causal = true;
       t.run();
-      std::mt19937 rng(3);
-      HostTensor dout = t.out;
-      dout.randomize(rng);
-      HostTensor dq = t.q, dk = t.k, dv = t.v, dq_c = t.q, dk_c = t.k, dv_c = t.v;
-      for (HostTensor* g : {&dq, &dk, &dv, &dq_c, &dk_c, &dv_c}) g->fill(kNaN);
-      VarlenBwdOptions bo;
-      bo.causal = true;
-      bo.deterministic = det;
-      bo.max_seqlen_q = t.opts.max_seqlen_q;
-      bo.max_seqlen_k = t.opts.max_seqlen_k;
-      bo.lse_layout = layout;
-      varlen_backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, t.cu_q.ref,
-                      t.cu_k.ref, dq_c.ref, dk_c.ref, dv_c.ref, bo);
-      run_gpu_varlen_backward(t, dout, bo, dq, dk, dv);
-      EXPECT_TRUE(close(dq, dq_c, DType::bf16, "dq")) << int(layout) << det;
-      EXPECT_TRUE(close(dk, dk_c, DType::bf16, "dk")) << int(layout) << det;
-      EXPECT_TRUE(close(dv, dv_c, DType::bf16, "dv")) << int(layout) << det;
+      VarlenBwdRun r(t, 3);
+      const VarlenBwdOptions bo = VarlenBwdRun::options(t, true, det);
+      r.run(t, bo, bo);
+      EXPECT_TRUE(close(r.dq, r.dq_c, DType::bf16, "dq")) << int(layout) << det;
+      EXPECT_TRUE(close(r.dk, r.dk_c, DType::bf16, "dk")) << int(layout) << det;
+      EXPECT_TRUE(close(r.dv, r.dv_c, DType::bf16, "dv")) << int(layout) << det;
     }
 }
 
