@@ -38,7 +38,7 @@ struct BwdParams : FwdParams {
   /// its term when the counter reaches its rank (key-block order), so the fp32 sums are
   /// repeatable. Null: atomic dq, or the deterministic dq pass.
   int32_t* __restrict__ dq_semaphore = nullptr;
-  /// With dq_semaphore, masked calls: the tiles the dk/dv pass has handed out
+  /// With dq_semaphore, masked and varlen calls: the tiles the dk/dv pass has handed out
   /// (bwd_sm90_ws_kernel.hpp's TileFeed), zeroed with the counters.
   int32_t* __restrict__ tile_counter = nullptr;
   int64_t seqlen_rounded = 0;

@@ -23,8 +23,8 @@
 //    dQ = dS K (wgmma SS: a 64 x 64 piece each, as in bwd_sm90_kernel.hpp) goes into the
 //    staged fp32 tile. Deterministic calls take the same path, the writer adding a row block's
 //    terms in a fixed key-block order (a counter per row block in dq_semaphore): unmasked
-//    calls walk rotated (bwd::RotatedWalk), masked ones take their tiles from a counter
-//    (TileFeed).
+//    calls walk rotated (bwd::RotatedWalk), masked and varlen ones take their tiles from a
+//    counter (TileFeed; a rotated walk's paced by the dQ writer).
 // The exponentials overlap the dP^T product, dV / dK the staging of dS^T; the two warpgroups'
 // non-MMA phases interleave with each other's products, and no consumer issues a load or a
 // global reduction. The score-modifier instantiation (kScoreMods: the softcap, ALiBi, as
@@ -316,17 +316,22 @@ struct TileWalk {
 
 #if defined(HIPFLASH_HAS_WGMMA)
 /// A block's tiles in increasing order, the same for each of its roles: a fixed walk (TileWalk),
-/// or (kCounted: deterministic masked calls) taken from a counter as blocks free up, so that
-/// the tiles a tile waits on (numbered lower) were taken, by running blocks, before it: no
-/// deadlock however many of the grid's blocks are resident. The producer takes each (every one
-/// from the counter) and posts it to the other roles through a ring of two numbers in shared
-/// memory; a number past the last tile ends every role's walk.
+/// or (kCounted: deterministic masked or varlen calls) taken from a counter as blocks free up,
+/// so that the tiles a tile waits on (numbered lower) were taken, by running blocks, before it:
+/// no deadlock however many of the grid's blocks are resident. The producer takes each (every
+/// one from the counter) and posts it to the other roles through a ring of two numbers in
+/// shared memory; a number past the last tile ends every role's walk. A rotated walk's tile
+/// waits on later tiles of its head too (`rotate`): there the producer takes a tile only once
+/// the dQ writer has finished the last one (`writer_paced`), so that no block holds two tiles
+/// of a head, the first waiting on the second — a head's n <= grid tiles then sit on n blocks,
+/// and every head taken whole completes.
 template <class Cfg, bool kCounted>
 struct TileFeed {
   dkdv_ws::Smem<Cfg> sm;
   int32_t* counter;  ///< kCounted: the next tile's number
   bool snake;
   TileWalk walk{blockIdx.x};
+  bool writer_paced = false;  ///< kCounted: the writer frees a slot once done with its tile
   uint32_t taken = 0;
 
   /// The producer's next tile.
@@ -336,6 +341,8 @@ struct TileFeed {
     } else {
       const int slot = int(taken & 1u);
       sm.tile_empty(slot).wait(((taken >> 1) & 1u) ^ 1u);
+      if (writer_paced && taken > 0)  // the last tile's additions all made
+        sm.tile_empty(slot ^ 1).wait(((taken - 1) >> 1) & 1u);
       const int64_t tile = atomicAdd(counter, 1);  // taken once the ring has room for it
       dkdv_ws::st_shared(sm.tile_number(slot), uint32_t(tile));
       sm.tile_full(slot).arrive();
@@ -343,8 +350,9 @@ struct TileFeed {
       return tile;
     }
   }
-  /// The next tile of a consumer or the writer (every lane of the warp).
-  __device__ __forceinline__ int64_t consume() {
+  /// The next tile of a consumer or the writer (every lane of the warp). `release` false (the
+  /// writer, writer_paced): its slot is freed by release_last() instead.
+  __device__ __forceinline__ int64_t consume(bool release = true) {
     if constexpr (!kCounted) {
       return fixed();
     } else {
@@ -352,10 +360,14 @@ struct TileFeed {
       sm.tile_full(slot).wait((taken >> 1) & 1u);
       const int64_t tile = dkdv_ws::ld_shared(sm.tile_number(slot));
       __syncwarp();
-      if (threadIdx.x % 32 == 0) sm.tile_empty(slot).arrive();
+      if (release && threadIdx.x % 32 == 0) sm.tile_empty(slot).arrive();
       ++taken;
       return tile;
     }
+  }
+  /// The writer (writer_paced, lane 0): done with the tile it consumed last.
+  __device__ __forceinline__ void release_last() {
+    if constexpr (kCounted) sm.tile_empty(int((taken - 1) & 1u)).arrive();
   }
 
  private:
@@ -409,7 +421,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       tma::prefetch_map(&maps.q);
       tma::prefetch_map(&maps.dout);
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
-      Feed feed{sm, p.tile_counter, snake};
+      Feed feed{sm, p.tile_counter, snake, TileWalk{blockIdx.x}, rotate};
       for (int64_t tile; (tile = feed.produce()) < tiles;) {
         const Work w(p, tile, num_n_blocks, order, rotate);
         if (w.steps == 0) continue;  // the consumers only store zeros
@@ -463,8 +475,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         add_release(pending, 1);
         pending = nullptr;
       };
-      Feed feed{sm, p.tile_counter, snake};
-      for (int64_t tile; (tile = feed.consume()) < tiles;) {
+      Feed feed{sm, p.tile_counter, snake, TileWalk{blockIdx.x}, rotate};
+      for (int64_t tile; (tile = feed.consume(!(kCounted && rotate))) < tiles;) {
         const Work w(p, tile, num_n_blocks, order, rotate);
         StepPos<kBM> pos = w.first_step();
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
@@ -490,6 +502,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             tma::reduce_add_1d(p.dq_accum + ws * kHD, sm.dq(), Cfg::kSmemDq);
             tma::commit_group();
           }
+        }
+        if (kCounted && rotate && lane == 0) {  // writer_paced: additions counted on, slot freed
+          count_on();
+          feed.release_last();
         }
       }
       if (lane == 0) {

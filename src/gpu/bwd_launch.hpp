@@ -120,7 +120,8 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
     throw std::logic_error("hipflash: the backward's score modifiers reached passes without them");
   BwdParams p = params;
   if (!ws || !p.deterministic) p.dq_semaphore = nullptr;
-  if (p.dq_semaphore == nullptr || !Traits::kMasked) p.tile_counter = nullptr;
+  if (p.dq_semaphore == nullptr || !(Traits::kMasked || p.is_varlen()) || score_mods)
+    p.tile_counter = nullptr;  // the score modifiers' instantiation is not counted
   if (!ws && p.deterministic) p.dq_accum = nullptr;
   if (!ws) {  // the other passes walk whole groups
     p.dkv_accum = nullptr;
@@ -174,7 +175,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
           // (heaviest first cost masked calls 1.23-1.42x the default's time even with no wait
           // at all: the L2 sharing lost), their tiles taken from a counter as blocks free up
           // (bwd::TileFeed: a fixed walk started a head's key blocks at scattered times, and
-          // each waited on the one started last).
+          // each waited on the one started last); varlen ones too (a fixed stride's rounds fall
+          // out of step over sequences of unequal lengths), a rotated walk's paced by its writer
+          // (bwd::TileFeed: no block holds two tiles of a head).
           const int num_sms = device_arch(device).num_sms;
           const bool ordered = p.dq_semaphore != nullptr;
           // The counter ends at tiles + grid - 1 (each block's last take is past the end): 32-bit
@@ -209,7 +212,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, false, true>>{});
           } else if (!counted) {
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits>>{});
-          } else if constexpr (Traits::kMasked) {  // only masked calls keep the tile counter
+          } else {  // deterministic masked or varlen calls
             launch(KernelConstant<bwd::bwd_dkdv_sm90_ws_kernel<Traits, true>>{});
           }
         }

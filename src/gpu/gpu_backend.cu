@@ -403,7 +403,8 @@ void run_backward(const BwdParams& params, int device, Stream stream_arg, Worksp
   const bool accum = !p.deterministic || how.sm90;
   const bool ordered = p.deterministic && how.sm90;
   const size_t rows = size_t(p.batch) * size_t(p.heads_q) * size_t(p.seqlen_rounded);
-  const bool counted = ordered && p.has_window() && rows > 0;  // masked: the tile counter
+  // Masked or varlen: the tile counter.
+  const bool counted = ordered && (p.has_window() || p.is_varlen()) && rows > 0;
   // dkv_accum [2, slices, B, Hkv, keys padded to 128, hd] after dq_accum where the
   // warp-specialised pass's tiles take slices of a kv head's query heads (bwd_heads_per_tile).
   const int64_t key_blocks = (p.seqlen_k + kBwdSm90WsBlockN - 1) / kBwdSm90WsBlockN;
