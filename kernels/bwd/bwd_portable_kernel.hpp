@@ -82,7 +82,7 @@ struct PortableStep {
       dp += B::to_float(dout[qi * kP + d]) * B::to_float(v[kj * kP + d]);
     }
     float slope = 1.f;  // d(the score the softmax saw) / d(s): the cap's 1 - tanh^2
-    if constexpr (kBwdScoreMods) s = mods.apply(s, dist, slope);
+    if constexpr (kBwdScoreMods) s = mods.apply(s, float(dist), slope);
     const float pr = valid ? exp2f(s * mods.scale_log2 - lse2[qi]) : 0.f;
     p[qi][kj] = pr;
     ds[qi][kj] = valid ? pr * (dp - delta[qi]) * slope : 0.f;

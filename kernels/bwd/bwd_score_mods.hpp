@@ -36,14 +36,15 @@ struct ScoreMods {
     return {unit * detail::kLog2e, p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f,
             p.alibi_slopes ? p.alibi_slope(b, h) / unit : 0.f};
   }
-  /// The modified score of s, and (slope) the cap's derivative 1 - tanh^2 (else left at 1).
-  __device__ __forceinline__ float apply(float s, int64_t dist, float& slope) const {
+  /// The modified score of s, and (slope) the cap's derivative 1 - tanh^2 (else left at 1);
+  /// dist: the row's distance from the key's diagonal, i + diag - j (exact below 2^24).
+  __device__ __forceinline__ float apply(float s, float dist, float& slope) const {
     if (cap_scale > 0.f) {
       const float t = detail::fast_tanh(s * cap_scale);
       s = t;
       slope = 1.f - t * t;
     }
-    if (bias_k != 0.f) s = fmaf(-fabsf(float(dist)), bias_k, s);
+    if (bias_k != 0.f) s = fmaf(-fabsf(dist), bias_k, s);
     return s;
   }
 };

@@ -330,8 +330,8 @@ struct TileFeed {
   dkdv_ws::Smem<Cfg> sm;
   int32_t* counter;  ///< kCounted: the next tile's number
   bool snake;
+  bool writer_paced = false;  ///< kCounted, rotated: the writer frees its slot at its tile end
   TileWalk walk{blockIdx.x};
-  bool writer_paced = false;  ///< kCounted: the writer frees a slot once done with its tile
   uint32_t taken = 0;
 
   /// The producer's next tile.
@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       tma::prefetch_map(&maps.q);
       tma::prefetch_map(&maps.dout);
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
-      Feed feed{sm, p.tile_counter, snake, TileWalk{blockIdx.x}, rotate};
+      Feed feed{sm, p.tile_counter, snake, kCounted && rotate};
       for (int64_t tile; (tile = feed.produce()) < tiles;) {
         const Work w(p, tile, num_n_blocks, order, rotate);
         if (w.steps == 0) continue;  // the consumers only store zeros
@@ -475,8 +475,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         add_release(pending, 1);
         pending = nullptr;
       };
-      Feed feed{sm, p.tile_counter, snake, TileWalk{blockIdx.x}, rotate};
-      for (int64_t tile; (tile = feed.consume(!(kCounted && rotate))) < tiles;) {
+      Feed feed{sm, p.tile_counter, snake, kCounted && rotate};
+      for (int64_t tile; (tile = feed.consume(!feed.writer_paced)) < tiles;) {
         const Work w(p, tile, num_n_blocks, order, rotate);
         StepPos<kBM> pos = w.first_step();
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             tma::commit_group();
           }
         }
-        if (kCounted && rotate && lane == 0) {  // writer_paced: additions counted on, slot freed
+        if (feed.writer_paced && lane == 0) {  // additions counted on, the slot freed
           count_on();
           feed.release_last();
         }
@@ -612,7 +612,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::wait<0>();
         wgmma::fence_operands(S);
         wgmma::fence_operands(dP);
-        const int64_t dist0 = m0 + seq.diag - key0;  // row m0's distance from key key0
+        // Column 2t's distance from key key0 (row m0 + 2t's from the diagonal), converted once:
+        // each pair's is a constant away (exact below 2^24).
+        const float dist0 = float(m0 + seq.diag - key0 + 2 * t);
 #pragma unroll
         for (int i = 0; i < kBM / 8; ++i) {
           const float2 l2s = lse2[4 * i + t], dls = delta[4 * i + t];
@@ -623,7 +625,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
             for (int hh = 0; hh < 2; ++hh) {
               const int r = 4 * i + 2 * hh + e;
               float slope = 1.f;  // d(the score the softmax saw) / d(s): the cap's 1 - tanh^2
-              const float x = mods.apply(S[r], dist0 + col - 8 * hh, slope);
+              const float x = mods.apply(S[r], dist0 + float(8 * i + e - 8 * hh), slope);
               const float pr = exp2f(x * mods.scale_log2 - (e == 0 ? l2s.x : l2s.y));
               const bool sees = !kSelect || key_rows.sees(col, hh);
               S[r] = sees ? pr : 0.f;
