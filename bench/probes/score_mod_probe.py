@@ -9,7 +9,10 @@
 # modifier against none, causal by a block mask; forward only): the peer's ratio.
 # Usage (GPU machine, after scripts/gpu-check build):
 #   python3 bench/probes/score_mod_probe.py build-gpu/python [--mod softcap|alibi]
-#       [--cells S:D[:c],...] [--rounds N] [--backward | --flex]
+#       [--cells S:D[:c],...] [--rounds N] [--backward | --flex | --ncu]
+# --ncu: after each cell's check, three plain then three modified calls, untimed, for Nsight
+# Compute (e.g. ncu --kernel-name regex:sm90_ws --launch-skip 2 --launch-count 4: the third
+# plain call, then the modified ones).
 import argparse
 import statistics
 import sys
@@ -24,6 +27,8 @@ ap.add_argument("--calls", type=int, default=20, help="calls per timed window")
 ap.add_argument("--mod", choices=("softcap", "alibi"), default="softcap")
 ap.add_argument("--softcap", type=float, default=50.0)
 ap.add_argument("--backward", action="store_true", help="time forward + backward calls")
+ap.add_argument("--ncu", action="store_true",
+                help="untimed calls (three plain, three modified a cell) for Nsight Compute")
 ap.add_argument("--flex", action="store_true",
                 help="also time FlexAttention plain and modified (forward; a peer's ratio)")
 args = ap.parse_args()
@@ -159,8 +164,14 @@ for s, d, causal in cells():
     if not err <= 2e-2:
         print(f"{label:24s} max|out - ref| {err:.3g}: not timed")
         continue
-    plain = timed(call, sets)
     mod = modifier(hq, q.device)
+    if args.ncu:
+        for kw in ({}, {}, {}, mod, mod, mod):
+            call(*sets[0], **kw)
+        torch.cuda.synchronize()
+        print(f"{label:24s} checked ({err:.2e}); three plain and three {args.mod} calls made")
+        continue
+    plain = timed(call, sets)
     capped = timed(lambda q, k, v: call(q, k, v, **mod), sets)
     print(f"{label:24s} {plain:9.3f} {capped:10.3f} {capped / plain:6.3f} {errs[0]:8.2e} {errs[1]:8.2e}  "
           f"{hf.last_kernel_name()}", flush=True)

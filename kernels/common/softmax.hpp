@@ -113,6 +113,38 @@ struct ScoreBias {
           s[4 * i + 2 * hr + e] = fmaf(-fabsf(d0 - float(8 * i + e)), k, s[4 * i + 2 * hr + e]);
     }
   }
+  /// wgmma order, split where the key block [key0, key1) lies wholly on one side of the
+  /// diagonal of every row of the warp (all but the diagonal blocks): about the thread's first
+  /// row's diagonal c = row_of(0) + diag, -k |a - j| = ±k (j - c) ∓ k (a - c) (a = row + diag,
+  /// + left of the diagonal), so each element takes the column part (one add; one multiply-add
+  /// a column of two rows) and the row part goes to the online-softmax update as the row's
+  /// offset `row_off` (RowSoftmax::update), a constant of the block. Blocks across a diagonal:
+  /// the exact form above, row_off zero. No slopes: nothing, row_off zero.
+  template <int kN, class RowOf>
+  __device__ __forceinline__ void apply(float (&s)[kN], const RowOf& row_of, int64_t diag,
+                                        int64_t col0, int64_t key0, int64_t key1,
+                                        float (&row_off)[2]) const {
+    row_off[0] = row_off[1] = 0.f;
+    if (!on()) return;
+    const int64_t a0 = int64_t(row_of(0)) + diag, a1 = int64_t(row_of(1)) + diag;
+    const bool left = port::all_lanes(key1 - 1 <= (a0 < a1 ? a0 : a1));
+    const bool right = port::all_lanes(key0 >= (a0 < a1 ? a1 : a0));
+    if (!left && !right) {
+      apply(s, row_of, diag, col0);
+      return;
+    }
+    const float ks = (left ? 1.f : -1.f) * (p.alibi_slope(b, h) / unit());
+    const float at_col0 = ks * float(col0 - a0);  // exact distances below 2^24
+    row_off[1] = -ks * float(a1 - a0);
+#pragma unroll
+    for (int i = 0; i < kN / 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float col = fmaf(ks, float(8 * i + e), at_col0);
+        s[4 * i + e] += col;
+        s[4 * i + 2 + e] += col;
+      }
+  }
 };
 
 /// The lanes that hold one row's columns, reduced with one butterfly per mask.
@@ -148,23 +180,27 @@ struct RowSoftmax {
   /// accumulator. kExpOffset (the fp8 forward's 8, FlashAttention 3's max offset) puts the
   /// probabilities in (0, 2^kExpOffset], where e4m3 keeps them from underflowing; l then
   /// carries the factor 2^kExpOffset too, which the caller takes out before finalize().
+  /// row_off (optional): row r's scores are scores[r][c] + row_off[r] (ScoreBias's row part).
   template <int kCols, int kExpOffset = 0>
   __device__ __forceinline__ void update(float (&scores)[kRows][kCols], float scale_log2,
-                                         float (&rescale)[kRows]) {
+                                         float (&rescale)[kRows],
+                                         const float* row_off = nullptr) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float mx = kNegInf;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) mx = fmaxf(mx, scores[r][c]);
       mx = Lanes::max(mx);
+      if (row_off) mx += row_off[r];
       const float m_new = fmaxf(m[r], mx * scale_log2);  // scale > 0 (validated)
       rescale[r] = SoftmaxState::rescale(m[r], m_new);
       m[r] = m_new;
       const float m_use = SoftmaxState::safe_max(m_new) - float(kExpOffset);
+      const float shift = row_off ? fmaf(row_off[r], scale_log2, -m_use) : -m_use;
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        scores[r][c] = detail::fast_exp2(fmaf(scores[r][c], scale_log2, -m_use));
+        scores[r][c] = detail::fast_exp2(fmaf(scores[r][c], scale_log2, shift));
         sum += scores[r][c];
       }
       l[r] = l[r] * rescale[r] + sum;

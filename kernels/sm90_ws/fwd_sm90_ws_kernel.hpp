@@ -427,14 +427,17 @@ struct Consumer {
     }
     cap.apply(S);
     const int64_t m0 = m0_of(bi);
-    common::ScoreBias<>{p, bi.b, bi.h}
-        .apply(S, [&](int h) { return row_of(m0, h); }, bi.diag, int64_t(n) * kBN + 2 * place.t);
+    const auto rows = [&](int h) { return row_of(m0, h); };
+    float row_off[2];  // ALiBi's row part (ScoreBias), zero without slopes
+    const int64_t key0 = int64_t(n) * kBN;
+    common::ScoreBias<>{p, bi.b, bi.h}.apply(S, rows, bi.diag, key0 + 2 * place.t, key0,
+                                             key0 + kBN, row_off);
     if constexpr (kLean) {
-      consumer::softmax_step<kBN, kExpOffset>(lean, softmax, scale_log2, S, n, place.t, rescale);
+      consumer::softmax_step<kBN, kExpOffset>(lean, softmax, scale_log2, S, n, place.t, rescale,
+                                              row_off);
     } else {
-      const auto rows = [&](int h) { return row_of(m0, h); };
       consumer::softmax_step<Traits, kBN, kExpOffset>(p, bi, softmax, scale_log2, S, n, rows,
-                                                      place.t, rescale);
+                                                      place.t, rescale, row_off);
     }
   }
 

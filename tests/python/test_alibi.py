@@ -159,6 +159,20 @@ def test_gpu_forward_matches_the_reference(case, per_batch, softcap):
 
 
 @needs_gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_long_rows_with_steep_slopes_match_the_reference(causal):
+    # Many key blocks wholly left and right of the diagonal (the Hopper kernel splits the bias
+    # there into a column part and a row offset the softmax takes), far keys thousands of
+    # positions away, slopes up to 0.25 (BLOOM's with 4 heads) and Sk > Sq (the diagonal moved).
+    q, k, v = make_qkv(1, 1100, 1800, 4, 2, 128, BF16, seed=19)
+    slopes = bloom_slopes(4)
+    out, lse = hipflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=causal,
+                                        return_lse=True, alibi_slopes=slopes.cuda())
+    check_attention(out.cpu(), lse.cpu(), q, k, v, "gpu alibi long rows", causal=causal,
+                    alibi_slopes=slopes)
+
+
+@needs_gpu
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (32, 8), (32, 1)])
 def test_gpu_gqa_decode_has_a_slope_per_query_head(hq, hkv):
     # One query row: the query heads of a kv head packed into a decode block's rows, a slope a

@@ -136,7 +136,7 @@ __device__ __forceinline__ void issue_pv(float (&O)[kHD / 2], const uint32_t (&P
 template <int kBN, int kExpOffset = 0, class Mask>
 __device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftmax<2>& softmax,
                                              float scale_log2, float (&S)[kBN / 2], int n, int t,
-                                             float (&rescale)[2]) {
+                                             float (&rescale)[2], const float* row_off = nullptr) {
   float sc[2][kBN / 4];  // [row h][column 2i + e]
 #pragma unroll
   for (int i = 0; i < kBN / 8; ++i)
@@ -168,7 +168,7 @@ __device__ __forceinline__ void softmax_step(const Mask& mask, common::RowSoftma
     else
       apply(std::true_type{});
   }
-  softmax.template update<kBN / 4, kExpOffset>(sc, scale_log2, rescale);
+  softmax.template update<kBN / 4, kExpOffset>(sc, scale_log2, rescale, row_off);
 #pragma unroll
   for (int i = 0; i < kBN / 8; ++i)
 #pragma unroll
@@ -183,7 +183,8 @@ template <class Traits, int kBN, int kExpOffset = 0, class Info, class RowOf>
 __device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
                                              common::RowSoftmax<2>& softmax, float scale_log2,
                                              float (&S)[kBN / 2], int n, const RowOf& row_of,
-                                             int t, float (&rescale)[2]) {
+                                             int t, float (&rescale)[2],
+                                             const float* row_off = nullptr) {
   struct InfoMask {
     const FwdParams& p;
     const Info& bi;
@@ -193,7 +194,8 @@ __device__ __forceinline__ void softmax_step(const FwdParams& p, const Info& bi,
       bi.key_range(p, row_of(h), int64_t(n) * kBN, Traits::kMasked, lo, hi);
     }
   };
-  softmax_step<kBN, kExpOffset>(InfoMask{p, bi, row_of}, softmax, scale_log2, S, n, t, rescale);
+  softmax_step<kBN, kExpOffset>(InfoMask{p, bi, row_of}, softmax, scale_log2, S, n, t, rescale,
+                                row_off);
 }
 
 /// Probabilities -> P V's A fragments: the C fragment of two 8-key score tiles (wgmma order
