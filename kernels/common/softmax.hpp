@@ -52,8 +52,8 @@ struct ScoreCap {
 /// ALiBi (SPEC §3, FlashAttention 2's alibi_slopes) on a tile of scores after ScoreCap::apply,
 /// in the units the update's scale multiplies: the bias -slope * |i + diag - j| becomes
 /// -(slope / unit) * |d| with unit the softcap (capped) or softmax_scale, one add and one
-/// fused multiply-add an element. A tile is one query head of one batch (slope read per key
-/// block in the branch, not held through the key loop), or — kMayPack, the decode kernels,
+/// fused multiply-add an element. A tile is one query head of one batch (its slope read and
+/// divided once a tile, off the key loop's critical path), or — kMayPack, the decode kernels,
 /// which alone take packed GQA decode calls with slopes (FwdParams::packs_gqa_decode) — in a
 /// packed tile (FwdParams::gqa_packed_heads) a row per query head of the one query row: a
 /// slope a row. The mask may come before or after (-inf stays -inf). No slopes: nothing, one
@@ -62,7 +62,10 @@ template <bool kMayPack = false>
 struct ScoreBias {
   const FwdParams& p;
   int64_t b, h;  ///< the tile's batch and head (a packed tile's kv head)
+  float k_tile;  ///< the tile's slope / unit (0 without slopes), read once a tile
 
+  __device__ __forceinline__ ScoreBias(const FwdParams& p_, int64_t b_, int64_t h_)
+      : p(p_), b(b_), h(h_), k_tile(on() ? p.alibi_slope(b, h) / unit() : 0.f) {}
   __device__ __forceinline__ bool on() const { return p.alibi_slopes != nullptr; }
   __device__ __forceinline__ float unit() const {
     return p.softcap > 0.f ? p.softcap : p.softmax_scale;
@@ -85,7 +88,6 @@ struct ScoreBias {
   __device__ __forceinline__ void apply(float (&s)[kR][kC], const RowOf& row_of, int64_t diag,
                                         int64_t col0) const {
     if (!on()) return;
-    const float k_tile = p.alibi_slope(b, h) / unit();
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
       float k = k_tile, d0;
@@ -101,7 +103,6 @@ struct ScoreBias {
   __device__ __forceinline__ void apply(float (&s)[kN], const RowOf& row_of, int64_t diag,
                                         int64_t col0) const {
     if (!on()) return;
-    const float k_tile = p.alibi_slope(b, h) / unit();
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       float k = k_tile, d0;
@@ -133,7 +134,7 @@ struct ScoreBias {
       apply(s, row_of, diag, col0);
       return;
     }
-    const float ks = (left ? 1.f : -1.f) * (p.alibi_slope(b, h) / unit());
+    const float ks = left ? k_tile : -k_tile;
     const float at_col0 = ks * float(col0 - a0);  // exact distances below 2^24
     row_off[1] = -ks * float(a1 - a0);
 #pragma unroll

@@ -411,32 +411,43 @@ struct Consumer {
       return {};
     }
   }
+  /// What a tile's key blocks share of the score modifiers (the softcap, ALiBi's slope, fp8's
+  /// descales), read and divided once a tile: in the key loop those loads and divisions would
+  /// sit between each block's Q K^T and its softmax.
+  struct TileScores {
+    common::ScoreCap cap;
+    float scale_log2;  ///< RowSoftmax::update's, after cap.apply()
+    common::ScoreBias<> bias;
+  };
+  __device__ __forceinline__ TileScores tile_scores(const Info& bi) const {
+    TileScores ts{common::ScoreCap(p), 0.f, common::ScoreBias<>(p, bi.b, bi.h)};
+    ts.scale_log2 = ts.cap.scale_log2(p);
+    if constexpr (kFp8) {  // the scores of the descaled q and k (no ALiBi: the selector's rule)
+      const float qk = p.q_descale.at(bi.b, bi.h_kv) * p.k_descale.at(bi.b, bi.h_kv);
+      if (ts.cap.on())
+        ts.cap.scale *= qk;
+      else
+        ts.scale_log2 *= qk;
+    }
+    return ts;
+  }
   /// The masked online-softmax step of key block n on S (left holding the probabilities).
   __device__ __forceinline__ void softmax_step(const Info& bi, const LeanMask& lean,
+                                               const TileScores& ts,
                                                common::RowSoftmax<2>& softmax,
                                                float (&S)[kBN / 2], int n,
                                                float (&rescale)[2]) const {
-    common::ScoreCap cap(p);  // the softcap and ALiBi, when the call has them
-    float scale_log2 = cap.scale_log2(p);
-    if constexpr (kFp8) {  // the scores of the descaled q and k (no ALiBi: the selector's rule)
-      const float qk = p.q_descale.at(bi.b, bi.h_kv) * p.k_descale.at(bi.b, bi.h_kv);
-      if (cap.on())
-        cap.scale *= qk;
-      else
-        scale_log2 *= qk;
-    }
-    cap.apply(S);
+    ts.cap.apply(S);
     const int64_t m0 = m0_of(bi);
     const auto rows = [&](int h) { return row_of(m0, h); };
     float row_off[2];  // ALiBi's row part (ScoreBias), zero without slopes
     const int64_t key0 = int64_t(n) * kBN;
-    common::ScoreBias<>{p, bi.b, bi.h}.apply(S, rows, bi.diag, key0 + 2 * place.t, key0,
-                                             key0 + kBN, row_off);
+    ts.bias.apply(S, rows, bi.diag, key0 + 2 * place.t, key0, key0 + kBN, row_off);
     if constexpr (kLean) {
-      consumer::softmax_step<kBN, kExpOffset>(lean, softmax, scale_log2, S, n, place.t, rescale,
-                                              row_off);
+      consumer::softmax_step<kBN, kExpOffset>(lean, softmax, ts.scale_log2, S, n, place.t,
+                                              rescale, row_off);
     } else {
-      consumer::softmax_step<Traits, kBN, kExpOffset>(p, bi, softmax, scale_log2, S, n, rows,
+      consumer::softmax_step<Traits, kBN, kExpOffset>(p, bi, softmax, ts.scale_log2, S, n, rows,
                                                       place.t, rescale, row_off);
     }
   }
@@ -585,6 +596,7 @@ struct Consumer {
       return;
     const int n_hi = bi.n_block_max - 1, n_lo = bi.n_block_min;
     const LeanMask lean = lean_mask_of(bi);
+    const TileScores ts = tile_scores(bi);
     Acc local;
     Acc& c = kCarry ? acc : local;
     if (n_hi < n_lo) {  // no key block: Q is not read at all; out 0, LSE -inf
@@ -619,7 +631,7 @@ struct Consumer {
       float unused[2];
       if constexpr (kCarried) {
         common::RowSoftmax<2> fresh;  // the carried tile's state is its epilogue's until then
-        softmax_step(bi, lean, fresh, S, n_hi, unused);
+        softmax_step(bi, lean, ts, fresh, S, n_hi, unused);
         wgmma::wait<0>();  // the carried P V done: P and O free, V's stage back
         pv_done(c.O, vs);
         pack(S, c);
@@ -631,7 +643,7 @@ struct Consumer {
       for (int i = 0; i < kHD / 2; ++i) c.O[i] = 0.f;
       if constexpr (!kCarried) {
         if constexpr (kCarry) c.softmax = common::RowSoftmax<2>();  // the last tile's, else
-        softmax_step(bi, lean, c.softmax, S, n_hi, unused);
+        softmax_step(bi, lean, ts, c.softmax, S, n_hi, unused);
         pack(S, c);
       }
     };
@@ -658,7 +670,7 @@ struct Consumer {
       wgmma::wait<1>();  // S(n - 1) ready; P(n) V(n) may still run
       qk_done(S, n - 1 == n_lo, qs);
       float rescale[2];
-      softmax_step(bi, lean, c.softmax, S, n - 1, rescale);
+      softmax_step(bi, lean, ts, c.softmax, S, n - 1, rescale);
       wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
       pv_done(c.O, vs);
       consumer::rescale_o<kHD>(c.O, rescale);
