@@ -125,6 +125,7 @@ struct ScoreBias {
   __device__ __forceinline__ void apply(float (&s)[kN], const RowOf& row_of, int64_t diag,
                                         int64_t col0, int64_t key0, int64_t key1,
                                         float (&row_off)[2]) const {
+    static_assert(!kMayPack, "a packed tile's rows have a slope each: the exact form");
     row_off[0] = row_off[1] = 0.f;
     if (!on()) return;
     const int64_t a0 = int64_t(row_of(0)) + diag, a1 = int64_t(row_of(1)) + diag;
