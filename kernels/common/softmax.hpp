@@ -114,7 +114,7 @@ struct ScoreBias {
           s[4 * i + 2 * hr + e] = fmaf(-fabsf(d0 - float(8 * i + e)), k, s[4 * i + 2 * hr + e]);
     }
   }
-  /// wgmma order, split where the key block [key0, key1) lies wholly on one side of the
+  /// wgmma order, split where the key block [key0, key0 + 2 kN) lies wholly on one side of the
   /// diagonal of every row of the warp (all but the diagonal blocks): about the thread's first
   /// row's diagonal c = row_of(0) + diag, -k |a - j| = ±k (j - c) ∓ k (a - c) (a = row + diag,
   /// + left of the diagonal), so each element takes the column part (one add; one multiply-add
@@ -123,13 +123,14 @@ struct ScoreBias {
   /// the exact form above, row_off zero. No slopes: nothing, row_off zero.
   template <int kN, class RowOf>
   __device__ __forceinline__ void apply(float (&s)[kN], const RowOf& row_of, int64_t diag,
-                                        int64_t col0, int64_t key0, int64_t key1,
+                                        int64_t col0, int64_t key0,
                                         float (&row_off)[2]) const {
     static_assert(!kMayPack, "a packed tile's rows have a slope each: the exact form");
     row_off[0] = row_off[1] = 0.f;
     if (!on()) return;
     const int64_t a0 = int64_t(row_of(0)) + diag, a1 = int64_t(row_of(1)) + diag;
-    const bool left = port::all_lanes(key1 - 1 <= (a0 < a1 ? a0 : a1));
+    const int64_t key_last = key0 + 2 * kN - 1;  // a thread's kN scores span the block's keys
+    const bool left = port::all_lanes(key_last <= (a0 < a1 ? a0 : a1));
     const bool right = port::all_lanes(key0 >= (a0 < a1 ? a1 : a0));
     if (!left && !right) {
       apply(s, row_of, diag, col0);

@@ -442,7 +442,7 @@ struct Consumer {
     const auto rows = [&](int h) { return row_of(m0, h); };
     float row_off[2];  // ALiBi's row part (ScoreBias), zero without slopes
     const int64_t key0 = int64_t(n) * kBN;
-    ts.bias.apply(S, rows, bi.diag, key0 + 2 * place.t, key0, key0 + kBN, row_off);
+    ts.bias.apply(S, rows, bi.diag, key0 + 2 * place.t, key0, row_off);
     if constexpr (kLean) {
       consumer::softmax_step<kBN, kExpOffset>(lean, softmax, ts.scale_log2, S, n, place.t,
                                               rescale, row_off);
