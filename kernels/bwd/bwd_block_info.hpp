@@ -216,8 +216,8 @@ struct RotatedWalk {
 /// How a dk/dv pass numbers its tiles (key block, kv head, batch): the key block fastest (a
 /// head's key blocks side by side: they share its Q, dO and dq rows in L2), fastest with the
 /// last key block first (the same, each head's lightest causal block first: the deterministic
-/// dq's order for masked calls, bwd_sm90_ws_kernel.hpp), or slowest (every head's heaviest
-/// causal blocks start first).
+/// dq's order for masked calls, bwd_sm90_ws_kernel.hpp; `side_by_side` heads at a time, key
+/// block major among them), or slowest (every head's heaviest causal blocks start first).
 enum class KeyOrder : int { kFastest, kFastestLastFirst, kSlowest };
 
 /// What one block of a dk/dv pass owns: key block n_block (keys [n0, n0 + block_n)) of kv head
@@ -225,7 +225,8 @@ enum class KeyOrder : int { kFastest, kFastestLastFirst, kSlowest };
 /// to the pass's query step block_m), walked for `groups` query heads from h0: all of the kv
 /// head's, or (`heads_per_tile` > 0, a divisor of Hq / Hkv) one slice of them — the pass then
 /// numbers (kv head, slice) pairs where it numbers kv heads, the slices of a kv head adjacent.
-/// Tile `linear` in the grid's order `order`.
+/// Tile `linear` in the grid's order `order`; kFastestLastFirst takes `side_by_side` (batch,
+/// kv head, slice) units' key blocks together: key block J of each unit, then J - 1, ...
 struct KeyBlock {
   int n_block;
   int64_t hk, b;
@@ -233,9 +234,10 @@ struct KeyBlock {
   int64_t n0, groups, h0, row_lo = 0, row_hi = 0;
 
   HIPFLASH_HD KeyBlock(const FwdParams& p, int64_t linear, int num_n_blocks, KeyOrder order,
-                       int block_n, int block_m, bool clamp = true, int64_t heads_per_tile = 0)
-      : KeyBlock(p, place(p, linear, num_n_blocks, order, heads_per_tile), block_n, block_m,
-                 clamp) {}
+                       int block_n, int block_m, bool clamp = true, int64_t heads_per_tile = 0,
+                       int64_t side_by_side = 1)
+      : KeyBlock(p, place(p, linear, num_n_blocks, order, heads_per_tile, side_by_side), block_n,
+                 block_m, clamp) {}
 
   /// Whether the block lies past its sequence's keys (a shorter varlen sequence): no work.
   HIPFLASH_HD bool past_keys() const { return n0 >= seq.len_k; }
@@ -246,15 +248,22 @@ struct KeyBlock {
     int64_t hk, b, h0, heads;
   };
   HIPFLASH_HD static Place place(const FwdParams& p, int64_t linear, int num_n_blocks,
-                                 KeyOrder order, int64_t heads_per_tile) {
+                                 KeyOrder order, int64_t heads_per_tile, int64_t side_by_side) {
     const int64_t group = p.heads_q / p.heads_kv;
     const int64_t heads = heads_per_tile > 0 ? heads_per_tile : group, slices = group / heads;
     const int64_t units = p.batch * p.heads_kv * slices;  // (batch, kv head, slice)
-    const int64_t unit = order == KeyOrder::kSlowest ? linear % units : linear / num_n_blocks;
+    int64_t unit = order == KeyOrder::kSlowest ? linear % units : linear / num_n_blocks;
     Place at;
     at.n_block = int(order == KeyOrder::kSlowest   ? linear / units
                      : order == KeyOrder::kFastest ? linear % num_n_blocks
                                                    : num_n_blocks - 1 - linear % num_n_blocks);
+    if (order == KeyOrder::kFastestLastFirst && side_by_side > 1) {  // the last group fewer
+      const int64_t u0 = linear / (side_by_side * num_n_blocks) * side_by_side;
+      const int64_t width = units - u0 < side_by_side ? units - u0 : side_by_side;
+      const int64_t at_in = linear - u0 * num_n_blocks;
+      unit = u0 + at_in % width;
+      at.n_block = int(num_n_blocks - 1 - at_in / width);
+    }
     at.b = unit / (p.heads_kv * slices);
     at.hk = unit / slices % p.heads_kv;
     at.h0 = at.hk * group + unit % slices * heads;

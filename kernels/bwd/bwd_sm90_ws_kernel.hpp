@@ -270,8 +270,8 @@ struct DkdvWork {
   int64_t key_blocks = 0; ///< the sequence's key blocks when the walk is rotated, else 0
 
   __device__ __forceinline__ DkdvWork(const BwdParams& p, int64_t tile, int num_n_blocks,
-                                      KeyOrder order, bool rotate)
-      : kb(p, tile, num_n_blocks, order, kBN, kBM, true, p.heads_per_tile) {
+                                      KeyOrder order, int side_by_side, bool rotate)
+      : kb(p, tile, num_n_blocks, order, kBN, kBM, true, p.heads_per_tile, side_by_side) {
     m_steps = kb.past_keys() ? 0 : (kb.row_hi - kb.row_lo + kBM - 1) / kBM;
     steps = m_steps * kb.groups;
     row_end = kb.row_lo + m_steps * kBM;
@@ -389,7 +389,7 @@ template <class Traits, bool kCounted = false, bool kScoreMods = false>
 __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
     bwd_dkdv_sm90_ws_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int num_n_blocks,
                             const HIPFLASH_GRID_CONSTANT BwdTmaMaps maps, int64_t tiles,
-                            bool snake, KeyOrder order, bool rotate) {
+                            bool snake, KeyOrder order, int side_by_side, bool rotate) {
 #if defined(HIPFLASH_HAS_WGMMA)
   using namespace ::hipflash::atom::sm90;
   using namespace dkdv_ws;
@@ -399,6 +399,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
   using Work = DkdvWork<kBM, kBN>;
   using Feed = TileFeed<Cfg, kCounted>;
+  // Heads side by side: deterministic masked calls at head dim 64 (bwd_heads_side_by_side).
+  constexpr bool kSideBySide = kCounted && Traits::kMasked && kHD <= 64;
 
   const bool varlen = p.is_varlen();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -423,7 +425,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
       Feed feed{sm, p.tile_counter, snake, kCounted && rotate};
       for (int64_t tile; (tile = feed.produce()) < tiles;) {
-        const Work w(p, tile, num_n_blocks, order, rotate);
+        const Work w(p, tile, num_n_blocks, order, kSideBySide ? side_by_side : 1, rotate);
         if (w.steps == 0) continue;  // the consumers only store zeros
         // Map coordinates: a varlen call's maps are its packed rows as one batch.
         const int hk = int(w.kb.hk), b = int(w.kb.b), mb = varlen ? 0 : b;
@@ -477,7 +479,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       };
       Feed feed{sm, p.tile_counter, snake, kCounted && rotate};
       for (int64_t tile; (tile = feed.consume(!feed.writer_paced)) < tiles;) {
-        const Work w(p, tile, num_n_blocks, order, rotate);
+        const Work w(p, tile, num_n_blocks, order, kSideBySide ? side_by_side : 1, rotate);
         StepPos<kBM> pos = w.first_step();
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
           if (lane == 0) tma::wait_group_read<0>();
@@ -522,7 +524,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
   Feed feed{sm, p.tile_counter, snake};
   for (int64_t tile; (tile = feed.consume()) < tiles;) {
-    const Work w(p, tile, num_n_blocks, order, rotate);
+    const Work w(p, tile, num_n_blocks, order, kSideBySide ? side_by_side : 1, rotate);
     if (w.kb.past_keys()) continue;  // past this varlen sequence's keys
     const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;
     const SeqBounds& seq = w.kb.seq;

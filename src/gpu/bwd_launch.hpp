@@ -190,6 +190,8 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
               : ordered                        ? bwd::KeyOrder::kFastestLastFirst
               : tiles < kBwdMinTilesPerSm * num_sms ? bwd::KeyOrder::kSlowest
                                                : bwd::KeyOrder::kFastest;
+          const int side_by_side = int(
+              bwd_heads_side_by_side(blocks, num_sms, Dkdv::kHeadDim, ordered, Traits::kMasked));
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
           if (p.dkv_accum == nullptr) add_dkdv_maps(maps, p, Dkdv::kBlockN, persistent);
@@ -205,7 +207,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
             port::check(port::launch_kernel(dkdv, dim3(grid_of(grid, "dk/dv (sm90_ws)")),
                                             dim3(Dkdv::kThreads), Dkdv::kSmemBytes, stream,
                                             dependent_launch<dkdv>(), p, int(blocks), maps,
-                                            tiles, snake, order, rotate),
+                                            tiles, snake, order, side_by_side, rotate),
                         "launching the backward's dk/dv (sm90_ws) kernel");
           };
           if (score_mods) {

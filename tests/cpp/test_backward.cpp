@@ -116,6 +116,8 @@ TEST(BackwardRotatedWalk, RanksFollowTheArrivalOrder) {
 // GQA tiles of the warp-specialised dk/dv pass over slices of a kv head's query heads
 // (BwdParams::heads_per_tile): in every order, the tiles cover each (batch, query head, key
 // block) exactly once, each with the kv head that query head reads; whole groups (0) as before.
+// Deterministic masked calls walk heads side by side (kFastestLastFirst): each head's key blocks
+// still come last first, so a tile waits only on tiles numbered before it.
 TEST(BackwardKeyBlock, SlicesCoverEveryQueryHeadOnce) {
   FwdParams p;
   p.batch = 3, p.heads_q = 8, p.heads_kv = 2, p.head_dim = 64, p.num_splits = 1;
@@ -125,22 +127,48 @@ TEST(BackwardKeyBlock, SlicesCoverEveryQueryHeadOnce) {
   const int n_blocks = 3;
   for (const bwd::KeyOrder order :
        {bwd::KeyOrder::kFastest, bwd::KeyOrder::kFastestLastFirst, bwd::KeyOrder::kSlowest})
-    for (const int64_t per_tile : {0, 1, 2, 4}) {
-      const int64_t heads = per_tile > 0 ? per_tile : 4;
-      const int64_t tiles = n_blocks * p.batch * p.heads_q / heads;
-      std::vector<int> seen(size_t(p.batch * p.heads_q * n_blocks), 0);
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        const bwd::KeyBlock kb(p, tile, n_blocks, order, kBN, kBM, true, per_tile);
-        ASSERT_EQ(kb.groups, heads);
-        ASSERT_LT(kb.b, p.batch);
-        ASSERT_LT(kb.n_block, n_blocks);
-        for (int64_t h = kb.h0; h < kb.h0 + kb.groups; ++h) {
-          ASSERT_EQ(h / (p.heads_q / p.heads_kv), kb.hk) << "tile " << tile;
-          ++seen[size_t((kb.b * p.heads_q + h) * n_blocks + kb.n_block)];
+    for (const int64_t per_tile : {0, 1, 2, 4})
+      for (const int64_t side_by_side : {1, 2, 5, 16}) {
+        if (side_by_side > 1 && order != bwd::KeyOrder::kFastestLastFirst) continue;
+        const int64_t heads = per_tile > 0 ? per_tile : 4;
+        const int64_t tiles = n_blocks * p.batch * p.heads_q / heads;
+        std::vector<int> seen(size_t(p.batch * p.heads_q * n_blocks), 0);
+        std::vector<int> last(size_t(p.batch * p.heads_q), n_blocks);  // a head's last key block
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+          const bwd::KeyBlock kb(p, tile, n_blocks, order, kBN, kBM, true, per_tile,
+                                 side_by_side);
+          ASSERT_EQ(kb.groups, heads);
+          ASSERT_LT(kb.b, p.batch);
+          ASSERT_LT(kb.n_block, n_blocks);
+          for (int64_t h = kb.h0; h < kb.h0 + kb.groups; ++h) {
+            ASSERT_EQ(h / (p.heads_q / p.heads_kv), kb.hk) << "tile " << tile;
+            ++seen[size_t((kb.b * p.heads_q + h) * n_blocks + kb.n_block)];
+            if (order == bwd::KeyOrder::kFastestLastFirst) {
+              int& at = last[size_t(kb.b * p.heads_q + h)];
+              ASSERT_EQ(kb.n_block, at - 1) << "tile " << tile << " side by side " << side_by_side;
+              at = kb.n_block;
+            }
+          }
         }
+        for (int s : seen)
+          ASSERT_EQ(s, 1) << "order " << int(order) << " per tile " << per_tile << " side by side "
+                          << side_by_side;
       }
-      for (int s : seen) ASSERT_EQ(s, 1) << "order " << int(order) << " per tile " << per_tile;
-    }
+}
+
+// The heads a deterministic masked dk/dv pass walks side by side: two steps' worth of takes
+// (2 x SMs / key blocks), 1 to 16, at head dim 64; one head at a time elsewhere.
+TEST(BackwardKeyBlock, HeadsSideBySideRule) {
+  constexpr int kSms = 132;
+  EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, true, true), 16);  // S = 2k: 17 -> 16
+  EXPECT_EQ(bwd_heads_side_by_side(32, kSms, 64, true, true), 9);   // S = 4k, varlen to 4k
+  EXPECT_EQ(bwd_heads_side_by_side(64, kSms, 64, true, true), 5);
+  EXPECT_EQ(bwd_heads_side_by_side(128, kSms, 64, true, true), 3);
+  EXPECT_EQ(bwd_heads_side_by_side(4096, kSms, 64, true, true), 1);
+  EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 128, true, true), 1);  // hd128: the lead suffices
+  EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, false, true), 1);  // atomic dq
+  EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, true, false), 1);  // unmasked: rotated walks
+  EXPECT_EQ(bwd_heads_side_by_side(0, kSms, 64, true, true), 1);
 }
 
 // The split's rule (bwd_heads_per_tile): the fewest slices that give kBwdMinTilesPerSm tiles a
