@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // wait) and before any wait on a counter. The order is ascending, or descending under
       // KeyOrder::kFastestLastFirst (masked calls: a head's key blocks run side by side, and a
       // later one reaches each row block earlier in its walk, so none waits while they keep
-      // pace). Either way a tile waits only on tiles numbered before it, which a persistent
+      // pace; at hd64 several heads' key blocks interleave, ranks still per head). Either way a tile waits only on tiles numbered before it, which a persistent
       // grid's blocks reach (each walks its tiles in increasing order). A rotated walk
       // (DkdvWork; unmasked calls) ranks in the order the walks reach a step and waits on a
       // head's later key blocks too: the launcher rotates only where a head's key blocks fall

@@ -153,6 +153,12 @@ TEST(BackwardKeyBlock, SlicesCoverEveryQueryHeadOnce) {
         for (int s : seen)
           ASSERT_EQ(s, 1) << "order " << int(order) << " per tile " << per_tile << " side by side "
                           << side_by_side;
+        if (side_by_side > 1) {  // tile 1: the next head's last key block, not tile 0's head's
+          const bwd::KeyBlock t0(p, 0, n_blocks, order, kBN, kBM, true, per_tile, side_by_side);
+          const bwd::KeyBlock t1(p, 1, n_blocks, order, kBN, kBM, true, per_tile, side_by_side);
+          EXPECT_EQ(t1.n_block, n_blocks - 1);
+          EXPECT_NE(t1.b * p.heads_q + t1.h0, t0.b * p.heads_q + t0.h0);
+        }
       }
 }
 
