@@ -399,8 +399,10 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   constexpr int kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim;
   using Work = DkdvWork<kBM, kBN>;
   using Feed = TileFeed<Cfg, kCounted>;
-  // Heads side by side: deterministic masked calls at head dim 64 (bwd_heads_side_by_side).
+  // Heads side by side: deterministic masked calls at head dim 64 (bwd_heads_side_by_side);
+  // every other instantiation walks one head at a time, its code unchanged.
   constexpr bool kSideBySide = kCounted && Traits::kMasked && kHD <= 64;
+  const int heads_side_by_side = kSideBySide ? side_by_side : 1;
 
   const bool varlen = p.is_varlen();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -425,7 +427,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       uint32_t it = 0, kv_it = 0;  // stages and K / V tiles loaded so far
       Feed feed{sm, p.tile_counter, snake, kCounted && rotate};
       for (int64_t tile; (tile = feed.produce()) < tiles;) {
-        const Work w(p, tile, num_n_blocks, order, kSideBySide ? side_by_side : 1, rotate);
+        const Work w(p, tile, num_n_blocks, order, heads_side_by_side, rotate);
         if (w.steps == 0) continue;  // the consumers only store zeros
         // Map coordinates: a varlen call's maps are its packed rows as one batch.
         const int hk = int(w.kb.hk), b = int(w.kb.b), mb = varlen ? 0 : b;
@@ -463,8 +465,8 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // wait) and before any wait on a counter. The order is ascending, or descending under
       // KeyOrder::kFastestLastFirst (masked calls: a head's key blocks run side by side, and a
       // later one reaches each row block earlier in its walk, so none waits while they keep
-      // pace; at hd64 several heads' key blocks interleave, ranks still per head). Either way a tile waits only on tiles numbered before it, which a persistent
-      // grid's blocks reach (each walks its tiles in increasing order). A rotated walk
+      // pace; at hd64 several heads' key blocks interleave, ranks still per head). Either way
+      // a tile waits only on tiles numbered before it, which a persistent grid's blocks reach (each walks its tiles in increasing order). A rotated walk
       // (DkdvWork; unmasked calls) ranks in the order the walks reach a step and waits on a
       // head's later key blocks too: the launcher rotates only where a head's key blocks fall
       // on distinct blocks of the stride (n <= grid), each behind tiles of earlier heads only.
@@ -479,7 +481,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       };
       Feed feed{sm, p.tile_counter, snake, kCounted && rotate};
       for (int64_t tile; (tile = feed.consume(!feed.writer_paced)) < tiles;) {
-        const Work w(p, tile, num_n_blocks, order, kSideBySide ? side_by_side : 1, rotate);
+        const Work w(p, tile, num_n_blocks, order, heads_side_by_side, rotate);
         StepPos<kBM> pos = w.first_step();
         for (int64_t s = 0; s < w.steps; ++s, pos.next()) {
           if (lane == 0) tma::wait_group_read<0>();
@@ -524,7 +526,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
   uint32_t it = 0, kv_it = 0;  // stages and K / V tiles consumed so far
   Feed feed{sm, p.tile_counter, snake};
   for (int64_t tile; (tile = feed.consume()) < tiles;) {
-    const Work w(p, tile, num_n_blocks, order, kSideBySide ? side_by_side : 1, rotate);
+    const Work w(p, tile, num_n_blocks, order, heads_side_by_side, rotate);
     if (w.kb.past_keys()) continue;  // past this varlen sequence's keys
     const int64_t hk = w.kb.hk, b = w.kb.b, n0 = w.kb.n0;
     const SeqBounds& seq = w.kb.seq;

@@ -79,15 +79,14 @@ constexpr int64_t bwd_heads_per_tile(int64_t tiles, int64_t group, int num_sms, 
 
 /// The heads a deterministic masked dk/dv pass walks side by side (bwd::KeyBlock's
 /// kFastestLastFirst): key block j + 1 of each before any one's j. A head's j adds each row
-/// block's dq after its j + 1, which reaches the row block two steps earlier in its walk when
-/// both start together; at head dim 64 that lead is about the handoff's latency (bulk reduction
-/// performed, counter released, seen), and one head at a time each link waited (the dQ writer
-/// waiting 40-48% of its time at dense 2k and varlen causal hd64, H100 tile trace). A causal
-/// tile is about `key_blocks` steps (varlen: those of its longest sequence, which overstates a
-/// tile of the others), so 2 x SMs / key_blocks takes start j two steps later, the rows it
-/// shares with j + 1 still in L2 (at most 16 heads). Head dim 128's steps take twice as long:
-/// the lead covers the handoff, and side by side lost the L2 sharing (+8-12% deterministic
-/// backward time, H100). 1 elsewhere.
+/// block's dq after its j + 1, which reaches the row block kBlockN / kBlockM steps earlier in its
+/// walk when both start together: one step at head dim 64 (128-row steps), less than the
+/// handoff's latency (bulk reduction performed, counter released, seen), so one head at a time
+/// each link waited (the dQ writer waiting 40-48% of its time at dense 2k and varlen causal hd64,
+/// H100 tile trace). A causal tile is about key_blocks / 2 of those steps (varlen: of its longest
+/// sequence, which overstates the others'), so 2 x SMs / key_blocks takes start j a step later:
+/// two steps' lead, as head dim 128's 64-row steps have by themselves — there side by side only
+/// lost L2 sharing (+8-12% deterministic backward time, H100). At most 16 heads; 1 elsewhere.
 constexpr int64_t bwd_heads_side_by_side(int64_t key_blocks, int num_sms, int head_dim,
                                          bool deterministic, bool masked) {
   if (!deterministic || !masked || head_dim > 64 || key_blocks <= 0) return 1;
