@@ -6,9 +6,14 @@
 # pass), the sum, and cuDNN's sum beside it — the fixed passes' share at short rows, before
 # and after a kernel change. --sides picks what is profiled side by side: hipflash,
 # hipflash-det (deterministic=True) and cudnn (dense cells only).
+# Beside the profiler's per-kernel sum, "events ms" is the backward call's device time by CUDA
+# events over the same calls (the passes overlap where a programmatic dependent's blocks are
+# placed before its prerequisite ends, so the sum can exceed it).
 # Usage (GPU machine, after scripts/gpu-check build):
 #   python3 bench/probes/bwd_split_probe.py build-gpu/python [--cells S:D[:c],...] [--calls N]
-#     [--sides hipflash,hipflash-det,cudnn]
+#     [--sides hipflash,hipflash-det,cudnn] [--ncu]
+# --ncu: after each cell's check, three untimed backward calls a side, no profiler, for Nsight
+# Compute (e.g. ncu --kernel-name regex:'dkdv|bprop' --launch-skip 2 --launch-count 1 ...).
 # A cell S:D is B = 16k / S, H = 2048 / D; a trailing :c makes it causal. S = varlen is the train
 # suite's varlen cell (16k tokens packed, sequences of 512..4k, bench/train_bench.py), varlen-desc
 # / varlen-asc its lengths sorted, RxN a varlen call of N sequences of R tokens.
@@ -24,6 +29,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("hipflash_path")
 ap.add_argument("--cells", default="512:128:c,1024:128:c,4096:128:c,16384:128:c,512:64:c,512:128")
 ap.add_argument("--calls", type=int, default=5, help="profiled backward calls per side")
+ap.add_argument("--ncu", action="store_true",
+                help="untimed backward calls (three a side) for Nsight Compute, no profiler")
 ap.add_argument("--sides", default="hipflash,cudnn",
                 help="comma-separated: hipflash, hipflash-det, cudnn (dense cells)")
 args = ap.parse_args()
@@ -76,11 +83,19 @@ def per_kernel(attn, q, k, v, dout, causal, lens):
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0 and not e.key.startswith("cudaLaunch"):
             times[e.key] += t / 1e3 / args.calls
-    return times
+    # The same calls by CUDA events, back to back after the first.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    start.record()
+    for _ in range(args.calls):
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    end.record()
+    torch.cuda.synchronize()
+    return times, start.elapsed_time(end) / args.calls
 
 
 torch.manual_seed(0)
-print(f"{'cell':22s} {'side':12s} {'ms/call':>8s}  kernels (ms/call)")
+print(f"{'cell':22s} {'side':12s} {'ms/call':>8s} {'events':>8s}  kernels (ms/call)")
 sides = {"hipflash": ours(False), "hipflash-det": ours(True), "cudnn": cudnn}
 def varlen_cell(spec, d):
     """A varlen cell's sequence lengths: varlen (the train suite's mix), varlen-desc /
@@ -119,14 +134,23 @@ for spec, d, causal in cells():
                     bad = f"{side} d{name} max|err| {err:.3g}"
     if bad:
         print(f"{label:22s} {bad}: not timed")
+    elif args.ncu:
+        for side in args.sides.split(","):
+            if side == "cudnn" and lens:
+                continue
+            out = sides[side](q, k, v, causal, lens)
+            for _ in range(3):
+                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            torch.cuda.synchronize()
+            print(f"{label:22s} {side:12s} three backward calls made", flush=True)
     else:
         for side in args.sides.split(","):
             if side == "cudnn" and lens:
                 continue
-            times = per_kernel(sides[side], q, k, v, dout, causal, lens)
+            times, events = per_kernel(sides[side], q, k, v, dout, causal, lens)
             total = sum(times.values())
             top = sorted(times.items(), key=lambda kv: -kv[1])[:5]
-            print(f"{label:22s} {side:12s} {total:8.3f}  " +
+            print(f"{label:22s} {side:12s} {total:8.3f} {events:8.3f}  " +
                   ", ".join(f"{name[:60]} {t:.3f}" for name, t in top), flush=True)
     del q, k, v, dout
     torch.cuda.empty_cache()
