@@ -132,21 +132,18 @@ for spec, d, causal in cells():
                 err = (g[:, rows, hs].float() - r).abs().max().item()
                 if not err <= 2e-2 * r.abs().max().item() + 1e-3:
                     bad = f"{side} d{name} max|err| {err:.3g}"
+    here = [s for s in args.sides.split(",") if not (s == "cudnn" and lens)]  # cuDNN: dense
     if bad:
         print(f"{label:22s} {bad}: not timed")
     elif args.ncu:
-        for side in args.sides.split(","):
-            if side == "cudnn" and lens:
-                continue
+        for side in here:
             out = sides[side](q, k, v, causal, lens)
             for _ in range(3):
                 torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
             torch.cuda.synchronize()
             print(f"{label:22s} {side:12s} three backward calls made", flush=True)
     else:
-        for side in args.sides.split(","):
-            if side == "cudnn" and lens:
-                continue
+        for side in here:
             times, events = per_kernel(sides[side], q, k, v, dout, causal, lens)
             total = sum(times.values())
             top = sorted(times.items(), key=lambda kv: -kv[1])[:5]

@@ -466,10 +466,11 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // KeyOrder::kFastestLastFirst (masked calls: a head's key blocks run side by side, and a
       // later one reaches each row block earlier in its walk, so none waits while they keep
       // pace; at hd64 several heads' key blocks interleave, ranks still per head). Either way
-      // a tile waits only on tiles numbered before it, which a persistent grid's blocks reach (each walks its tiles in increasing order). A rotated walk
-      // (DkdvWork; unmasked calls) ranks in the order the walks reach a step and waits on a
-      // head's later key blocks too: the launcher rotates only where a head's key blocks fall
-      // on distinct blocks of the stride (n <= grid), each behind tiles of earlier heads only.
+      // a tile waits only on tiles numbered before it, which a persistent grid's blocks reach
+      // (each walks its tiles in increasing order). A rotated walk (DkdvWork; unmasked calls)
+      // ranks in the order the walks reach a step and waits on a head's later key blocks too:
+      // the launcher rotates only where a head's key blocks fall on distinct blocks of the
+      // stride (n <= grid), each behind tiles of earlier heads only.
       const bool ordered = p.dq_semaphore != nullptr;
       int32_t* pending = nullptr;  // the counter of the last addition, not yet counted on
       auto count_on = [&pending] {
