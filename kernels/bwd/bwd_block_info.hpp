@@ -166,16 +166,22 @@ HIPFLASH_HD T* dv_rows(const BwdParams& p, int64_t b, int64_t start, int64_t hk)
                  start, hk);
 }
 
-/// dq_accum's element (row, col) of (b, h), in floats from dq_accum: rows of padded_head_dim
-/// floats whose 16-byte chunks are XOR-swizzled by row % 8 (seqlen_rounded is a multiple of 8,
-/// so the workspace row and the sequence row agree mod 8). A tile of rows is then one
-/// contiguous run that the warp-specialised dk/dv pass stages in shared memory without bank
-/// conflicts and adds with one bulk reduction (bwd_sm90_ws_kernel.hpp); every writer and the
-/// dq conversion go through this index.
+/// dq_accum's element (row, col) of (b, h), in floats from dq_accum. Rows pair r and r + 8 of
+/// each 16 (seqlen_rounded is a multiple of 128, so the workspace row and the sequence row agree
+/// mod 16): pair g = row % 8 of a 16-row group is 2 x padded_head_dim floats of 16-byte chunks,
+/// chunk j holding columns 2j and 2j + 1 of both rows (row r's first), the chunks XOR-swizzled
+/// by dq_pair_swizzle(g). A tile of rows is then one contiguous run that the warp-specialised
+/// dk/dv pass stages in shared memory with one 16-byte store per pair of its dQ fragment (rows g
+/// and g + 8) without bank conflicts, and adds with one bulk reduction (bwd_sm90_ws_kernel.hpp);
+/// every writer and the dq conversion go through this index.
+/// The chunk swizzle of pair g: pairs 2q and 2q + 1 (a quarter warp's 16-byte stores, served
+/// together) differ in bit 2, so their 4 + 4 chunks fill all 8 bank groups.
+HIPFLASH_HD constexpr int dq_pair_swizzle(int g) { return ((g & 1) << 2) | (g >> 1); }
 HIPFLASH_HD int64_t dq_accum_index(const BwdParams& p, int64_t b, int64_t h, int64_t row,
                                    int col) {
-  return p.ws_row(b, h, row) * p.padded_head_dim + (((col >> 2) ^ (int(row) & 7)) << 2) +
-         (col & 3);
+  const int g = int(row) & 7, hh = (int(row) >> 3) & 1;
+  return (p.ws_row(b, h, row) - (row & 15)) * p.padded_head_dim + 2 * g * p.padded_head_dim +
+         (((col >> 1) ^ dq_pair_swizzle(g)) << 2) + 2 * hh + (col & 1);
 }
 
 /// The rotated walk of a deterministic unmasked dk/dv pass (bwd_sm90_ws_kernel.hpp's DkdvWork):

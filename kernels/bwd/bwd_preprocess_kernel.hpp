@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(kPrepThreads)
 #pragma unroll
   for (int m = 1; m < kPrepLanesPerRow; m *= 2) delta += port::shfl_xor(delta, m);
   if (lane == 0) {
-    p.delta[ws] = delta;
-    p.lse_log2[ws] = lse2;
+    p.delta[p.stats_index(ws)] = delta;
+    p.lse_log2[p.stats_index(ws)] = lse2;
   }
   if (p.dq_accum != nullptr) {
     float4* acc = reinterpret_cast<float4*>(p.dq_accum + ws * p.padded_head_dim);
@@ -103,8 +103,9 @@ struct ConvertPiece {
   }
 };
 
-/// Grid: ceil(seqlen_rounded * padded_head_dim / 8 / kConvertThreads) * Hq * B blocks; a
-/// thread converts 8 elements of one row.
+/// Grid: ceil(seqlen_rounded / 2 * padded_head_dim / 8 / kConvertThreads) * Hq * B blocks; a
+/// thread converts 8 columns of one pair of rows (r and r + 8 of 16: dq_accum_index), four
+/// 16-byte chunks together.
 template <DType kDType>
 __global__ void __launch_bounds__(kConvertThreads)
     bwd_dq_convert_kernel(const HIPFLASH_GRID_CONSTANT BwdParams p, int piece_blocks) {
@@ -115,22 +116,34 @@ __global__ void __launch_bounds__(kConvertThreads)
   const int64_t linear = blockIdx.x, pairs = gridDim.x / piece_blocks;
   const int64_t pb = linear % piece_blocks, rest = pairs - 1 - linear / piece_blocks;
   const int64_t h = rest % p.heads_q, b = rest / p.heads_q;
-  const auto [row, c] = ConvertPiece(p, pb);
+  const auto [pair, c] = ConvertPiece(p, pb);
+  const int64_t row = pair / 8 * 16 + pair % 8;  // and row + 8
   const SeqBounds seq(p, b);
   // Every thread waits for the dk/dv pass, also one with nothing to convert: the work after
   // this grid waits for it alone, so it may not end before the pass does.
   port::wait_prerequisite_grids();
   if (row >= seq.len_q || c >= p.head_dim) return;
-  // Columns c .. c + 7: two 16-byte chunks of the swizzled row (dq_accum_index).
-  const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c));
-  const float4 hi =
-      *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c + 4));
-  const float acc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  W w[8];
+  // Columns c .. c + 7 of both rows: four 16-byte chunks (dq_accum_index), chunk j columns
+  // c + 2j and + 1 of row, then of row + 8.
+  float acc[2][8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) w[e] = B::from_float(acc[e] * p.softmax_scale);
-  W* dq = dq_rows<W>(p, b, seq.q_start, h) + row * p.dq_row_stride + c;
-  common::store_words<W, 8>(dq, w);
+  for (int j = 0; j < 4; ++j) {
+    const float4 v =
+        *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(p, b, h, row, c + 2 * j));
+    acc[0][2 * j] = v.x;
+    acc[0][2 * j + 1] = v.y;
+    acc[1][2 * j] = v.z;
+    acc[1][2 * j + 1] = v.w;
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (row + 8 * hh >= seq.len_q) break;
+    W w[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w[e] = B::from_float(acc[hh][e] * p.softmax_scale);
+    W* dq = dq_rows<W>(p, b, seq.q_start, h) + (row + 8 * hh) * p.dq_row_stride + c;
+    common::store_words<W, 8>(dq, w);
+  }
 }
 
 /// Grid: ceil(seqlen_k_rounded * padded_head_dim / 8 / kConvertThreads) * Hkv * B blocks; a

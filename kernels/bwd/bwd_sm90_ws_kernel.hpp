@@ -187,6 +187,11 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void st_shared(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
+__device__ __forceinline__ void st_shared(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c),
+               "f"(d)
+               : "memory");
+}
 
 /// dk = scale dS^T Q or dv = P^T dO of this thread's tile rows `row` and row + 8 (accumulators
 /// in wgmma order: element 4i + 2h + e is row row + 8h, column 8i + 2t + e) in the layout the
@@ -569,8 +574,16 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // (a masked NaN leaks nothing), the other steps without one: the rows seeing this
       // thread's keys key0 and key0 + 8.
       // The statistics as pairs (a thread's columns 2t and 2t + 1 of each 8: one 8-byte load).
-      const float2* lse2 = reinterpret_cast<const float2*>(smem_floats(smem_raw, sm.lse(st)));
-      const float2* delta = reinterpret_cast<const float2*>(smem_floats(smem_raw, sm.delta(st)));
+      // The statistics, permuted by the preprocess in 16-row blocks (BwdParams::stats_index):
+      // this thread's columns 8i + 2t + e at 4-float group 4 (i / 2) + t, element 2 (i % 2) + e
+      // (a warp's four groups of a block: 64 contiguous bytes, no bank conflict).
+      const float4* lse4 = reinterpret_cast<const float4*>(smem_floats(smem_raw, sm.lse(st))) + t;
+      const float4* delta4 =
+          reinterpret_cast<const float4*>(smem_floats(smem_raw, sm.delta(st))) + t;
+      auto pair = [](const float4* at, int i) {
+        const float4 v = at[4 * (i / 2)];
+        return i % 2 == 0 ? make_float2(v.x, v.y) : make_float2(v.z, v.w);
+      };
       const KeyPairRows<kBM, Traits::kMasked> key_rows(seq, p, m0, n0, kBN, key0);
       auto probabilities_and_grads = [&](auto select) {
         constexpr bool kSelect = decltype(select)::value;
@@ -578,7 +591,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::fence_operands(S);
 #pragma unroll
         for (int i = 0; i < kBM / 8; ++i) {
-          const float2 l2s = lse2[4 * i + t];  // columns 8i + 2t and 8i + 2t + 1
+          const float2 l2s = pair(lse4, i);  // columns 8i + 2t and 8i + 2t + 1
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = 8 * i + 2 * t + e;
@@ -595,7 +608,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::fence_operands(dP);
 #pragma unroll
         for (int i = 0; i < kBM / 8; ++i) {
-          const float2 dls = delta[4 * i + t];
+          const float2 dls = pair(delta4, i);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = 8 * i + 2 * t + e;
@@ -622,7 +635,7 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         const float dist0 = float(m0 + seq.diag - key0 + 2 * t);
 #pragma unroll
         for (int i = 0; i < kBM / 8; ++i) {
-          const float2 l2s = lse2[4 * i + t], dls = delta[4 * i + t];
+          const float2 l2s = pair(lse4, i), dls = pair(delta4, i);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = 8 * i + 2 * t + e;
@@ -660,17 +673,20 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::fence();
         sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
         wgmma::commit();
-        // Swizzled addresses from this thread's row phase g, kept opaque so that the compiler
-        // builds each from a base and a constant instead of holding 16 of them across the loop.
-        int phase = g;
-        asm volatile("" : "+r"(phase));
-        const uint32_t ds_row = sm.ds() + uint32_t(wg * 64 + wi * 16 + g) * 128 + 4 * t;
+        // dS^T by stmatrix: dSf[k] is the four 8 x 8 matrices of query columns 16k .. 16k + 15
+        // (chunks 2k and 2k + 1, k % 4 of panel k / 4) for this warp's keys g and g + 8, this
+        // lane addressing row r = lane % 8 of matrix m = lane / 8: key r + 8 (m % 2), chunk
+        // 2k + m / 2 (swizzled by the row's phase r). The phases (r here, pair g's for the
+        // dQ piece below) kept opaque, so that each address is a base and a constant.
+        int ds_phase = lane % 8, phase = dq_pair_swizzle(g);
+        asm volatile("" : "+r"(ds_phase), "+r"(phase));
+        const int m = lane / 8;
+        const uint32_t ds_row =
+            sm.ds() + uint32_t(wg * 64 + wi * 16 + 8 * (m % 2) + ds_phase) * 128;
 #pragma unroll
-        for (int i = 0; i < kBM / 8; ++i)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)  // dS^T[4i + 2hh ..]: the pair dSf[i / 2][2 (i % 2) + hh]
-            st_shared(ds_row + (i / 8) * kBN * 128 + hh * 8 * 128 + (((i % 8) ^ phase) << 4),
-                      dSf[i / 2][2 * (i % 2) + hh]);
+        for (int k = 0; k < kBM / 16; ++k)
+          stmatrix_x4(ds_row + (k / 4) * kBN * 128 + (((2 * (k % 4) + m / 2) ^ ds_phase) << 4),
+                      dSf[k]);
         fence_proxy_async();
         named_sync<Cfg::kConsumerThreads>(kDsReady);
         // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
@@ -686,18 +702,18 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::fence_operands(dV);
         wgmma::fence_operands(dQ);
 
-        // The piece into the staged tile, rows of kHD floats with dq_accum's chunk swizzle (a
-        // warp's 32 float2 stores fill every bank twice: two wavefronts).
+        // The piece into the staged tile in dq_accum's layout (dq_accum_index): this thread's
+        // rows g and g + 8 of its warp's 16 are pair g of the group, columns col0 + 8i + 2t and
+        // + 1 of both one 16-byte chunk, col0 / 2 + 4i + t, swizzled by dq_pair_swizzle(g) (each
+        // quarter warp's 8 stores fill all 32 banks: four wavefronts, the fewest for 512 bytes).
         named_sync<kDqBarThreads>(kDqEmpty);
         const int col0 = Cfg::kDqByColumns ? wg * 64 : 0;
-        const int row0 = (Cfg::kDqByColumns ? 0 : wg * 64) + wi * 16 + g;
-        const uint32_t dq_row = sm.dq() + uint32_t(row0) * (kHD * 4) + 8 * (t % 2);
+        const int group0 = (Cfg::kDqByColumns ? 0 : wg * 64) + wi * 16;  // the group's first row
+        const uint32_t dq_pair = sm.dq() + uint32_t(group0 + 2 * g) * (kHD * 4);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-          for (int i = 0; i < 8; ++i)  // columns col0 + 8i + 2t, +1: chunk col0 / 4 + 2i + t / 2
-            st_shared(dq_row + hh * 8 * (kHD * 4) + (((col0 / 4 + 2 * i + t / 2) ^ phase) << 4),
-                      dQ[4 * i + 2 * hh], dQ[4 * i + 2 * hh + 1]);
+        for (int i = 0; i < 8; ++i)
+          st_shared(dq_pair + (((col0 / 2 + 4 * i + t) ^ phase) << 4), dQ[4 * i], dQ[4 * i + 1],
+                    dQ[4 * i + 2], dQ[4 * i + 3]);
         fence_proxy_async();
         named_arrive<kDqBarThreads>(kDqFull);
         wgmma::wait<0>();  // dK done: Q, dO and the statistics read

@@ -123,6 +123,11 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
   if (p.dq_semaphore == nullptr || !(Traits::kMasked || p.is_varlen()) || score_mods)
     p.tile_counter = nullptr;  // the score modifiers' instantiation is not counted
   if (!ws && p.deterministic) p.dq_accum = nullptr;
+#if defined(HIPFLASH_HAS_SM90_KERNELS)
+  // The warp-specialised consumers read the statistics by 16-byte loads (BwdParams::stats_block).
+  if constexpr (kHD <= kBwdSm90MaxHeadDim)
+    if (ws && !how.portable) p.stats_block = 16;
+#endif
   if (!ws) {  // the other passes walk whole groups
     p.dkv_accum = nullptr;
     p.heads_per_tile = 0;
@@ -247,7 +252,7 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
 
   if (p.dq_accum != nullptr && !how.portable) {
     constexpr auto convert = bwd::bwd_dq_convert_kernel<kDT>;
-    pass(convert, ceil_div(p.seqlen_rounded * (p.padded_head_dim / 8), bwd::kConvertThreads),
+    pass(convert, ceil_div(p.seqlen_rounded / 2 * (p.padded_head_dim / 8), bwd::kConvertThreads),
          p.heads_q, bwd::kConvertThreads, 0, "dq conversion", dependent_launch<convert>());
   }
   if (p.dkv_accum != nullptr)

@@ -177,6 +177,43 @@ TEST(BackwardKeyBlock, HeadsSideBySideRule) {
   EXPECT_EQ(bwd_heads_side_by_side(0, kSms, 64, true, true), 1);
 }
 
+// The workspace layouts the warp-specialised dk/dv pass reads and stages: each 16-row group of
+// dq_accum holds its rows' elements once (rows r and r + 8 paired in 16-byte chunks), so that a
+// 64-row block is one contiguous run (the bulk reduce-add's), and the statistics' 16-row
+// permutation is a bijection that puts a consumer thread's columns 8k + 2t + e at 4t + 2k + e.
+TEST(BackwardWorkspace, DqAccumAndStatisticsLayouts) {
+  for (const int hd : {64, 128, 256}) {
+    BwdParams p;
+    p.heads_q = 2;
+    p.seqlen_rounded = 128;
+    p.padded_head_dim = hd;
+    std::vector<int> seen(size_t(2 * 128 * hd), 0);
+    for (int h = 0; h < 2; ++h)
+      for (int row = 0; row < 128; ++row)
+        for (int col = 0; col < hd; ++col) {
+          const int64_t at = bwd::dq_accum_index(p, 0, h, row, col);
+          const int64_t block = p.ws_row(0, h, row / 64 * 64) * hd;
+          ASSERT_GE(at, block);
+          ASSERT_LT(at, block + 64 * hd);
+          ++seen[size_t(at)];
+          if (col % 2 == 1)  // a column pair of a row: adjacent (the 8-byte red.global.add)
+            ASSERT_EQ(at, bwd::dq_accum_index(p, 0, h, row, col - 1) + 1);
+        }
+    for (const int n : seen) ASSERT_EQ(n, 1) << "head dim " << hd;
+  }
+  BwdParams p;
+  p.stats_block = 16;
+  std::vector<int> seen(64, 0);
+  for (int64_t ws = 0; ws < 64; ++ws) ++seen[size_t(p.stats_index(ws))];
+  for (const int n : seen) EXPECT_EQ(n, 1);
+  for (int k = 0; k < 2; ++k)
+    for (int t = 0; t < 4; ++t)
+      for (int e = 0; e < 2; ++e)
+        EXPECT_EQ(p.stats_index(32 + 8 * k + 2 * t + e), 32 + 4 * t + 2 * k + e);
+  p.stats_block = 0;
+  EXPECT_EQ(p.stats_index(37), 37);
+}
+
 // The split's rule (bwd_heads_per_tile): the fewest slices that give kBwdMinTilesPerSm tiles a
 // multiprocessor, whole groups where nothing needs it.
 TEST(BackwardKeyBlock, HeadsPerTileRule) {

@@ -68,6 +68,15 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 
 }  // namespace wgmma
 
+/// stmatrix.x4: four 8 x 8 16-bit matrices into shared memory, a warp's lane l giving the
+/// address of row l % 8 of matrix l / 8 (16 bytes) and its register j the pair at row l / 4,
+/// columns 2 (l % 4) and + 1 of matrix j — an mma accumulator fragment's layout.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 /// Makes this thread's generic-proxy shared-memory writes (cp.async included, once waited on)
 /// visible to the async proxy that wgmma reads through.
 __device__ __forceinline__ void fence_proxy_async() {
