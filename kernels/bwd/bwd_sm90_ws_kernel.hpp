@@ -673,20 +673,32 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         wgmma::fence();
         sm90_parts::issue_grad<kDT, kBM, kHD>(dV, Pf, sm.dout(st));
         wgmma::commit();
-        // dS^T by stmatrix: dSf[k] is the four 8 x 8 matrices of query columns 16k .. 16k + 15
-        // (chunks 2k and 2k + 1, k % 4 of panel k / 4) for this warp's keys g and g + 8, this
-        // lane addressing row r = lane % 8 of matrix m = lane / 8: key r + 8 (m % 2), chunk
-        // 2k + m / 2 (swizzled by the row's phase r). The phases (r here, pair g's for the
-        // dQ piece below) kept opaque, so that each address is a base and a constant.
-        int ds_phase = lane % 8, phase = dq_pair_swizzle(g);
+        // dS^T into its tile, swizzled by the row phase; the phases (the dS^T rows' here, pair
+        // g's for the dQ piece below) kept opaque, so that each address is a base and a
+        // constant. hd128: by stmatrix — dSf[k] is the four 8 x 8 matrices of query columns
+        // 16k .. 16k + 15 (chunks 2k and 2k + 1, k % 4 of panel k / 4) for this warp's keys g
+        // and g + 8, this lane addressing row r = lane % 8 of matrix m = lane / 8: key
+        // r + 8 (m % 2), chunk 2k + m / 2 (phase r). hd64: 32-bit stores (phase g), which
+        // leave the counted instantiations fewer spills.
+        int ds_phase = kHD == 128 ? lane % 8 : g, phase = dq_pair_swizzle(g);
         asm volatile("" : "+r"(ds_phase), "+r"(phase));
-        const int m = lane / 8;
-        const uint32_t ds_row =
-            sm.ds() + uint32_t(wg * 64 + wi * 16 + 8 * (m % 2) + ds_phase) * 128;
+        if constexpr (kHD == 128) {
+          const int m = lane / 8;
+          const uint32_t ds_row =
+              sm.ds() + uint32_t(wg * 64 + wi * 16 + 8 * (m % 2) + ds_phase) * 128;
 #pragma unroll
-        for (int k = 0; k < kBM / 16; ++k)
-          stmatrix_x4(ds_row + (k / 4) * kBN * 128 + (((2 * (k % 4) + m / 2) ^ ds_phase) << 4),
-                      dSf[k]);
+          for (int k = 0; k < kBM / 16; ++k)
+            stmatrix_x4(ds_row + (k / 4) * kBN * 128 + (((2 * (k % 4) + m / 2) ^ ds_phase) << 4),
+                        dSf[k]);
+        } else {
+          const uint32_t ds_row = sm.ds() + uint32_t(wg * 64 + wi * 16 + g) * 128 + 4 * t;
+#pragma unroll
+          for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)  // dS^T[4i + 2hh ..]: dSf[i / 2][2 (i % 2) + hh]
+              st_shared(ds_row + (i / 8) * kBN * 128 + hh * 8 * 128 + (((i % 8) ^ ds_phase) << 4),
+                        dSf[i / 2][2 * (i % 2) + hh]);
+        }
         fence_proxy_async();
         named_sync<Cfg::kConsumerThreads>(kDsReady);
         // A: dS^T's panel of this piece's 64 queries; B: K's panel of its 64 columns.
