@@ -678,8 +678,9 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
         // constant. hd128: by stmatrix — dSf[k] is the four 8 x 8 matrices of query columns
         // 16k .. 16k + 15 (chunks 2k and 2k + 1, k % 4 of panel k / 4) for this warp's keys g
         // and g + 8, this lane addressing row r = lane % 8 of matrix m = lane / 8: key
-        // r + 8 (m % 2), chunk 2k + m / 2 (phase r). hd64: 32-bit stores (phase g), which
-        // leave the counted instantiations fewer spills.
+        // r + 8 (m % 2), chunk 2k + m / 2 (phase r). Other head dims: 32-bit stores (phase
+        // g); stmatrix measured slower at hd64 (docs/design-decisions.md, the consumers'
+        // shared-memory traffic).
         int ds_phase = kHD == 128 ? lane % 8 : g, phase = dq_pair_swizzle(g);
         asm volatile("" : "+r"(ds_phase), "+r"(phase));
         if constexpr (kHD == 128) {
