@@ -75,7 +75,8 @@ struct BwdParams : FwdParams {
            ((b * heads_kv + hk) * seqlen_k_rounded + key) * padded_head_dim;
   }
 
-  /// Index of (b, h, row) in lse_log2 / delta; times padded_head_dim, the row of dq_accum.
+  /// The workspace row of (b, h, row): lse_log2 / delta at stats_index of it; dq_accum's
+  /// 16-row group at it rounded down to 16, times padded_head_dim (bwd::dq_accum_index).
   HIPFLASH_HD int64_t ws_row(int64_t b, int64_t h, int64_t row) const {
     return (b * heads_q + h) * seqlen_rounded + row;
   }

@@ -573,7 +573,6 @@ __global__ void __launch_bounds__(DkdvSm90WsTile<Traits::kHeadDim>::kThreads, 1)
       // needs a mask (KeyPairRows::needed, uniform over the block), a select for masked pairs
       // (a masked NaN leaks nothing), the other steps without one: the rows seeing this
       // thread's keys key0 and key0 + 8.
-      // The statistics as pairs (a thread's columns 2t and 2t + 1 of each 8: one 8-byte load).
       // The statistics, permuted by the preprocess in 16-row blocks (BwdParams::stats_index):
       // this thread's columns 8i + 2t + e at 4-float group 4 (i / 2) + t, element 2 (i % 2) + e
       // (a warp's four groups of a block: 64 contiguous bytes, no bank conflict).
