@@ -250,6 +250,21 @@ def test_gpu_fp8_forward_splits(d, num_splits, causal):
 
 
 @needs_fp8_gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_fp8_forward_blocks_walk_several_tiles(d, causal):
+    # More tiles than any Hopper has SMs (hd128: 2 x 9 x 16 = 288 of 128 rows; hd64 unmasked:
+    # 192 of 192): the persistent blocks walk several tiles each, their K, V and Vt rings and Q
+    # stages carried from one tile into the next, a key tail (700) in every tile.
+    q, k, v = (t.cuda() for t in fp8_case(2, 1152, 700, 16, 4, d, seed=11))
+    qd, kd, vd = (t.cuda() for t in descales(2, 4, True))
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, q_descale=qd,
+                                        k_descale=kd, v_descale=vd)
+    assert hipflash.last_kernel_name().startswith("fwd_sm90_ws_fp8_"), hipflash.last_kernel_name()
+    check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, f"d{d} several tiles a block", causal=causal)
+
+
+@needs_fp8_gpu
 @pytest.mark.parametrize("d", [32, 96])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_fp8_forward_padded_head_dims(d, causal):
