@@ -43,15 +43,16 @@ struct BwdParams : FwdParams {
   int32_t* __restrict__ tile_counter = nullptr;
   int64_t seqlen_rounded = 0;
   int padded_head_dim = 0;
-  /// lse_log2 and delta in blocks of stats_block rows (16: the warp-specialised dk/dv pass),
-  /// each permuted so that a consumer thread's four columns of it lie together (16 bytes): row
-  /// 8k + 2t + e of a block at 4t + 2k + e (0: row order, the other passes').
-  int stats_block = 0;
-  /// Where (b, h, row)'s lse_log2 and delta are: ws_row's index, permuted within stats_block.
+  /// lse_log2 and delta in 16-row blocks (the warp-specialised dk/dv pass), each permuted so
+  /// that a consumer thread's four columns of it lie together (16 bytes): row 8k + 2t + e of a
+  /// block at 4t + 2k + e (false: row order, the other passes').
+  bool stats_permuted = false;
+  /// Where (b, h, row)'s lse_log2 and delta are: ws_row's index, permuted within its 16-row
+  /// block (blocks start at multiples of 16: seqlen_rounded is one).
   HIPFLASH_HD int64_t stats_index(int64_t ws) const {
-    if (stats_block == 0) return ws;
-    const int64_t c = ws % stats_block;  // blocks start at multiples of stats_block
-    return ws - c + (c % 8) / 2 * (stats_block / 4) + c / 8 * 2 + c % 2;
+    if (!stats_permuted) return ws;
+    const int c = int(ws & 15);
+    return ws - c + (c & 7) / 2 * 4 + c / 8 * 2 + (c & 1);
   }
   /// GQA calls whose warp-specialised dk/dv tiles walk heads_per_tile of a kv head's Hq / Hkv
   /// query heads (0: all of them): each tile writes its slice's dK (scaled) and dV to

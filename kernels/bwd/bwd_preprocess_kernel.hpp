@@ -76,8 +76,9 @@ __global__ void __launch_bounds__(kPrepThreads)
 #pragma unroll
   for (int m = 1; m < kPrepLanesPerRow; m *= 2) delta += port::shfl_xor(delta, m);
   if (lane == 0) {
-    p.delta[p.stats_index(ws)] = delta;
-    p.lse_log2[p.stats_index(ws)] = lse2;
+    const int64_t at = p.stats_index(ws);
+    p.delta[at] = delta;
+    p.lse_log2[at] = lse2;
   }
   if (p.dq_accum != nullptr) {
     float4* acc = reinterpret_cast<float4*>(p.dq_accum + ws * p.padded_head_dim);

@@ -239,10 +239,7 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
     // stmatrix rows: matrix m is chunk 2 pair + m / 2's rows 2r + (r >= 4) (m even) or
     // 2r + (r < 4) (m odd); its data, this lane's row g of it.
     const int row = 16 * chunk + 2 * r + ((m & 1) ^ (r >= 4 ? 1 : 0));
-    const uint32_t at = sVt + row * 128 + ((k16 ^ (row % 8)) * 16);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n"
-                 ::"r"(at), "r"(w0), "r"(w1), "r"(w2), "r"(w3)
-                 : "memory");
+    stmatrix_x4(sVt + row * 128 + ((k16 ^ (row % 8)) * 16), {w0, w1, w2, w3});
   }
 }
 

@@ -124,9 +124,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
     p.tile_counter = nullptr;  // the score modifiers' instantiation is not counted
   if (!ws && p.deterministic) p.dq_accum = nullptr;
   // The warp-specialised consumers read the statistics by 16-byte loads, permuted in 16-row
-  // blocks (BwdParams::stats_block); every other pass reads them in row order. Both layouts and
+  // blocks (BwdParams::stats_permuted); every other pass reads them in row order. Both layouts and
   // dq_accum's 16-row pairs need 16-row workspace groups and 16-float rows.
-  p.stats_block = ws ? 16 : 0;
+  p.stats_permuted = ws;
   if (p.seqlen_rounded % 16 != 0 || p.padded_head_dim % 16 != 0)
     throw std::logic_error("hipflash: the backward's workspace rows are not in 16-row groups");
   if (!ws) {  // the other passes walk whole groups

@@ -202,7 +202,7 @@ TEST(BackwardWorkspace, DqAccumAndStatisticsLayouts) {
     for (const int n : seen) ASSERT_EQ(n, 1) << "head dim " << hd;
   }
   BwdParams p;
-  p.stats_block = 16;
+  p.stats_permuted = true;
   std::vector<int> seen(64, 0);
   for (int64_t ws = 0; ws < 64; ++ws) ++seen[size_t(p.stats_index(ws))];
   for (const int n : seen) EXPECT_EQ(n, 1);
@@ -210,7 +210,7 @@ TEST(BackwardWorkspace, DqAccumAndStatisticsLayouts) {
     for (int t = 0; t < 4; ++t)
       for (int e = 0; e < 2; ++e)
         EXPECT_EQ(p.stats_index(32 + 8 * k + 2 * t + e), 32 + 4 * t + 2 * k + e);
-  p.stats_block = 0;
+  p.stats_permuted = false;
   EXPECT_EQ(p.stats_index(37), 37);
 }
 

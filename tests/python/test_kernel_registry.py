@@ -54,9 +54,9 @@ def test_cmake_instantiates_the_registered_kernels():
     launchers = set(re.findall(r"^HIPFLASH_KERNEL\(\w+, (\w+),",
                                (ROOT / "include/hipflash/detail/kernels.def").read_text(), re.M))
     # fwd_<launcher>[_kv8]_<dtype>_hd<D>.cu (kv8: the fp8 KV cache's instantiation; e4m3: fp8 q/k/v)
-    names = [re.match(r"fwd_(\w+?)(?:_kv8)?_(?:f16|bf16|e4m3)_hd\d+\.cu$", f.name)
-             for f in gen.glob("fwd_*.cu")]
-    assert all(names), [f.name for f, m in zip(gen.glob("fwd_*.cu"), names) if not m]
+    files = [f.name for f in gen.glob("fwd_*.cu")]
+    names = [re.match(r"fwd_(\w+?)(?:_kv8)?_(?:f16|bf16|e4m3)_hd\d+\.cu$", f) for f in files]
+    assert all(names), [f for f, m in zip(files, names) if not m]
     built = {m[1] for m in names}
     assert built and built <= launchers, built - launchers
     assert "generic" in built
