@@ -791,8 +791,9 @@ def test_fa3_all_e4m3_varlen_kvcache_call(device):
 @needs_fp8
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_wide_gpu)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 256])
-def test_varlen_fp8_equals_each_sequences_dense_call(causal, device, d):
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("len0", [113, 150, 200])
+def test_varlen_fp8_equals_each_sequences_dense_call(causal, device, d, len0):
     # Varlen fp8 with descales per (sequence, kv head): each sequence bitwise the dense fp8 call
     # on it alone with its descale row (on the GPU the same sm90_ws tiles, the keys a box reads
     # past a sequence zeroed as the dense map's edge zero-fills them; head dim 256 on bf16
@@ -801,16 +802,19 @@ def test_varlen_fp8_equals_each_sequences_dense_call(causal, device, d):
     # sequence (0 x NaN in P V).
     # Every sequence's dense call has more than 16 query rows, so that no decode kernel takes
     # it where the bf16 copies run (nor the varlen call, of 29 rows at most).
-    lens_q, lens_k, hq, hkv = [29, 0, 20], [113, 5, 40], 4, 2
+    # Sequence 0's keys (len0) end inside its last key block at every key-block size the fp8
+    # tiles have, a block's first 128 keys or past them (150, 200: a partial second 128-key
+    # panel of V transposed), so that only the tail's zeroing keeps sequence 1's NaN out.
+    hq, hkv, n_k = 4, 2, len0 + 45
     cu_q = torch.tensor([0, 29, 29, 49], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, 113, 118, 158], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, len0, len0 + 5, n_k], dtype=torch.int32, device=device)
     g = torch.Generator().manual_seed(2)
     q, k, v = (2 * torch.randn(n, h, d, generator=g)
-               for n, h in ((49, hq), (158, hkv), (158, hkv)))
-    k[113:118], v[113:116], v[116:118] = float("nan"), float("nan"), 448.0
+               for n, h in ((49, hq), (n_k, hkv), (n_k, hkv)))
+    k[len0:len0 + 5], v[len0:len0 + 3], v[len0 + 3:len0 + 5] = float("nan"), float("nan"), 448.0
     q, k, v = (t.to(E4M3).to(device) for t in (q, k, v))
     qd, kd, vd = ((torch.rand(3, hkv, generator=g) + 0.5).to(device) for _ in range(3))
-    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 29, 113, causal=causal,
+    out, lse = hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 29, len0, causal=causal,
                                                num_splits=1, return_lse=True,
                                                lse_layout="packed", q_descale=qd, k_descale=kd,
                                                v_descale=vd)
@@ -823,7 +827,7 @@ def test_varlen_fp8_equals_each_sequences_dense_call(causal, device, d):
             q_descale=qd[b:b + 1], k_descale=kd[b:b + 1], v_descale=vd[b:b + 1])
         assert_bitwise_equal(out[rq], want[0], f"out {b}")
         assert_bitwise_equal(lse[:, rq], want_lse[0], f"lse {b}")
-    fa3_out, fa3_lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 29, 113, causal=causal,
+    fa3_out, fa3_lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 29, len0, causal=causal,
                                                   q_descale=qd, k_descale=kd, v_descale=vd,
                                                   return_attn_probs=True)
     assert_bitwise_equal(fa3_out, out, "fa3 out")
