@@ -175,6 +175,12 @@ TEST(BackwardKeyBlock, HeadsSideBySideRule) {
   EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, false, true), 1);  // atomic dq
   EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, true, false), 1);  // unmasked: rotated walks
   EXPECT_EQ(bwd_heads_side_by_side(0, kSms, 64, true, true), 1);
+  // GQA tiles walking 4 / 8 query heads: as long as 4 / 8 times the key blocks.
+  EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, true, true, 4), 5);  // 264 / 64 -> 5
+  EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, true, true, 8), 3);
+  EXPECT_EQ(bwd_heads_side_by_side(64, kSms, 64, true, true, 4), 2);
+  EXPECT_EQ(bwd_heads_side_by_side(16, kSms, 64, true, true, 1),
+            bwd_heads_side_by_side(16, kSms, 64, true, true));
 }
 
 // The workspace layouts the warp-specialised dk/dv pass reads and stages: each 16-row group of

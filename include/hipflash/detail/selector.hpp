@@ -87,10 +87,16 @@ constexpr int64_t bwd_heads_per_tile(int64_t tiles, int64_t group, int num_sms, 
 /// sequence, which overstates the others'), so 2 x SMs / key_blocks takes start j a step later:
 /// two steps' lead, as head dim 128's 64-row steps have by themselves — there side by side only
 /// lost L2 sharing (+8-12% deterministic backward time, H100). At most 16 heads; 1 elsewhere.
+/// A GQA tile walks `heads_walked` query heads of its kv head in turn (each a key block's rows):
+/// its length is key_blocks x heads_walked steps, and each unit holds that many heads' Q, dO and
+/// dq rows in L2 (16 units of 4 heads at S = 2k: 64 MB).
 constexpr int64_t bwd_heads_side_by_side(int64_t key_blocks, int num_sms, int head_dim,
-                                         bool deterministic, bool masked) {
-  if (!deterministic || !masked || head_dim > 64 || key_blocks <= 0) return 1;
-  const int64_t heads = (2 * int64_t(num_sms) + key_blocks - 1) / key_blocks;
+                                         bool deterministic, bool masked,
+                                         int64_t heads_walked = 1) {
+  if (!deterministic || !masked || head_dim > 64 || key_blocks <= 0 || heads_walked <= 0)
+    return 1;
+  const int64_t steps = key_blocks * heads_walked;
+  const int64_t heads = (2 * int64_t(num_sms) + steps - 1) / steps;
   return heads < 1 ? 1 : heads > 16 ? 16 : heads;
 }
 
