@@ -62,6 +62,10 @@ struct BwdParams : FwdParams {
   int64_t seqlen_k_rounded = 0;
   float* __restrict__ dkv_accum = nullptr;
 
+  /// The query heads one dk/dv tile walks: its slice, or the kv head's whole group.
+  HIPFLASH_HD int64_t tile_query_heads() const {
+    return heads_per_tile > 0 ? heads_per_tile : heads_q / heads_kv;
+  }
   /// Slices of a kv head's query heads (1: whole groups).
   HIPFLASH_HD int64_t dkv_slices() const {
     return heads_per_tile > 0 ? heads_q / heads_kv / heads_per_tile : 1;

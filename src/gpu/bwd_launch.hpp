@@ -196,9 +196,8 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
               : ordered                        ? bwd::KeyOrder::kFastestLastFirst
               : tiles < kBwdMinTilesPerSm * num_sms ? bwd::KeyOrder::kSlowest
                                                : bwd::KeyOrder::kFastest;
-          const int64_t walked = p.heads_q / p.heads_kv / p.dkv_slices();  // a tile's query heads
-          const int side_by_side = int(bwd_heads_side_by_side(blocks, num_sms, Dkdv::kHeadDim,
-                                                              ordered, Traits::kMasked, walked));
+          const int side_by_side = int(bwd_heads_side_by_side(
+              blocks, num_sms, Dkdv::kHeadDim, ordered, Traits::kMasked, p.tile_query_heads()));
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
           if (p.dkv_accum == nullptr) add_dkdv_maps(maps, p, Dkdv::kBlockN, persistent);
