@@ -83,8 +83,9 @@ constexpr int64_t bwd_heads_per_tile(int64_t tiles, int64_t group, int num_sms, 
 /// walk when both start together: one step at head dim 64 (128-row steps), less than the
 /// handoff's latency (bulk reduction performed, counter released, seen), so one head at a time
 /// each link waited (the dQ writer waiting 40-48% of its time at dense 2k and varlen causal hd64,
-/// H100 tile trace). A causal tile is about key_blocks / 2 of those steps (varlen: of its longest
-/// sequence, which overstates the others'), so 2 x SMs / key_blocks takes start j a step later:
+/// H100 tile trace). A causal tile is about key_blocks / 2 of those steps (varlen: the caller
+/// passes the mean sequence's key blocks; the longest's overstated the others' and gave too few
+/// heads), so 2 x SMs / key_blocks takes start j a step later:
 /// two steps' lead, as head dim 128's 64-row steps have by themselves — there side by side only
 /// lost L2 sharing (+8-12% deterministic backward time, H100). At most 16 heads; 1 elsewhere.
 /// A GQA tile walks `heads_walked` query heads of its kv head in turn (each a key block's rows):
