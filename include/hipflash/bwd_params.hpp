@@ -66,6 +66,12 @@ struct BwdParams : FwdParams {
   HIPFLASH_HD int64_t tile_query_heads() const {
     return heads_per_tile > 0 ? heads_per_tile : heads_q / heads_kv;
   }
+  /// The key blocks (block_n keys each) a dk/dv tile walks: its sequence's; for varlen calls
+  /// the mean sequence's (total_k / batch), a typical tile's rather than the longest one's.
+  HIPFLASH_HD int64_t tile_key_blocks(int block_n) const {
+    const int64_t keys = is_varlen() && batch > 0 ? (total_k + batch - 1) / batch : seqlen_k;
+    return (keys + block_n - 1) / block_n;
+  }
   /// Slices of a kv head's query heads (1: whole groups).
   HIPFLASH_HD int64_t dkv_slices() const {
     return heads_per_tile > 0 ? heads_q / heads_kv / heads_per_tile : 1;

@@ -196,14 +196,9 @@ void launch_bwd(const BwdParams& params, const BwdLaunch& how, port::stream_t st
               : ordered                        ? bwd::KeyOrder::kFastestLastFirst
               : tiles < kBwdMinTilesPerSm * num_sms ? bwd::KeyOrder::kSlowest
                                                : bwd::KeyOrder::kFastest;
-          // A varlen tile is its own sequence's key blocks long: counted by the mean sequence's
-          // (the longest's overstates the others', too few units to keep the lead).
-          const int64_t tile_blocks =
-              p.is_varlen() && p.batch > 0 ? ceil_div(ceil_div(p.total_k, p.batch), Dkdv::kBlockN)
-                                           : blocks;
-          const int side_by_side =
-              int(bwd_heads_side_by_side(tile_blocks, num_sms, Dkdv::kHeadDim, ordered,
-                                         Traits::kMasked, p.tile_query_heads()));
+          const int side_by_side = int(
+              bwd_heads_side_by_side(p.tile_key_blocks(Dkdv::kBlockN), num_sms, Dkdv::kHeadDim,
+                                     ordered, Traits::kMasked, p.tile_query_heads()));
           const bool snake = Traits::kMasked && persistent && !counted;
           const int64_t grid = persistent ? std::min<int64_t>(tiles, num_sms) : tiles;
           if (p.dkv_accum == nullptr) add_dkdv_maps(maps, p, Dkdv::kBlockN, persistent);

@@ -162,6 +162,27 @@ TEST(BackwardKeyBlock, SlicesCoverEveryQueryHeadOnce) {
       }
 }
 
+// The key blocks a dk/dv tile walks, which the side-by-side count reads: a dense call's
+// sequence; a varlen call's mean sequence (not its longest).
+TEST(BackwardKeyBlock, TileKeyBlocks) {
+  BwdParams p;
+  p.batch = 4;
+  p.seqlen_k = 2048;
+  EXPECT_EQ(p.tile_key_blocks(128), 16);
+  p.seqlen_k = 2049;
+  EXPECT_EQ(p.tile_key_blocks(128), 17);
+  const int32_t cu[] = {0, 512, 4608, 6656, 9216};  // 512, 4096, 2048 and 2560 keys
+  p.cu_seqlens_q = p.cu_seqlens_k = cu;
+  p.seqlen_k = 4096;  // max_seqlen_k
+  p.total_k = 9216;
+  EXPECT_EQ(p.tile_key_blocks(128), 18);  // 2304 keys a sequence, not the longest's 32 blocks
+  p.total_k = 9217;
+  EXPECT_EQ(p.tile_key_blocks(128), 19);  // 2305 (rounded up) -> 19
+  EXPECT_EQ(bwd_heads_side_by_side(p.tile_key_blocks(128), 132, 64, true, true), 14);
+  p.batch = 0;  // no sequences: the dense rule (a zero count gives one head)
+  EXPECT_EQ(p.tile_key_blocks(128), 32);
+}
+
 // The heads a deterministic masked dk/dv pass walks side by side: two steps' worth of takes
 // (2 x SMs / key blocks), 1 to 16, at head dim 64; one head at a time elsewhere.
 TEST(BackwardKeyBlock, HeadsSideBySideRule) {
