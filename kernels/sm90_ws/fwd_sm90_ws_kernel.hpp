@@ -138,13 +138,14 @@ enum NamedBarrier : int { kTurn = 1, kEpilogue = 1 + 3, kTailZeroed = kEpilogue 
 /// The producer thread: Q into the next free Q stage, then K(n) and V(n) for the tile's key
 /// blocks from last to first (the consumers' order), each into the next free stage of its ring.
 /// Map rows: the sequence's (varlen: from its first packed row, in the maps' one batch).
-template <class Traits>
+template <class Traits, class AfterBlock>
 __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
                                         const Smem<TileOf<Traits>>& sm, int64_t tile,
                                         const common::TileDivisors& div,
                                         RingPos<TileOf<Traits>::kQStages>& q_pos,
                                         RingPos<TileOf<Traits>::kStages>& k_pos,
-                                        RingPos<TileOf<Traits>::kStages>& v_pos) {
+                                        RingPos<TileOf<Traits>::kStages>& v_pos, bool issuer,
+                                        AfterBlock&& after_block) {
   using Cfg = TileOf<Traits>;
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   const Info bi(p, tile, div, Traits::kMasked);
@@ -155,11 +156,13 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 
   const int qs = q_pos.stage();
   sm.q_empty(qs).wait(q_pos.parity() ^ 1u);
-  sm.q_full(qs).arrive_expect_tx(Cfg::kSmemQ);
+  if (issuer) {
+    sm.q_full(qs).arrive_expect_tx(Cfg::kSmemQ);
 #pragma unroll
-  for (int c = 0; c < Cfg::kPanels; ++c)
-    tma::load_4d(sm.q(qs) + c * Cfg::kBlockM * Cfg::kRowBytes, &maps.q, sm.q_full(qs),
-                 Cfg::kPanelElems * c, q0 + m0, h, b);
+    for (int c = 0; c < Cfg::kPanels; ++c)
+      tma::load_4d(sm.q(qs) + c * Cfg::kBlockM * Cfg::kRowBytes, &maps.q, sm.q_full(qs),
+                   Cfg::kPanelElems * c, q0 + m0, h, b);
+  }
   ++q_pos.it;
 
   // The key block at `row` of K (kV false) or V into the next free stage of its ring.
@@ -169,18 +172,22 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
     const int s = pos.stage();
     const auto full = kV ? sm.v_full(s) : sm.k_full(s);
     (kV ? sm.v_empty(s) : sm.k_empty(s)).wait(pos.parity() ^ 1u);
-    full.arrive_expect_tx(Cfg::kSmemKV);
+    if (issuer) {
+      full.arrive_expect_tx(Cfg::kSmemKV);
 #pragma unroll
-    for (int c = 0; c < Cfg::kPanels; ++c)
-      tma::load_4d((kV ? sm.v(s) : sm.k(s)) + c * Cfg::kBlockN * Cfg::kRowBytes,
-                   kV ? &maps.v : &maps.k, full, Cfg::kPanelElems * c, k0 + row, h_kv, b);
+      for (int c = 0; c < Cfg::kPanels; ++c)
+        tma::load_4d((kV ? sm.v(s) : sm.k(s)) + c * Cfg::kBlockN * Cfg::kRowBytes,
+                     kV ? &maps.v : &maps.k, full, Cfg::kPanelElems * c, k0 + row, h_kv, b);
+    }
     ++pos.it;
   };
   for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
     const int row = n * Cfg::kBlockN;
     load_block(std::false_type{}, row);
     load_block(std::true_type{}, row);
+    after_block(bi, n);
   }
+  after_block(bi, bi.n_block_min - 1);
 }
 
 /// fp8: one stage of V ([kBN keys x kHD] bytes, kRowBytes-wide swizzled panels as the TMA
@@ -197,7 +204,7 @@ __device__ __forceinline__ void produce(const FwdParams& p, const TmaMaps& maps,
 /// loads and stores a 4 x 4 byte block, issued as many instructions again as the consumers and
 /// held the kernel at 0.73x bf16 (docs/design-decisions.md#fp8-forward). Keys from `valid` on
 /// (kTail: a key block past its sequence's end, a varlen neighbour's rows) are written as
-/// zeros; that path is not unrolled, so that the transposing warps' 40 registers hold it.
+/// zeros; that path is not unrolled, so that the producer's registers (Tile) hold it.
 template <class Cfg, bool kTail>
 __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id, int lane,
                                             int valid) {
@@ -243,9 +250,33 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
   }
 }
 
-/// fp8: a transposing warp's part of a tile: every key block's V stage, once landed and its Vt
-/// stage free, into Vt (transpose_v); then Vt's stage to the consumers (the writes made
-/// visible to the tensor cores' async proxy first) and V's back to the producer.
+/// fp8: a transposing warp's part of key block n of a tile (its V stage at `pos`), once V has
+/// landed and its Vt stage is free (transpose_v); then Vt's stage to the consumers (the writes
+/// made visible to the tensor cores' async proxy first) and V's back to the producer.
+template <class Cfg, class Info>
+__device__ __forceinline__ void transpose_block(const Smem<Cfg>& sm, const Info& bi, int n,
+                                                RingPos<Cfg::kStages>& pos, int w_id, int lane) {
+  __syncwarp();  // (the loading warp: its lane 0 comes from issuing loads)
+  const int s = pos.stage();
+  sm.v_full(s).wait(pos.parity());
+  sm.vt_empty(s).wait(pos.parity() ^ 1u);
+  const int64_t valid = bi.len_k - int64_t(n) * Cfg::kBlockN;
+  if (valid < Cfg::kBlockN)
+    transpose_v<Cfg, true>(sm.v(s), sm.vt(s), w_id, lane, int(valid));
+  else
+    transpose_v<Cfg, false>(sm.v(s), sm.vt(s), w_id, lane, Cfg::kBlockN);
+  fence_proxy_async();
+  __syncwarp();
+  if (lane == 0) {
+    sm.vt_full(s).arrive();
+    sm.v_empty(s).arrive();
+  }
+  ++pos.it;
+}
+
+/// fp8: a transposing warp's part of a tile: every key block's V stage into Vt, in the
+/// consumers' order (transpose_block). The loading warp does its part a block behind its loads
+/// (produce's after_block).
 template <class Traits>
 __device__ __forceinline__ void transpose_tile(const FwdParams& p, const Smem<TileOf<Traits>>& sm,
                                                int64_t tile, const common::TileDivisors& div,
@@ -255,23 +286,8 @@ __device__ __forceinline__ void transpose_tile(const FwdParams& p, const Smem<Ti
   using Info = common::BlockInfo<Cfg::kBlockM, Cfg::kBlockN>;
   const Info bi(p, tile, div, Traits::kMasked);
   if (bi.m_block * Cfg::kBlockM >= bi.len_q) return;  // past a varlen sequence (as produce())
-  for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n) {
-    const int s = pos.stage();
-    sm.v_full(s).wait(pos.parity());
-    sm.vt_empty(s).wait(pos.parity() ^ 1u);
-    const int64_t valid = bi.len_k - int64_t(n) * Cfg::kBlockN;
-    if (valid < Cfg::kBlockN)
-      transpose_v<Cfg, true>(sm.v(s), sm.vt(s), w_id, lane, int(valid));
-    else
-      transpose_v<Cfg, false>(sm.v(s), sm.vt(s), w_id, lane, Cfg::kBlockN);
-    fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) {
-      sm.vt_full(s).arrive();
-      sm.v_empty(s).arrive();
-    }
-    ++pos.it;
-  }
+  for (int n = bi.n_block_max - 1; n >= bi.n_block_min; --n)
+    transpose_block(sm, bi, n, pos, w_id, lane);
 }
 
 /// A consumer warpgroup's registers for one tile: the output accumulator, the probabilities
@@ -714,12 +730,30 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
   if (threadIdx.x >= Cfg::kConsumerThreads) {  // the producer warpgroup
     setmaxnreg_dec<Cfg::kProducerRegs>();
     const int producer_warp = warp - Cfg::kConsumerThreads / 32;
-    if (producer_warp == 0) {
+    if constexpr (Cfg::kTransposers == 4) {
+      // Warp 0: its lane 0 loads, and the whole warp transposes its part of each key block
+      // once the next one's loads are issued; warps 1-3 transpose theirs as V lands.
+      if (producer_warp == 0) {
+        RingPos<Cfg::kStages> t_pos;  // the V stages this warp has transposed
+        Scheduler<Traits>::run(tiles, [&](int64_t tile) {
+          produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos, lane == 0,
+                          [&](const auto& bi, int n) {
+                            if (n + 1 < bi.n_block_max)
+                              transpose_block(sm, bi, n + 1, t_pos, 0, lane);
+                          });
+        });
+      } else {
+        Scheduler<Traits>::run(tiles, [&](int64_t tile) {
+          transpose_tile<Traits>(p, sm, tile, div, v_pos, producer_warp, lane);
+        });
+      }
+    } else if (producer_warp == 0) {
       if (lane == 0)
         Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-          produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos);
+          produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos, true,
+                          [](const auto&, int) {});
         });
-    } else if constexpr (Cfg::kFp8) {  // the next kTransposers warps: V into Vt
+    } else if constexpr (Cfg::kFp8) {  // beside three consumers: the next warps, V into Vt
       if (producer_warp <= Cfg::kTransposers)
         Scheduler<Traits>::run(tiles, [&](int64_t tile) {
           transpose_tile<Traits>(p, sm, tile, div, v_pos, producer_warp - 1, lane);

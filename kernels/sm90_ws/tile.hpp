@@ -58,8 +58,7 @@ struct TileConfig<256, kMasked, kLongRows> {
 /// fp8 (kFp8): q, k and v are e4m3, out bf16. Rows of Q, K and V are kRowBytes wide (128, or
 /// 64 with the 64-byte swizzle at hd64); V also lands transposed in a ring of its own (Vt, 128
 /// key bytes a head-dim row: fp8 wgmma reads both operands K-major), written by the producer
-/// warpgroup's three other warps (kTransposers), on the producer's registers (40 beside two
-/// consumers, 32 beside three).
+/// warpgroup's warps (kTransposers), on the producer's registers.
 template <int kHeadDim_, bool kMasked_ = false, bool kLongRows_ = false, bool kFp8_ = false>
 struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_> {
   using Base = TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_>;
@@ -77,13 +76,20 @@ struct Tile : TileConfig<kHeadDim_, kMasked_, kLongRows_, kFp8_> {
   // = 128 x 24 + 256 x 240 = 64,512 (and fp8: 128 x 40 + 256 x 232), 128 x 512 = 128 x 32 +
   // 384 x 160 = 65,536. More than that (fp8 at 48 / 232 asked for 65,536) waits on registers
   // no block frees: it hung whenever another kernel's blocks (the split's combine, launched
-  // early) took the multiprocessor's last 1,024.
-  static constexpr int kProducerRegs = kConsumers == 3 ? 32 : kFp8 ? 40 : 24;
-  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kFp8 ? 232 : 240;
+  // early) took the multiprocessor's last 1,024. fp8 with four transposing warps: 128 x 48 +
+  // 256 x 224 (the loading warp transposes too; at 40 it spilled).
+  static constexpr bool kLoaderTransposes = kFp8 && kHeadDim == 128 && kConsumers == 2;
+  static constexpr int kProducerRegs =
+      kConsumers == 3 ? 32 : kLoaderTransposes ? 48 : kFp8 ? 40 : 24;
+  static constexpr int kConsumerRegs =
+      kConsumers == 3 ? 160 : kLoaderTransposes ? 224 : kFp8 ? 232 : 240;
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "setmaxnreg moves the block's own registers: no more than it launched with");
-  static constexpr int kTransposers = kFp8 ? 3 : 0;    ///< producer warps transposing V
+  /// Producer warps transposing V (fp8): at head dim 128 all four, the loading one a block
+  /// behind its loads (+2-9% at S >= 1k, -9% at causal 512, H100); at head dim 64 the three
+  /// others (four: -3 to -7% causal; beside three consumers its share spilled 76 bytes).
+  static constexpr int kTransposers = !kFp8 ? 0 : kLoaderTransposes ? 4 : 3;
   static constexpr int kElemBytes = kFp8 ? 1 : 2;      ///< q, k and v
   static constexpr int kOutBytes = 2;                  ///< out: bf16 / f16
   static constexpr int kRowBytes = kHeadDim * kElemBytes < 128 ? kHeadDim * kElemBytes : 128;
