@@ -730,10 +730,10 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
   if (threadIdx.x >= Cfg::kConsumerThreads) {  // the producer warpgroup
     setmaxnreg_dec<Cfg::kProducerRegs>();
     const int producer_warp = warp - Cfg::kConsumerThreads / 32;
-    if constexpr (Cfg::kTransposers == 4) {
-      // Warp 0: its lane 0 loads, and the whole warp transposes its part of each key block
-      // once the next one's loads are issued; warps 1-3 transpose theirs as V lands.
-      if (producer_warp == 0) {
+    if (producer_warp == 0) {
+      if constexpr (Cfg::kLoaderTransposes) {
+        // Its lane 0 loads, and the whole warp transposes its part of each key block once the
+        // next one's loads are issued.
         RingPos<Cfg::kStages> t_pos;  // the V stages this warp has transposed
         Scheduler<Traits>::run(tiles, [&](int64_t tile) {
           produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos, lane == 0,
@@ -742,21 +742,17 @@ __global__ void __launch_bounds__(TileOf<Traits>::kThreads, TileOf<Traits>::kMin
                               transpose_block(sm, bi, n + 1, t_pos, 0, lane);
                           });
         });
-      } else {
-        Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-          transpose_tile<Traits>(p, sm, tile, div, v_pos, producer_warp, lane);
-        });
-      }
-    } else if (producer_warp == 0) {
-      if (lane == 0)
+      } else if (lane == 0) {
         Scheduler<Traits>::run(tiles, [&](int64_t tile) {
           produce<Traits>(p, maps, sm, tile, div, q_pos, k_pos, v_pos, true,
                           [](const auto&, int) {});
         });
-    } else if constexpr (Cfg::kFp8) {  // beside three consumers: the next warps, V into Vt
-      if (producer_warp <= Cfg::kTransposers)
+      }
+    } else if constexpr (Cfg::kFp8) {  // the other transposing warps: V into Vt as it lands
+      const int w_id = Cfg::kLoaderTransposes ? producer_warp : producer_warp - 1;
+      if (w_id < Cfg::kTransposers)
         Scheduler<Traits>::run(tiles, [&](int64_t tile) {
-          transpose_tile<Traits>(p, sm, tile, div, v_pos, producer_warp - 1, lane);
+          transpose_tile<Traits>(p, sm, tile, div, v_pos, w_id, lane);
         });
     }
   } else {
