@@ -696,6 +696,14 @@ struct Consumer {
       qk_done(S, n - 1 == n_lo, qs);
       float rescale[2];
       softmax_step(bi, lean, ts, c.softmax, S, n - 1, rescale);
+      if constexpr (kFp8) {
+        // The step's results pinned before the wait: unpinned, fp8's softmax is sunk below it
+        // whole (the wait moved up to its first instruction) and no longer runs under
+        // P(n) V(n). (16-bit P: the wait lands after the max; pinned, not shown to gain.)
+        wgmma::fence_operands(S);
+        wgmma::fence_operands(c.softmax.l);
+        wgmma::fence_operands(rescale);
+      }
       wgmma::wait<0>();  // P(n) V(n) done: P, O and V's stage are free
       pv_done(c.O, vs);
       consumer::rescale_o<kHD>(c.O, rescale);
