@@ -214,23 +214,7 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
                 "V and Vt stages 1024-byte aligned: the swizzles' bits clear in their bases");
   constexpr uint32_t kSteps = (kBN / 16) * (kHD / 32);  // (16-key group, 32-byte head-dim pair)
   constexpr int kPerWarp = (kSteps + Cfg::kTransposers - 1) / Cfg::kTransposers;
-  constexpr uint32_t kChunks = kRB / 16;  // 16-byte chunks in a panel row
-  // Everything but the step's key group k16 and head-dim pair is the lane's, once a block
-  // (unsigned): the swizzles' row terms (a key group is 16 keys, a Vt chunk 16 rows: multiples
-  // of the swizzles' periods) and the lane's chunk of the pair, m / 2 (2 pair is even: adding
-  // m / 2 is an exclusive or, inside the panel). A swizzle exclusive-ors bits 4-6 of an
-  // address whose other terms leave them clear (stage bases 1024-byte aligned, rows whole
-  // multiples of 64 bytes): the lane's part of it is folded into its base (`*_lane`), the
-  // step's applied to the sum.
-  const uint32_t m = uint32_t(lane) / 8, r = uint32_t(lane) % 8;  // the lane's matrix and row
-  // ldmatrix rows: matrix m is keys 16 k16 + 8 (m & 1) + r of head-dim chunk 2 pair + m / 2,
-  // in the TMA's 128- (key % 8) or 64-byte ((key / 2) % 4) swizzle.
-  const uint32_t ld_lane =
-      sV + (8 * (m & 1) + r) * kRB + (((m / 2) ^ (kRB == 128 ? r : r / 2)) * 16);
-  // stmatrix rows: matrix m is chunk 2 pair + m / 2's rows 2r + (r >= 4) (m even) or
-  // 2r + (r < 4) (m odd); its data, this lane's row g of it; Vt's swizzle takes row % 8.
-  const uint32_t st_row = 2 * r + ((m & 1) ^ (r >= 4 ? 1u : 0u));
-  const uint32_t st_lane = sVt + (m / 2) * (16 * 128) + st_row * 128 + (st_row % 8) * 16;
+  const VtSteps<kRB, kBN> at(sV, sVt, uint32_t(lane));  // the lane's addresses, once a block
   // g >= 4: this lane's row of an even matrix is an odd Vt row (and of an odd one an even row):
   // the byte selections of the odd and even words, swapped there.
   const bool upper = lane / 4 >= 4;
@@ -243,8 +227,7 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
     uint32_t v[4];
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                 : "r"((ld_lane + (2 * pair / kChunks) * (kBN * kRB) + k16 * (16 * kRB)) ^
-                       ((2 * pair % kChunks) * 16)));
+                 : "r"(at.ld(k16, pair)));
     // Vt rows 16 chunk + 2g (0x6420: the even bytes) and + 1 (0x7531), slots 4t .. 4t + 3 of
     // group k16: the words of matrices 0 .. 3 as this lane holds them.
     uint32_t w0 = __byte_perm(v[0], v[1], sel_a), w1 = __byte_perm(v[0], v[1], sel_b);
@@ -258,7 +241,7 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
       w2 &= keep;
       w3 &= keep;
     }
-    stmatrix_x4((st_lane + pair * (32 * 128)) ^ (k16 * 16), {w0, w1, w2, w3});
+    stmatrix_x4(at.st(k16, pair), {w0, w1, w2, w3});
   }
 }
 

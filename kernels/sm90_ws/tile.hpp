@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hipflash/detail/softmax_state.hpp"  // HIPFLASH_HD
 #include "hipflash/types.hpp"
 
 namespace hipflash::sm90_ws {
@@ -165,6 +166,42 @@ inline bool long_row_tile(int head_dim, bool masked, bool split, int64_t seqlen_
   if (window_left >= 0 && window_left + 1 + right < keys) keys = window_left + 1 + right;
   return keys >= kLongRowKeys;
 }
+
+/// fp8: the shared-memory addresses of a transposing warp's steps (the kernel's transpose_v).
+/// A step moves 16 keys (group k16) x 32 head-dim bytes (pair); lane l addresses row r = l % 8
+/// of 8 x 8 matrix m = l / 8: for ldmatrix, key 16 k16 + 8 (m & 1) + r of V's head-dim chunk
+/// 2 pair + m / 2 (a stage of kRowBytes-wide panels as the TMA lands them, in its 128- or
+/// 64-byte swizzle); for stmatrix, Vt row 16 (2 pair + m / 2) + 2r + ((m & 1) ^ (r >= 4)) at
+/// key chunk k16 (128-key-byte rows, the 128-byte swizzle). All but (k16, pair) is the lane's,
+/// computed once a block: the swizzles' row terms (a key group is 16 keys, a Vt chunk 16 rows:
+/// multiples of their periods) and the lane's chunk m / 2 of the pair (2 pair is even: adding
+/// m / 2 is an exclusive or inside the panel). A swizzle exclusive-ors bits 4-6 of an address
+/// whose other terms leave them clear (stage bases 1024-byte aligned, rows multiples of 64
+/// bytes): the lane's part of it is folded into its base, the step's applied to the sum.
+template <int kRowBytes, int kBlockN = 128>
+struct VtSteps {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "the TMA's 128- or 64-byte swizzle");
+  static_assert(kBlockN == 128, "Vt: one 128-key-byte row a head-dim row");
+  static constexpr uint32_t kChunks = kRowBytes / 16;  ///< 16-byte chunks in a panel row
+  uint32_t ld_lane, st_lane;
+
+  HIPFLASH_HD VtSteps(uint32_t sV, uint32_t sVt, uint32_t lane) {
+    const uint32_t m = lane / 8, r = lane % 8;
+    ld_lane = sV + (8 * (m & 1) + r) * kRowBytes +
+              (((m / 2) ^ (kRowBytes == 128 ? r : r / 2)) * 16);
+    const uint32_t st_row = 2 * r + ((m & 1) ^ (r >= 4 ? 1u : 0u));
+    st_lane = sVt + (m / 2) * (16 * 128) + st_row * 128 + (st_row % 8) * 16;
+  }
+  /// This lane's ldmatrix row of step (k16, pair), in V.
+  HIPFLASH_HD uint32_t ld(uint32_t k16, uint32_t pair) const {
+    return (ld_lane + (2 * pair / kChunks) * (kBlockN * kRowBytes) + k16 * (16 * kRowBytes)) ^
+           ((2 * pair % kChunks) * 16);
+  }
+  /// This lane's stmatrix row of step (k16, pair), in Vt.
+  HIPFLASH_HD uint32_t st(uint32_t k16, uint32_t pair) const {
+    return (st_lane + pair * (32 * 128)) ^ (k16 * 16);
+  }
+};
 
 /// A kernel's traits on the long-row tile: Base's, with kLongRows (the launcher's choice).
 template <class Base>

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "common/swizzle.hpp"
+#include "sm90_ws/tile.hpp"
 
 namespace hipflash::test {
 namespace {
@@ -83,6 +84,49 @@ TEST(Swizzle, Fp8TilesAreConflictFree) {
   check_fp8_rows<4>();   // hd64
   check_fp8_rows<8>();   // hd128
   check_fp8_rows<16>();  // hd256
+}
+
+// fp8's V -> Vt transposer (sm90_ws::VtSteps): each lane's ldmatrix row is the byte where the
+// TMA landed its key and head-dim chunk (the 128- or 64-byte swizzle: chunk bits [4, 7) or
+// [4, 6) XORed with bits [7, 10) or [7, 9)), each stmatrix row its Vt row's key chunk in the
+// 128-byte swizzle; over a stage's steps every 16-byte chunk of V is read once and every one
+// of Vt written once, at any 1024-byte-aligned stage base.
+int tma_swizzled(int row_bytes, int row, int chunk) {
+  const int plain = row * row_bytes + chunk * 16;
+  return plain ^ (((plain >> 7) & (row_bytes == 128 ? 7 : 3)) << 4);
+}
+
+template <int kRowBytes, int kHeadBytes>
+void check_vt_steps(uint32_t sV, uint32_t sVt) {
+  constexpr int kBN = 128, kChunks = kRowBytes / 16;
+  std::set<uint32_t> read, written;
+  for (uint32_t pair = 0; pair < kHeadBytes / 32; ++pair)
+    for (uint32_t k16 = 0; k16 < kBN / 16; ++k16)
+      for (uint32_t lane = 0; lane < 32; ++lane) {
+        const sm90_ws::VtSteps<kRowBytes, kBN> at(sV, sVt, lane);
+        const int m = int(lane) / 8, r = int(lane) % 8;
+        const int key = 16 * int(k16) + 8 * (m & 1) + r, chunk = 2 * int(pair) + m / 2;
+        const uint32_t v = sV + uint32_t((chunk / kChunks) * kBN * kRowBytes +
+                                         tma_swizzled(kRowBytes, key, chunk % kChunks));
+        const int vt_row = 16 * chunk + 2 * r + ((m & 1) ^ (r >= 4 ? 1 : 0));
+        const uint32_t vt = sVt + uint32_t(tma_swizzled(128, vt_row, int(k16)));
+        ASSERT_EQ(at.ld(k16, pair), v) << "pair " << pair << " k16 " << k16 << " lane " << lane;
+        ASSERT_EQ(at.st(k16, pair), vt) << "pair " << pair << " k16 " << k16 << " lane " << lane;
+        read.insert(v);
+        written.insert(vt);
+      }
+  EXPECT_EQ(read.size(), size_t(kBN * kHeadBytes / 16));
+  EXPECT_EQ(written.size(), size_t(kBN * kHeadBytes / 16));
+  EXPECT_EQ(*read.rbegin() - sV, uint32_t(kBN * kHeadBytes - 16));
+  EXPECT_EQ(*written.rbegin() - sVt, uint32_t(kBN * kHeadBytes - 16));
+}
+
+TEST(Swizzle, Fp8TransposerAddressesFollowTheTmaLayouts) {
+  for (uint32_t base : {0u, 1024u * 37u, 1024u * 200u}) {
+    check_vt_steps<64, 64>(base, base + 8192);     // hd64: one 64-byte panel
+    check_vt_steps<128, 128>(base, base + 16384);  // hd128: one 128-byte panel
+    check_vt_steps<128, 256>(base, base + 32768);  // two panels (no fp8 kernel takes hd256)
+  }
 }
 
 }  // namespace
