@@ -33,3 +33,20 @@ except ImportError as e:  # a clear message instead of a collection error per fi
 
 def pytest_report_header(config):
     return f"hipflash {hipflash.__version__} from {hipflash.__file__}: {hipflash.build_info()}"
+
+
+# A build limited to some head dims (-DHIPFLASH_HEAD_DIMS, for fast iteration) refuses the others
+# by name (the selector's "was not built" error). Its tests of those head dims are skipped with
+# that reason rather than failed; a full build (CI's, scripts/gpu-check's) never raises it.
+_NOT_BUILT = "was not built; reconfigure with HIPFLASH_HEAD_DIMS"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and call.excinfo is not None \
+            and _NOT_BUILT in str(call.excinfo.value):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path if hasattr(item, "path") else item.fspath),
+                           (item.location[1] or 0) + 1, f"Skipped: {call.excinfo.value}")
