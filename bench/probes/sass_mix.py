@@ -18,15 +18,17 @@ def load(path):
     rows = list(csv.reader(open(path)))
     head = next(i for i, r in enumerate(rows) if "Source" in r and "Instructions Executed" in r)
     ix = {h: i for i, h in enumerate(rows[head])}
+    def num(r, k):
+        return int((r[ix[k]] or "0").replace(",", ""))
+
     out = []
     for r in rows[head + 1:]:
         if len(r) < len(ix):
             continue
         src = r[ix["Source"]].strip()
         m = re.match(r"(@!?U?P\w+\s+)?([A-Z0-9_.]+)", src)
-        num = lambda k: int((r[ix[k]] or "0").replace(",", ""))
-        out.append((m.group(2) if m else src, num("Instructions Executed"),
-                    num("Warp Stall Sampling (All Samples)"), src))
+        out.append((m.group(2) if m else src, num(r, "Instructions Executed"),
+                    num(r, "Warp Stall Sampling (All Samples)"), src))
     return out
 
 

@@ -209,7 +209,6 @@ template <class Cfg, bool kTail>
 __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id, int lane,
                                             int valid) {
   constexpr int kBN = Cfg::kBlockN, kHD = Cfg::kHeadDim, kRB = Cfg::kRowBytes;
-  static_assert(kBN == 128, "Vt: one 128-key-byte row a head-dim row");
   static_assert(Cfg::kOffV % 1024 == 0 && Cfg::kOffVt % 1024 == 0 && Cfg::kSmemKV % 1024 == 0,
                 "V and Vt stages 1024-byte aligned: the swizzles' bits clear in their bases");
   constexpr uint32_t kSteps = (kBN / 16) * (kHD / 32);  // (16-key group, 32-byte head-dim pair)
@@ -228,8 +227,8 @@ __device__ __forceinline__ void transpose_v(uint32_t sV, uint32_t sVt, int w_id,
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                  : "r"(at.ld(k16, pair)));
-    // Vt rows 16 chunk + 2g (0x6420: the even bytes) and + 1 (0x7531), slots 4t .. 4t + 3 of
-    // group k16: the words of matrices 0 .. 3 as this lane holds them.
+    // Vt rows 16 (2 pair + m / 2) + 2g (0x6420: the even bytes) and + 1 (0x7531), slots
+    // 4t .. 4t + 3 of group k16: the words of matrices 0 .. 3 as this lane holds them.
     uint32_t w0 = __byte_perm(v[0], v[1], sel_a), w1 = __byte_perm(v[0], v[1], sel_b);
     uint32_t w2 = __byte_perm(v[2], v[3], sel_a), w3 = __byte_perm(v[2], v[3], sel_b);
     if (kTail) {  // byte i of each word is key 16 k16 + 2t + (i & 1) + 8 (i >> 1)
