@@ -8,9 +8,9 @@
 //    consumers.
 //  * each consumer warpgroup owns 64 query rows: S = Q K^T (wgmma SS) and O += P V (wgmma RS,
 //    P from registers) with the online softmax of the generic kernel (common::RowSoftmax), the
-//    softmax of key block n - 1 running while P(n) V(n) is on the tensor cores. The
-//    consumers take turns issuing their GEMMs (named barriers, round robin), so that one's
-//    softmax runs under the others' GEMMs.
+//    softmax of key block n - 1 issued while P(n) V(n) is on the tensor cores (ptxas still
+//    waits for P V at the softmax's start: see run()). The consumers take turns issuing their
+//    GEMMs (named barriers, round robin), so that one's softmax runs under the others' GEMMs.
 // The shared-memory tiles use the panelled 128-byte swizzle of atoms/sm90/wgmma.hpp, which is
 // the TMA's SWIZZLE_128B layout of [rows x 64] boxes. Masks, split-K and the LSE follow the
 // other schedules (common/block_info.hpp, common/epilogue.hpp). A varlen call's maps take its
@@ -590,8 +590,8 @@ struct Consumer {
   }
 
   /// One tile: its 64 query rows of this warpgroup against the tile's key blocks, from last to
-  /// first. While P(n) V(n) runs on the tensor cores, the softmax of S(n - 1) runs on the CUDA
-  /// cores. Each block's Q K^T is issued unconditionally, so S needs no zeroing against an
+  /// first. The softmax of S(n - 1) comes after P(n) V(n)'s issue, before its wait (in the
+  /// SASS the wait is at the softmax's start). Each block's Q K^T is issued unconditionally, so S needs no zeroing against an
   /// undefined path (which serialises the wgmmas, C7515). The last P V runs alone, or with
   /// kCarry in the next tile's first turn. `acc` is the caller's where something is carried.
   __device__ __forceinline__ void run(int64_t tile, Acc& acc) const {
@@ -679,9 +679,10 @@ struct Consumer {
       float rescale[2];
       softmax_step(bi, lean, ts, c.softmax, S, n - 1, rescale);
       if constexpr (kFp8) {
-        // The step's results pinned before the wait: unpinned, fp8's softmax is sunk below it
-        // whole (the wait moved up to its first instruction) and no longer runs under
-        // P(n) V(n). (16-bit P: the wait lands after the max; pinned, not shown to gain.)
+        // The step's results pinned before the wait (measured +1-8% on the H100). The pins
+        // order the PTX only: in the SASS, P V's wait still sits at the softmax's start (O's
+        // rescale and temporaries in P's registers need it there), in 16-bit P's too, so the
+        // softmax does not yet run under P(n) V(n) (docs/design-decisions.md#fp8-forward).
         wgmma::fence_operands(S);
         wgmma::fence_operands(c.softmax.l);
         wgmma::fence_operands(rescale);
