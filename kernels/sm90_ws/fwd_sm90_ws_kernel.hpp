@@ -680,9 +680,9 @@ struct Consumer {
       softmax_step(bi, lean, ts, c.softmax, S, n - 1, rescale);
       if constexpr (kFp8) {
         // The step's results pinned before the wait (measured +1-8% on the H100). The pins
-        // order the PTX only: in the SASS, P V's wait still sits at the softmax's start (O's
-        // rescale and temporaries in P's registers need it there), in 16-bit P's too, so the
-        // softmax does not yet run under P(n) V(n) (docs/design-decisions.md#fp8-forward).
+        // order the PTX only: in the SASS, P V's wait still sits at the softmax's start (ptxas
+        // schedules it to the top of its block), in 16-bit P's too, so the softmax does not
+        // yet run under P(n) V(n) (docs/design-decisions.md#fp8-forward).
         wgmma::fence_operands(S);
         wgmma::fence_operands(c.softmax.l);
         wgmma::fence_operands(rescale);
