@@ -4,7 +4,8 @@ disassembler (the CPU machine has nvcc and ptxas but no cuobjdump / nvdisasm): f
 `wgmma.wait_group 1` (WARPGROUP.DEPBAR.LE gsb0, 0x1) the number of MUFU.EX2 instructions before
 the next `wait_group 0`. In the forward's key loop those are the softmax's exponentials that run
 while P V is still on the tensor cores; 0 means ptxas hoisted P V's wait above the softmax
-(docs/design-decisions.md#fp8-forward). The TU is one a CUDA build generates (build-gpu: scripts/gpu-check build).
+(docs/design-decisions.md#fp8-forward). The TU is one a CUDA build generates (build-gpu:
+scripts/gpu-check build).
 
 Encodings read (sm_90a, 16-byte instructions, checked against `cuobjdump -sass` of the same
 kernels): WARPGROUP.DEPBAR has 0x79c5 in the low 16 bits of the first word and bit 47 set (bit
@@ -13,7 +14,8 @@ kernels): WARPGROUP.DEPBAR has 0x79c5 in the low 16 bits of the first word and b
 
     nvcc -cubin -gencode arch=compute_90a,code=sm_90a -std=c++17 -O3 --use_fast_math \\
       --expt-relaxed-constexpr -DHIPFLASH_HAS_SM90_KERNELS=1 -DHIPFLASH_HEAD_DIM_MASK=3 \\
-      -Iinclude -Ikernels -Isrc -x cu build-gpu/instantiations/fwd_sm90_ws_e4m3_hd128.cu -o /tmp/k.cubin
+      -Iinclude -Ikernels -Isrc -x cu build-gpu/instantiations/fwd_sm90_ws_e4m3_hd128.cu \\
+      -o /tmp/k.cubin
     python3 bench/probes/wgmma_waits.py /tmp/k.cubin [NAME_SUBSTRING]
 """
 import struct
