@@ -592,8 +592,9 @@ struct Consumer {
   /// One tile: its 64 query rows of this warpgroup against the tile's key blocks, from last to
   /// first. The softmax of S(n - 1) comes after P(n) V(n)'s issue, before its wait (in the
   /// SASS the wait is at the softmax's start). Each block's Q K^T is issued unconditionally,
-  /// so S needs no zeroing against an undefined path (which serialises the wgmmas, C7515). The last P V runs alone, or with
-  /// kCarry in the next tile's first turn. `acc` is the caller's where something is carried.
+  /// so S needs no zeroing against an undefined path (which serialises the wgmmas, C7515).
+  /// The last P V runs alone, or with kCarry in the next tile's first turn. `acc` is the
+  /// caller's where something is carried.
   __device__ __forceinline__ void run(int64_t tile, Acc& acc) const {
     const Info bi = info(tile);
     const int64_t m0 = m0_of(bi);
