@@ -15,6 +15,7 @@ Needs no torch and no GPU: run it wherever the results were copied to.
 
 import argparse
 import os
+import re
 import shutil
 import sys
 
@@ -318,8 +319,10 @@ def main(argv=None):
             raise SystemExit(f"refusing: {path} is a {meta.get('device')} run, not a GPU benchmark")
         with open(os.path.join(path, "results.md")) as f:
             text = f.read().strip()
-        # Its own title becomes a section heading of this page (every heading one level down).
-        lines = [("#" + ln) if ln.startswith("#") else ln for ln in text.splitlines()]
+        # Its own title becomes a section heading of this page (every heading one level down);
+        # its plots are not kept with a run of record, so their links go.
+        lines = [("#" + ln) if ln.startswith("#") else ln for ln in text.splitlines()
+                 if not re.fullmatch(r"!\[[^]]*\]\([^)]*\.png\)", ln.strip())]
         lines[0] = lines[0].replace("## ", f"## Run: {meta.get('suite')} — ", 1) + \
             f" (`{os.path.relpath(path, REPO)}`)"
         sections.append("\n".join(lines) + "\n")
