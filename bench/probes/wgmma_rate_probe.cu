@@ -16,13 +16,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <vector>
 
+#include "atoms/sm80.hpp"
 #include "atoms/sm90/wgmma.hpp"
 #include "atoms/sm90/wgmma_ops.hpp"
+#include "probe_util.hpp"
 
-namespace wg = hipflash::atom::sm90::wgmma;
+namespace sm90 = hipflash::atom::sm90;
+namespace wg = sm90::wgmma;
 using hipflash::DType;
 
 constexpr int kIters = 512, kSteps = 4;
@@ -30,16 +32,13 @@ constexpr uint32_t kTileA = 64 * 128, kTileB = 128 * 128, kScratch = 32 * 1024;
 constexpr uint32_t kOffB = 2 * kTileA, kOffScratch = kOffB + kTileB;
 constexpr uint32_t kOffFlag = kOffScratch + 2 * kScratch, kSmem = kOffFlag + 1024 + 1024;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-
 template <DType kDT, bool kRs, bool kHammer>
 __global__ void __launch_bounds__(384, 1) rate_kernel(int issuers, long long* cycles, float* sink) {
 #if defined(HIPFLASH_HAS_WGMMA)
+  using hipflash::atom::sm80::smem_addr;
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char* smem = raw + ((1024 - smem_u32(raw) % 1024) % 1024);
-  const uint32_t base = smem_u32(smem);
+  unsigned char* smem = raw + ((1024 - smem_addr(raw) % 1024) % 1024);
+  const uint32_t base = smem_addr(smem);
   for (uint32_t i = threadIdx.x; i < kOffFlag / 4; i += blockDim.x) {
     uint32_t x = i * 2654435761u;
     x ^= x >> 15;
@@ -92,16 +91,11 @@ __global__ void __launch_bounds__(384, 1) rate_kernel(int issuers, long long* cy
 #pragma unroll 4
       for (int i = 0; i < 16; ++i) {
         uint32_t v[4];
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                     : "r"(src + (i % 16) * 512));
-        const uint32_t w0 = __byte_perm(v[0], v[1], 0x6420), w1 = __byte_perm(v[0], v[1], 0x7531);
-        const uint32_t w2 = __byte_perm(v[2], v[3], 0x6420), w3 = __byte_perm(v[2], v[3], 0x7531);
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                         dst + (i % 16) * 512),
-                     "r"(w0), "r"(w1), "r"(w2), "r"(w3)
-                     : "memory");
-        acc ^= w0;
+        hipflash::atom::sm80::ldmatrix_x4_trans(v, src + i * 512);
+        const uint32_t w[4] = {__byte_perm(v[0], v[1], 0x6420), __byte_perm(v[0], v[1], 0x7531),
+                               __byte_perm(v[2], v[3], 0x6420), __byte_perm(v[2], v[3], 0x7531)};
+        sm90::stmatrix_x4(dst + i * 512, w);
+        acc ^= w[0];
       }
     }
     sink[blockIdx.x * blockDim.x + threadIdx.x] = float(acc & 1);
@@ -112,18 +106,19 @@ __global__ void __launch_bounds__(384, 1) rate_kernel(int issuers, long long* cy
 template <DType kDT, bool kRs, bool kHammer>
 void run(const char* name, int issuers, int sms, long long* d_cycles, float* sink) {
   auto kern = rate_kernel<kDT, kRs, kHammer>;
-  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem) + 1024);
+  probe::check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kSmem) + 1024),
+               "cudaFuncSetAttribute");
   std::vector<long long> c(sms * 2);
   for (int rep = 0; rep < 3; ++rep) {
-    cudaMemset(d_cycles, 0, sizeof(long long) * sms * 2);
+    probe::check(cudaMemset(d_cycles, 0, sizeof(long long) * sms * 2), "cudaMemset");
     kern<<<sms, 384, kSmem + 1024>>>(issuers, d_cycles, sink);
-    const cudaError_t e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) {
-      std::printf("%s: CUDA error %s\n", name, cudaGetErrorString(e));
-      std::exit(1);
-    }
+    probe::check(cudaGetLastError(), name);
+    probe::check(cudaDeviceSynchronize(), name);
   }
-  cudaMemcpy(c.data(), d_cycles, sizeof(long long) * sms * 2, cudaMemcpyDeviceToHost);
+  probe::check(cudaMemcpy(c.data(), d_cycles, sizeof(long long) * sms * 2,
+                          cudaMemcpyDeviceToHost),
+               "cudaMemcpy");
   std::vector<double> per;  // cycles a wgmma of the pipe (the issuers share it)
   for (int b = 0; b < sms; ++b) {
     long long t = 0;
@@ -137,11 +132,11 @@ void run(const char* name, int issuers, int sms, long long* d_cycles, float* sin
 
 int main() {
   int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  long long* d_cycles;
-  float* sink;
-  cudaMalloc(&d_cycles, sizeof(long long) * sms * 2);
-  cudaMalloc(&sink, sizeof(float) * sms * 384);
+  probe::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
+  long long* d_cycles = nullptr;
+  float* sink = nullptr;
+  probe::check(cudaMalloc(&d_cycles, sizeof(long long) * sms * 2), "cudaMalloc");
+  probe::check(cudaMalloc(&sink, sizeof(float) * sms * 384), "cudaMalloc");
   std::printf("m64n128 wgmmas, groups of %d, %d groups an issuer, one group in flight; nominal: "
               "64 cycles (4096 bf16 / 8192 fp8 flop a cycle an SM)\n", kSteps, kIters);
   for (int issuers = 1; issuers <= 2; ++issuers) {
