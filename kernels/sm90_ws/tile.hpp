@@ -24,13 +24,15 @@ namespace hipflash::sm90_ws {
 /// fp8 (e4m3 q, k, v; hd64 and hd128): 128-key blocks, three stages of K, V and V
 /// transposed (Vt) each — 193 KiB at hd128 with the bf16 output staged apart: the transposing
 /// warps put a step between V's landing and P V, which a third stage absorbs. Two consumers;
-/// unmasked hd64 three, as its 16-bit tile (half as much GEMM a softmax step).
+/// unmasked hd64 three, as its 16-bit tile (half as much GEMM a softmax step), and masked hd64
+/// three on its long-row tile, as the 16-bit one (hd128 has none: Vt is one 128-key block).
 template <int kHeadDim, bool kMasked, bool kLongRows, bool kFp8 = false>
 struct TileConfig;
-template <int kHeadDim, bool kMasked>
-struct TileConfig<kHeadDim, kMasked, false, true> {
+template <int kHeadDim, bool kMasked, bool kLongRows>
+struct TileConfig<kHeadDim, kMasked, kLongRows, true> {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the fp8 tiles: head dims 64 and 128");
-  static constexpr int kConsumers = kHeadDim == 64 && !kMasked ? 3 : 2;
+  static_assert(!kLongRows || (kHeadDim == 64 && kMasked), "fp8's long-row tile: masked hd64");
+  static constexpr int kConsumers = kHeadDim == 64 && (!kMasked || kLongRows) ? 3 : 2;
   static constexpr int kBlockN = 128, kStages = 3;
 };
 template <bool kMasked, bool kLongRows>
@@ -220,7 +222,8 @@ using TileOf = Tile<Traits::kHeadDim, Traits::kMasked, kLongRowsOf<Traits>,
 /// Whether these traits have a long-row variant (the instantiations long_row_tile can pick).
 template <class Traits>
 inline constexpr bool kHasLongRowTile =
-    ((Traits::kHeadDim == 64 && Traits::kMasked) || (Traits::kHeadDim == 128 && !Traits::kMasked)) &&
-    !Traits::kSplit && !kLongRowsOf<Traits> && Traits::kDType != DType::e4m3;
+    ((Traits::kHeadDim == 64 && Traits::kMasked) ||
+     (Traits::kHeadDim == 128 && !Traits::kMasked && Traits::kDType != DType::e4m3)) &&
+    !Traits::kSplit && !kLongRowsOf<Traits>;
 
 }  // namespace hipflash::sm90_ws

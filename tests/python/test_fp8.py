@@ -265,6 +265,20 @@ def test_gpu_fp8_forward_blocks_walk_several_tiles(d, causal):
 
 
 @needs_fp8_gpu
+def test_gpu_fp8_forward_long_rows_masked_hd64():
+    # The masked hd64 long-row tile (three consumers; sm90_ws::long_row_tile): 4k query rows
+    # seeing 4k keys or more on average (causal, bottom-right, over 6k keys) and 12 heads of 22
+    # 192-row tiles, two for each of 132 multiprocessors.
+    q, k, v = (t.cuda() for t in fp8_case(1, 4096, 6144, 12, 4, 64, seed=13))
+    qd, kd, vd = (t.cuda() for t in descales(1, 4, True))
+    out, lse = hipflash.flash_attn_func(q, k, v, causal=True, return_lse=True, q_descale=qd,
+                                        k_descale=kd, v_descale=vd)
+    name = hipflash.last_kernel_name()
+    assert name.startswith("fwd_sm90_ws_fp8_") and "_longrows" in name, name
+    check_fp8_gpu(out, lse, q, k, v, qd, kd, vd, "long rows", causal=True)
+
+
+@needs_fp8_gpu
 @pytest.mark.parametrize("d", [32, 96])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_fp8_forward_padded_head_dims(d, causal):
