@@ -22,7 +22,7 @@ python3 bench/make_report.py \
   --append bench/results/h200-2026-12-06/train \
   --append bench/results/h100-2026-12-07/train \
   --append bench/results/h100-2026-12-07e/train \
-  --append bench/results/h100-2026-12-07e/fwd-fp8 \
+  --append bench/results/h100-2026-12-07f/fwd-fp8 \
   --append bench/results/h200-2026-12-04/merge \
   --append bench/results/h200-2026-12-06/generate \
   --note-file bench/results/benchmarks-note.md
