@@ -54,9 +54,10 @@ struct Sm90WsLaunch {
   }
 };
 
-/// Calls with long rows run on the long-row tile (sm90_ws::long_row_tile: masked hd64 on three
-/// consumers, unmasked hd128 and hd96 from sm90_ws::kHd128LongRowKeys keys on 176-key
-/// blocks); the launch says so (note_long_row_tile) for the kernel's name.
+/// Calls with long rows run on the long-row tile (sm90_ws::long_row_tile: masked hd64, 16-bit
+/// and fp8, on three consumers; unmasked 16-bit hd128 and hd96 from
+/// sm90_ws::kHd128LongRowKeys keys on 176-key blocks); the launch says so
+/// (note_long_row_tile) for the kernel's name.
 template <class Traits>
 void launch_sm90_ws_fwd(const FwdParams& p, port::stream_t stream) {
   HIPFLASH_CHECK_AS(runtime_error, !p.is_kvcache(),

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "backend.hpp"  // widened_fp8_params
+#include "hipflash/detail/kernel_traits.hpp"
 #include "hipflash/detail/selector.hpp"
 #include "sm90_ws/tile.hpp"
 
@@ -267,6 +268,35 @@ TEST(Selector, LongRowTileOnlyForLongRows) {
   // Too few tiles to fill the SMs twice over: 43 tiles a head at 8k.
   EXPECT_FALSE(pick(64, true, false, 8192, 8192, -1, 0, 6));
   EXPECT_TRUE(pick(64, true, false, 8192, 8192, -1, 0, 7));
+}
+
+TEST(Selector, LongRowTileInstantiations) {
+  // The traits with a long-row instantiation (what long_row_tile may pick): masked hd64 in 16
+  // bits and fp8 (three consumers, as unmasked hd64), unmasked hd128 in 16 bits only (fp8's Vt
+  // ring is one 128-key block); never a split, never the long-row traits themselves.
+  using sm90_ws::kHasLongRowTile;
+  constexpr DType e4 = DType::e4m3;
+  using Bf16Hd64Causal = FwdTraits<DType::bf16, 64, true, true, false>;
+  using F16Hd128 = FwdTraits<DType::f16, 128, false, false, false>;
+  using Fp8Hd64Causal = FwdTraits<e4, 64, false, true, false>;
+  using Fp8Hd64CausalLse = FwdTraits<e4, 64, true, true, false>;
+  using Fp8Hd64 = FwdTraits<e4, 64, false, false, false>;
+  using Fp8Hd64CausalSplit = FwdTraits<e4, 64, true, true, true>;
+  using Fp8Hd128 = FwdTraits<e4, 128, false, false, false>;
+  using Fp8Hd128Causal = FwdTraits<e4, 128, false, true, false>;
+  using Fp8Hd64CausalLong = sm90_ws::LongRows<Fp8Hd64Causal>;
+  EXPECT_TRUE(kHasLongRowTile<Bf16Hd64Causal>);
+  EXPECT_TRUE(kHasLongRowTile<F16Hd128>);
+  EXPECT_TRUE(kHasLongRowTile<Fp8Hd64Causal>);
+  EXPECT_TRUE(kHasLongRowTile<Fp8Hd64CausalLse>);
+  EXPECT_FALSE(kHasLongRowTile<Fp8Hd64>);  // three consumers already
+  EXPECT_FALSE(kHasLongRowTile<Fp8Hd64CausalSplit>);
+  EXPECT_FALSE(kHasLongRowTile<Fp8Hd128>);
+  EXPECT_FALSE(kHasLongRowTile<Fp8Hd128Causal>);
+  EXPECT_FALSE(kHasLongRowTile<Fp8Hd64CausalLong>);
+  EXPECT_EQ(sm90_ws::TileOf<Fp8Hd64CausalLong>::kConsumers, 3);
+  EXPECT_EQ(sm90_ws::TileOf<Fp8Hd64Causal>::kConsumers, 2);
+  EXPECT_EQ(sm90_ws::TileOf<Fp8Hd64CausalLong>::kBlockN, 128);
 }
 
 TEST(Selector, KvCacheTakesOnlyTheDecodeOrGenericKernel) {
