@@ -28,16 +28,18 @@ namespace hipflash::sm90_ws {
 /// three on its long-row tile, as the 16-bit one (hd128 has none: Vt is one 128-key block).
 template <int kHeadDim, bool kMasked, bool kLongRows, bool kFp8 = false>
 struct TileConfig;
+/// hd64's consumer warpgroups, 16-bit and fp8 alike: two on masked short rows, else three.
+constexpr int hd64_consumers(bool masked, bool long_rows) { return masked && !long_rows ? 2 : 3; }
 template <int kHeadDim, bool kMasked, bool kLongRows>
 struct TileConfig<kHeadDim, kMasked, kLongRows, true> {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the fp8 tiles: head dims 64 and 128");
   static_assert(!kLongRows || (kHeadDim == 64 && kMasked), "fp8's long-row tile: masked hd64");
-  static constexpr int kConsumers = kHeadDim == 64 && (!kMasked || kLongRows) ? 3 : 2;
+  static constexpr int kConsumers = kHeadDim == 64 ? hd64_consumers(kMasked, kLongRows) : 2;
   static constexpr int kBlockN = 128, kStages = 3;
 };
 template <bool kMasked, bool kLongRows>
 struct TileConfig<64, kMasked, kLongRows> {
-  static constexpr int kConsumers = kMasked && !kLongRows ? 2 : 3;
+  static constexpr int kConsumers = hd64_consumers(kMasked, kLongRows);
   static constexpr int kBlockN = 128, kStages = 2;
 };
 template <bool kMasked, bool kLongRows>
