@@ -1,4 +1,4 @@
-# hipflash — helpers sourced by scripts/run, scripts/test and scripts/compile-check.
+# hipflash — helpers sourced by the scripts in scripts/.
 # shellcheck shell=bash
 
 HIPFLASH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,4 +43,46 @@ build_all_errors() {
     *Makefiles) keep=(-- -k) ;;
   esac
   cmake --build "$dir" -j "$HIPFLASH_JOBS" "$@" "${keep[@]}"
+}
+
+# ---- Prebuilt kernel libraries (scripts/gpu-prebuild) ----------------------------------------
+# What the library is compiled from: a package built from these files is the library of any tree
+# that has the same ones.
+PREBUILT_SOURCES=(CMakeLists.txt cmake include kernels src)
+
+# prebuilt_fingerprint <tree> <settings...>: 16 hex digits over the library's sources under <tree>
+# (paths and contents) and the build settings (CUDA archs, head dims, flags).
+prebuilt_fingerprint() {
+  local tree=$1
+  shift
+  {
+    (cd "$tree" && find "${PREBUILT_SOURCES[@]}" -type f -print0 | LC_ALL=C sort -z |
+      xargs -0 sha256sum)
+    printf 'setting %s\n' "$@"
+  } | sha256sum | cut -c1-16
+}
+
+# prebuilt_prefix <name> <tree> <unpack dir> <settings...>: where .device/prebuilt/<name>.tar.xz
+# was built from <tree>'s library sources with these settings, unpacks it into <unpack dir> and
+# prints the install prefix to pass as -DHIPFLASH_PREBUILT; otherwise says why on stderr and
+# fails (the caller then compiles the library itself).
+prebuilt_prefix() {
+  local name=$1 tree=$2 into=$3
+  shift 3
+  local pkg=$HIPFLASH_ROOT/.device/prebuilt/$name.tar.xz want have
+  if [[ ! -f $pkg ]]; then
+    echo "prebuilt $name: no package ($pkg); compiling the library here" >&2
+    return 1
+  fi
+  rm -rf "$into" && mkdir -p "$into"
+  xz -dc "$pkg" | tar -x -C "$into"
+  want=$(prebuilt_fingerprint "$tree" "$@")
+  have=$(cat "$into/FINGERPRINT")
+  if [[ $want != "$have" ]]; then
+    echo "prebuilt $name: package $have was built from other sources or settings than" \
+      "$tree's ($want); compiling the library here" >&2
+    return 1
+  fi
+  echo "prebuilt $name: $(cat "$into/COMMIT"), fingerprint $have" >&2
+  echo "$into/prefix"
 }
