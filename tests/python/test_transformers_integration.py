@@ -122,6 +122,56 @@ def test_padding_free_batches_keep_documents_apart(device, via):
         _check(out[:, a:b], *doc, mask)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_free_batches_of_several_rows(device):
+    # transformers flattens the batch's rows before the varlen call: the bounds count tokens
+    # over both rows, and a document may run from one row into the next.
+    q, k, v, _ = _case(device, 2, 8, 8, 4, 2, 64, (0, 0))
+    cu = torch.tensor([0, 5, 11, 16], dtype=torch.int32, device=device)
+    out, _ = hf.attention(_Layer(), q, k, v, None, scaling=64 ** -0.5, cu_seq_lens_q=cu,
+                          cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    assert out.shape == (2, 8, 4, 64)
+    rows = lambda t: t.transpose(1, 2).flatten(0, 1)  # noqa: E731  [2 * 8, heads, dim]
+    flat = [rows(t).transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, 16, dim]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        doc = [t[:, :, a:b] for t in flat]
+        mask = torch.ones(1, b - a, dtype=torch.bool, device=device)
+        _check(out.flatten(0, 1)[None, a:b], *doc, mask)
+
+
+def test_incomplete_varlen_arguments_are_not_a_packed_batch():
+    # transformers packs only when all four varlen arguments are given; so does the integration.
+    q, k, v, _ = _case("cpu", 1, 8, 8, 2, 2, 64, (0,))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    out, _ = hf.attention(_Layer(), q, k, v, None, scaling=64 ** -0.5, cu_seq_lens_q=cu,
+                          cu_seq_lens_k=cu)
+    want, _ = hf.attention(_Layer(), q, k, v, None, scaling=64 ** -0.5)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("how", ["argument", "environment", "default"])
+def test_deterministic_reaches_the_call(monkeypatch, how):
+    # transformers' `deterministic` (the call's, else FLASH_ATTENTION_DETERMINISTIC=1) asks
+    # FlashAttention for bitwise-repeatable gradients: the integration passes it on.
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw["deterministic"])
+        return real(*args, **kw)
+
+    real = hipflash.flash_attn_func
+    monkeypatch.setattr(hipflash, "flash_attn_func", spy)
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    kw = {}
+    if how == "argument":
+        kw["deterministic"] = True
+    elif how == "environment":
+        monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    q, k, v, _ = _case("cpu", 1, 4, 4, 2, 2, 64, (0,))
+    hf.attention(_Layer(), q.requires_grad_(), k, v, None, scaling=64 ** -0.5, **kw)
+    assert seen == [how != "default"]
+
+
 def test_fp32_inputs_run_in_bf16_and_come_back_fp32():
     q, k, v, mask = _case("cpu", 2, 8, 8, 2, 2, 64, (0, 3))
     out, _ = hf.attention(_Layer(), q.float(), k.float(), v.float(), mask, scaling=64 ** -0.5)

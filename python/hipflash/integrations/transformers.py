@@ -12,12 +12,16 @@ to load. Layouts, masks and windows follow transformers' FlashAttention integrat
 (modeling_flash_attention_utils): each generation step of a left-padded batch reads the KV
 cache in place (FlashAttention's cache_leftpad; CPU tensors and NVIDIA GPUs); other padded
 calls (prefill, other masks, autograd) turn the batch into packed sequences (varlen); padding-free
-(packed) batches run each document on its own; sliding windows cover the last `sliding_window`
+(packed) batches run each document on its own, over the batch's rows taken in order; a call's
+`deterministic` (else FLASH_ATTENTION_DETERMINISTIC=1) makes the gradients bitwise repeatable, as
+transformers asks of FlashAttention; sliding windows cover the last `sliding_window`
 keys; GQA runs natively; fp32 inputs run in bfloat16 (or the autocast dtype). Gemma 2's logit
 softcapping runs on CPU tensors and NVIDIA GPUs, forward and backward. Refused with
 NotImplementedError: attention dropout during training and attention sinks, until hipflash has
 them (issue 42).
 """
+import os
+
 import torch
 
 import hipflash
@@ -142,25 +146,35 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if sliding_window is not None and kv_len > sliding_window:
         # The last `sliding_window` keys (transformers' kv_idx > q_idx - sliding_window).
         window = (sliding_window - 1, -1 if causal else sliding_window - 1)
+    # Bitwise-repeatable gradients as transformers asks FlashAttention for them: the call's
+    # `deterministic`, else FLASH_ATTENTION_DETERMINISTIC=1 (_process_flash_attention_kwargs).
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     # Gemma 2's attn_logit_softcapping.
     kw = dict(softmax_scale=scaling, causal=bool(causal), window_size=window,
-              softcap=float(softcap or 0.0))
+              softcap=float(softcap or 0.0), deterministic=bool(deterministic))
 
     def done(out):
         return out.to(dtype), None
 
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    # Padding-free batches: the documents' bounds over the batch's rows taken in order (the
+    # four varlen arguments all given, as transformers requires), or one row's documents from
+    # its restarting position_ids.
+    varlen = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                      "max_length_k")]
     packed = None
-    if cu_q is not None and cu_k is not None and attention_mask is None:
-        packed = (cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]),
-                  int(kwargs["max_length_k"]))
+    if attention_mask is None and all(a is not None for a in varlen):
+        packed = (varlen[0].to(torch.int32), varlen[1].to(torch.int32), int(varlen[2]),
+                  int(varlen[3]))
     elif attention_mask is None and batch == 1 and q_len == kv_len:
         bounds = _packed_bounds(kwargs.get("position_ids"), q_len)
         if bounds is not None:
             packed = (bounds[0], bounds[0], bounds[1], bounds[1])
-    if packed is not None:  # documents of one row, each on its own
-        out = hipflash.flash_attn_varlen_func(q[0], k[0], v[0], *packed, **kw)
-        return done(out[None])
+    if packed is not None:  # each document on its own
+        out = hipflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                              *packed, **kw)
+        return done(out.view(batch, q_len, heads, out.shape[-1]))
     if attention_mask is None:
         return done(hipflash.flash_attn_func(q, k, v, **kw))
     if attention_mask.shape[1] < kv_len:  # a static cache longer than the mask: its first rows
@@ -175,7 +189,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         pads = _left_pads_of_step(attention_mask)
         if pads is not None:
             lengths = _lengths_of_step(attention_mask, pads, kv_len, q.device)
-            return done(hipflash._kvcache_read(q, k, v, *lengths, **kw))
+            read_kw = {n: a for n, a in kw.items() if n != "deterministic"}  # no gradients
+            return done(hipflash._kvcache_read(q, k, v, *lengths, **read_kw))
     # The packed rows' indices and bounds: once per step (_unpad waits for the GPU).
     idx_k, cu_k, max_k = _of_step(attention_mask, "unpad",
                                   lambda: _unpad(attention_mask.to(torch.bool)))
