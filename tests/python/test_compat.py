@@ -7,7 +7,7 @@ import torch
 import hipflash
 import hipflash.compat.flash_attn as fa2
 import hipflash.compat.flash_attn_interface as fa3
-from reference import assert_bitwise_equal, make_qkv
+from reference import assert_bitwise_equal, attention_ref, check_out, make_qkv
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and hipflash.gpu_available() else [])
 BF16 = torch.bfloat16
@@ -27,7 +27,7 @@ def test_fa2_flash_attn_func(device):
                                               return_attn_probs=True)
     assert_bitwise_equal(out, want, "out")
     assert_bitwise_equal(got_lse, lse, "lse")
-    assert probs is None
+    assert probs.numel() == 0 and probs.dtype == q.dtype  # FA2's S_dmask without dropout
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -176,19 +176,75 @@ def test_fa3_refuses_what_hipflash_lacks_by_name(arg):
         fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4, **arg)
 
 
-def test_fa3_head_dims_hipflash_lacks_are_a_missing_feature():
-    # FlashAttention 3 takes any multiple of 8 up to 256 (192: MLA): NotImplementedError through
-    # its compatibility module; a head dim FA3 refuses too stays hipflash's ValueError.
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    for d in (192, 80):
-        q = torch.zeros(1, 4, 2, d, dtype=BF16)
-        with pytest.raises(NotImplementedError, match=f"head dim {d}"):
-            fa3.flash_attn_func(q, q, q)
-        with pytest.raises(NotImplementedError, match=f"head dim {d}"):
-            fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4)
-    q = torch.zeros(1, 4, 2, 36, dtype=BF16)
-    with pytest.raises(ValueError, match="head dim 36 is not supported"):
-        fa3.flash_attn_func(q, q, q)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [40, 80, 192])
+@pytest.mark.parametrize("api", ["fa2", "fa3"])
+def test_head_dims_hipflash_lacks_run_zero_padded(device, d, api):
+    # FlashAttention runs every head dim up to 256; the compatibility modules run those without
+    # a kernel on q, k, v zero-padded to the next head dim: out and LSE those of the padded call
+    # (out cut to d columns), the default scale d^-0.5, gradients through the padding.
+    mod = fa2 if api == "fa2" else fa3
+    q, k, v = (t.requires_grad_() for t in qkv(device, s=24, d=d))
+    out, lse = mod.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2]
+    pad = next(h for h in (32, 64, 96, 128, 256) if h >= d) - d
+    qp, kp, vp = (torch.nn.functional.pad(t.detach(), (0, pad)).requires_grad_()
+                  for t in (q, k, v))
+    want, want_lse = hipflash.flash_attn_func(qp, kp, vp, softmax_scale=d ** -0.5, causal=True,
+                                              return_lse=True)
+    assert out.shape == q.shape
+    assert_bitwise_equal(out, want[..., :d], "out")
+    assert_bitwise_equal(lse, want_lse, "lse")
+    ref, ref_lse = attention_ref(q.detach(), k.detach(), v.detach(), causal=True)
+    lp, _ = attention_ref(q.detach(), k.detach(), v.detach(), causal=True, lowp=True)
+    check_out(out.detach(), ref, lp, f"head dim {d}")
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want[..., :d].backward(grad)
+    for name, got, padded in (("dq", q.grad, qp.grad), ("dk", k.grad, kp.grad),
+                              ("dv", v.grad, vp.grad)):
+        assert_bitwise_equal(got, padded[..., :d], name)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=device)
+    out_v = mod.flash_attn_varlen_func(q[0].detach(), k[0].detach(), v[0].detach(), cu, cu, 14,
+                                       14, causal=True)
+    want_v = hipflash.flash_attn_varlen_func(qp[0].detach(), kp[0].detach(), vp[0].detach(), cu,
+                                             cu, 14, 14, softmax_scale=d ** -0.5, causal=True)
+    assert_bitwise_equal(out_v, want_v[..., :d], "varlen out")
+
+
+@pytest.mark.parametrize("api", ["fa2", "fa3"])
+def test_head_dims_hipflash_lacks_are_refused_against_a_cache(api):
+    # A KV cache is appended to and read in place: padding would copy it every call.
+    mod = fa2 if api == "fa2" else fa3
+    q = torch.zeros(1, 1, 2, 80, dtype=BF16)
+    cache = torch.zeros(1, 8, 2, 80, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="head dim 80 .*KV cache"):
+        mod.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=4)
+    if api == "fa2":
+        table = torch.zeros(1, 1, dtype=torch.int32)
+        cu = torch.tensor([0, 1], dtype=torch.int32)
+        with pytest.raises(NotImplementedError, match="head dim 80 .*paged"):
+            fa2.flash_attn_varlen_func(q[0], cache, cache, cu, torch.tensor([0, 8], dtype=torch.int32),
+                                       1, 8, block_table=table)
+
+
+def test_head_dims_past_256_stay_hipflash_errors():
+    q = torch.zeros(1, 4, 2, 264, dtype=BF16)
+    for mod in (fa2, fa3):
+        with pytest.raises(ValueError, match="head dim 264"):
+            mod.flash_attn_func(q, q, q)
+
+
+@pytest.mark.parametrize("api", ["fa2", "fa3"])
+def test_a_strided_last_dimension_is_copied(api):
+    # FlashAttention's maybe_contiguous: q, k, v whose last dimension is not contiguous run on
+    # copies.
+    mod = fa2 if api == "fa2" else fa3
+    q, k, v = qkv("cpu", s=12, d=128)
+    qs, ks, vs = (t[..., ::2] for t in (q, k, v))
+    assert qs.stride(-1) == 2
+    assert_bitwise_equal(mod.flash_attn_func(qs, ks, vs, causal=True),
+                         hipflash.flash_attn_func(*(t.contiguous() for t in (qs, ks, vs)),
+                                                  causal=True), "out")
 
 
 def test_softcap_none_is_off_and_a_tensor_is_refused():

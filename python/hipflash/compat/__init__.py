@@ -4,7 +4,7 @@
     from hipflash.compat.flash_attn_interface import flash_attn_func     # FlashAttention 3
 
 The same function names, argument names, defaults and return conventions, run by hipflash. An
-argument hipflash cannot honour yet (dropout, softcap, ALiBi, rotary, ...) raises
+argument hipflash cannot honour yet (dropout, qv, a value head dim of its own, ...) raises
 NotImplementedError naming it, never a silently different result; the list is in
 docs/compat.md.
 """

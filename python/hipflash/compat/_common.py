@@ -1,5 +1,5 @@
 """What the FlashAttention 2 and 3 compatibility modules share: the refusals of what hipflash
-cannot honour yet, and the packed-input splits."""
+cannot honour yet, the head dims it runs by padding, and the packed-input splits."""
 import torch
 
 
@@ -19,16 +19,43 @@ def refuse(name, value, default, why=""):
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
-def refuse_headdim(q):
-    """NotImplementedError for a head dim FlashAttention 3 takes and hipflash does not (192:
-    DeepSeek's MLA; 80, 160, ...): a missing feature, not a bad argument (hipflash's own API
-    raises ValueError for it)."""
+def refuse_headdim(q, where="in this call"):
+    """NotImplementedError for a head dim FlashAttention takes and hipflash does not run `where`
+    (a KV cache is written and read in place: padding it would copy it every call): a missing
+    feature, not a bad argument (hipflash's own API raises ValueError for it)."""
     if isinstance(q, torch.Tensor) and q.dim() >= 1:
         d = q.shape[-1]
-        if d not in HEAD_DIMS and 0 < d <= 256 and d % 8 == 0:
+        if d not in HEAD_DIMS and 0 < d <= 256:
             raise NotImplementedError(
-                f"hipflash.compat: head dim {d} is not supported by hipflash yet (it runs "
-                f"{', '.join(map(str, HEAD_DIMS))})")
+                f"hipflash.compat: head dim {d} is not supported by hipflash {where} yet (it "
+                f"runs {', '.join(map(str, HEAD_DIMS))})")
+
+
+def contiguous_last(*tensors):
+    """The tensors with a contiguous last dimension, copied where they have none (as
+    FlashAttention's maybe_contiguous)."""
+    return [t.contiguous() if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.stride(-1) != 1
+            else t for t in tensors]
+
+
+def pad_head_dim(q, k, v, softmax_scale):
+    """FlashAttention runs every head dim up to 256 (FlashAttention 2 pads the others to a
+    multiple of 8 itself); hipflash's kernels run HEAD_DIMS. q, k and v of another head dim
+    d <= 256 run zero-padded to the next one: q.k, the softmax and the LSE are unchanged, the
+    output's extra columns are zero and cut off (a view, as FlashAttention 2 returns its padded
+    calls' out), gradients flow back through the padding, and the default softmax scale stays
+    d^-0.5. fp8 inputs are not padded (refused by name). Returns (q, k, v, softmax_scale, cut):
+    cut(out) keeps the output's first d columns."""
+    d = q.shape[-1]
+    to = next((h for h in HEAD_DIMS if h >= d), None)
+    if d in HEAD_DIMS or to is None or d == 0 or k.shape[-1] != d or v.shape[-1] != d:
+        return q, k, v, softmax_scale, lambda out: out  # hipflash's own checks speak
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        refuse_headdim(q, f"for {q.dtype} inputs")
+    pad = [0, to - d]
+    q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    return q, k, v, scale, lambda out: out[..., :d]
 
 
 def refuse_headdim_v(q, v):

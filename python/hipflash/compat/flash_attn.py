@@ -4,18 +4,22 @@
     out = flash_attn.flash_attn_func(q, k, v, causal=True)
 
 Function names, argument names and defaults as in flash-attn 2.x. Returns: ``out``; with
-``return_attn_probs=True`` the triple ``(out, softmax_lse, None)`` — the LSE in FlashAttention's
-layouts ([batch, nheads, seqlen] dense, [nheads, total_q] varlen), and no probabilities
-(FlashAttention returns them only with dropout, which hipflash does not have). Refused with
-NotImplementedError: dropout_p > 0 (flash_attn_with_kvcache's rotary embedding, cache_batch_idx
-and cache_leftpad run). softcap and alibi_slopes run on CPU tensors (hipflash's CPU
+``return_attn_probs=True`` the triple ``(out, softmax_lse, S_dmask)`` — the LSE in
+FlashAttention's layouts ([batch, nheads, seqlen] dense, [nheads, total_q] varlen), and S_dmask
+empty, as FlashAttention's without dropout. Every head dim up to 256 runs, as in FlashAttention
+2: those hipflash's kernels lack (80, 160, ...) zero-padded to the next they have
+(compat._common.pad_head_dim), except against a KV cache or a paged one (refused by name: the
+cache would be copied every call). q, k and v without a contiguous last dimension are copied, as
+FlashAttention does. Refused with NotImplementedError: dropout_p > 0 (flash_attn_with_kvcache's
+rotary embedding, cache_batch_idx and cache_leftpad run). softcap and alibi_slopes run on CPU tensors (hipflash's CPU
 backend, forward and backward); on NVIDIA GPUs their forward runs, and their backward raises
 NotImplementedError (before the forward, when gradients will be needed) until the kernels
 apply them.
 """
 import hipflash
 
-from ._common import refuse, refuse_dropout, softcap_value, split_kv, split_qkv
+from ._common import (contiguous_last, pad_head_dim, refuse_dropout, refuse_headdim,
+                      softcap_value, split_kv, split_qkv)
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
@@ -23,9 +27,11 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 
 
 
-
-def _result(res, return_attn_probs):
-    return (res[0], res[1], None) if return_attn_probs else res
+def _result(q, res, cut, return_attn_probs):
+    """out, or (out, softmax_lse, S_dmask): without dropout FlashAttention's S_dmask is empty."""
+    if not return_attn_probs:
+        return cut(res)
+    return cut(res[0]), res[1], q.new_empty(0)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -33,11 +39,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
     refuse_dropout(dropout_p)
+    q, k, v = contiguous_last(q, k, v)
+    q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
     res = hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=window_size, return_lse=bool(return_attn_probs),
                                    deterministic=deterministic, softcap=softcap_value(softcap),
                                    alibi_slopes=alibi_slopes)
-    return _result(res, return_attn_probs)
+    return _result(q, res, cut, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -65,12 +73,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim), or a paged cache with
     block_table; the LSE (nheads, total_q)."""
     refuse_dropout(dropout_p)
+    q, k, v = contiguous_last(q, k, v)
+    if block_table is not None:
+        refuse_headdim(q, "on a paged cache")
+    q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
     res = hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         return_lse=bool(return_attn_probs), lse_layout="packed", deterministic=deterministic,
         block_table=block_table, softcap=softcap_value(softcap), alibi_slopes=alibi_slopes)
-    return _result(res, return_attn_probs)
+    return _result(q, res, cut, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -103,6 +115,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             return_softmax_lse=False):
     """Attention against a KV cache (contiguous, or paged with block_table) after appending
     k / v in place at cache_seqlens; returns out, and the LSE with return_softmax_lse."""
+    refuse_headdim(q, "against a KV cache")
+    q, k, v = contiguous_last(q, k, v)
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,

@@ -9,6 +9,9 @@ Function names, argument names and defaults as in FlashAttention 3. ``return_att
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic.
 
+Every head dim up to 256 runs, those hipflash's kernels lack zero-padded to the next they have
+(compat._common.pad_head_dim; 16-bit inputs), except against a KV cache (refused by name), and
+q, k, v without a contiguous last dimension are copied, as FlashAttention does.
 Refused with NotImplementedError: qv, a value head dim other than q's, and q/k/v_descale (fp8)
 in flash_attn_with_kvcache (fp8 runs where hipflash's descales do: flash_attn_func on CPU,
 Hopper, AMD gfx94x / gfx950; flash_attn_varlen_func on the CPU and Hopper). flash_attn_with_kvcache takes
@@ -25,7 +28,8 @@ import torch
 import hipflash
 from hipflash import _varlen_kv
 
-from ._common import refuse, refuse_headdim, refuse_headdim_v, softcap_value, split_qkv
+from ._common import (contiguous_last, pad_head_dim, refuse, refuse_headdim, refuse_headdim_v,
+                      softcap_value, split_qkv)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "flash_attn_combine"]
@@ -34,11 +38,15 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_fu
 def _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=False):
     refuse("qv", qv, None)
     refuse_headdim_v(q, v)
-    refuse_headdim(q)
     if not fp8:
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
                             ("v_descale", v_descale)):
             refuse(name, value, None, "fp8 runs in flash_attn_func and flash_attn_varlen_func")
+
+
+def _cut(res, cut, with_lse):
+    """A padded head dim's output cut back (compat._common.pad_head_dim); the LSE as it is."""
+    return (cut(res[0]), res[1]) if with_lse else cut(res)
 
 
 def _splits(num_splits):
@@ -51,12 +59,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_k, headdim)."""
     _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=True)
-    return hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                    window_size=window_size, num_splits=_splits(num_splits),
-                                    return_lse=bool(return_attn_probs),
-                                    deterministic=deterministic, softcap=softcap_value(softcap),
-                                    q_descale=q_descale, k_descale=k_descale,
-                                    v_descale=v_descale, attention_chunk=attention_chunk)
+    q, k, v = contiguous_last(q, k, v)
+    q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
+    res = hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, num_splits=_splits(num_splits),
+                                   return_lse=bool(return_attn_probs),
+                                   deterministic=deterministic, softcap=softcap_value(softcap),
+                                   q_descale=q_descale, k_descale=k_descale,
+                                   v_descale=v_descale, attention_chunk=attention_chunk)
+    return _cut(res, cut, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None,
@@ -89,13 +100,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim); the LSE (nheads,
     total_q)."""
     _refuse_common(q, v, qv, q_descale, k_descale, v_descale, fp8=True)
-    return hipflash.flash_attn_varlen_func(
+    q, k, v = contiguous_last(q, k, v)
+    q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
+    res = hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_attn_probs), lse_layout="packed",
         deterministic=deterministic, softcap=softcap_value(softcap), seqused_q=seqused_q,
         seqused_k=seqused_k, attention_chunk=attention_chunk, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale)
+    return _cut(res, cut, return_attn_probs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
@@ -112,6 +126,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     if rotary_cos is None and rotary_sin is None:
         rotary_seqlens = None
     _refuse_common(q, v_cache, qv, q_descale, k_descale, v_descale)
+    refuse_headdim(q, "against a KV cache")
+    q, k, v = contiguous_last(q, k, v)
     if cu_seqlens_q is not None:
         return _varlen_kv.with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
