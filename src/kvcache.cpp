@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
+#include <vector>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -388,6 +388,18 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                   p.v_descale.at(0, 0));
   }
   dispatch_forward(p, opts, q.loc, stream, std::move(workspace));
+}
+
+void check_written_buffers(const std::vector<NamedRef>& written,
+                           const std::vector<NamedRef>& read) {
+  for (auto w = written.begin(); w != written.end(); ++w) {
+    if (!w->ref) continue;
+    check_no_self_overlap(*w->ref, w->name);
+    for (auto o = written.begin(); o != w; ++o)
+      if (o->ref) check_disjoint(*w->ref, w->name, *o->ref, o->name);
+    for (const NamedRef& r : read)
+      if (r.ref) check_disjoint(*w->ref, w->name, *r.ref, r.name);
+  }
 }
 
 void varlen_paged_forward(const TensorRef& q, const TensorRef& k_cache, const TensorRef& v_cache,

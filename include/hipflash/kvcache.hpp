@@ -35,6 +35,8 @@
 // (a device fault). AMD GPUs: not_implemented.
 #pragma once
 
+#include <vector>
+
 #include "hipflash/forward.hpp"
 #include "hipflash/types.hpp"
 
@@ -90,6 +92,20 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
                      const TensorRef* cache_seqlens, const TensorRef* block_table,
                      const TensorRef& out, const TensorRef* lse, const KvCacheOptions& opts = {},
                      Stream stream = nullptr, Workspace workspace = {});
+
+/// A tensor and the name its errors use.
+struct NamedRef {
+  const TensorRef* ref;  ///< nullptr: an argument not given (skipped)
+  const char* name;
+};
+
+/// SPEC §4's aliasing rules for buffers a caller writes before a hipflash call reads them (the
+/// Python package's KV-cache appends by PyTorch ops, for varlen queries and attention_chunk,
+/// before the read-only paged call): no written tensor may overlap itself (an expanded cache),
+/// another written one, or any read one. invalid_argument naming the pair, as kvcache_forward's
+/// own checks of its append. Nothing is read through the pointers.
+void check_written_buffers(const std::vector<NamedRef>& written,
+                           const std::vector<NamedRef>& read);
 
 /// Chunked prefill (SPEC §7): varlen queries against a paged KV cache, FlashAttention-2's
 /// The options of varlen queries against a paged cache: varlen_forward's, and an fp8 cache's

@@ -246,13 +246,18 @@ def _fp8(q, descales):
     return q.dtype == _E4M3 or any(d is not None for d in descales)
 
 
-def _check_chunk_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _check_chunk_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
     """What the varlen call checks of its bounds and the chunk pieces, each a call of its own
-    with bounds of its own, would not: int32 prefix sums, and maxima no sequence exceeds."""
-    for name, cu, most in (("q", cu_seqlens_q, max_seqlen_q), ("k", cu_seqlens_k, max_seqlen_k)):
+    with bounds of its own, would not: int32 prefix sums, and maxima no sequence exceeds and
+    the tensors' rows can hold (the varlen launcher's rules, before anything is allocated)."""
+    for name, cu, most, t in (("q", cu_seqlens_q, max_seqlen_q, q),
+                              ("k", cu_seqlens_k, max_seqlen_k, k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
             raise ValueError(f"cu_seqlens_{name} must be a 1-D tensor of dtype int32, got "
                              f"{getattr(cu, 'dtype', type(cu).__name__)}")
+        if t.dim() >= 1 and most > t.shape[0]:
+            raise ValueError(f"max_seqlen_{name} = {most} exceeds the rows of {name} "
+                             f"(total_{name} = {t.shape[0]}): no sequence can be that long")
         longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         if longest > most:
             raise ValueError(f"max_seqlen_{name} = {most} is too small: a sequence has length "
@@ -533,7 +538,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if block_table is not None:
             raise NotImplementedError("attention_chunk with a block_table is not supported by "
                                       "hipflash yet")
-        _check_chunk_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_chunk_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         kw = _chunk_kw(scale, causal, left, right, num_splits, bool(deterministic), softcap)
         if out is not None:
             kw["out"] = out
@@ -698,6 +703,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                                 rotary_cos, rotary_sin, rotary_interleaved, rotary_seqlens,
                                 chunk, k_scale, v_scale)
     if rotary_cos is not None or rotary_sin is not None:
+        # The rotation copies q and k: the launcher then sees the copies, so the caches the
+        # append writes are checked against the caller's tensors here (SPEC §4).
+        if k is not None:
+            read = named[2:] + [("q", q), ("rotary_cos", rotary_cos),
+                                ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens)]
+            _C.check_written_buffers([(k_cache, "k_cache"), (v_cache, "v_cache")],
+                                     [(t, n) for n, t in read if isinstance(t, torch.Tensor)])
         q, k = _rotary.on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens,
                                  rotary_cos, rotary_sin, bool(rotary_interleaved),
                                  causal or left >= 0 or right >= 0)
@@ -773,7 +785,7 @@ def _kvcache_chunked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scal
         q.reshape(-1, heads, dim), k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
         block_table, cu_q, cu_new, seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
         bool(rotary_interleaved), scale, causal, window, num_splits, True, softcap,
-        cache_leftpad, chunk, alibi_slopes, k_scale, v_scale)
+        cache_leftpad, chunk, alibi_slopes, k_scale, v_scale, table_name="block_table")
     out = out.view(batch, seqlen_q, heads, dim)
     lse = lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
     return (out, lse) if return_lse else out

@@ -15,7 +15,7 @@ import torch
 
 import hipflash
 
-from . import _chunks, _rotary
+from . import _C, _chunks, _rotary
 
 
 def _int32_vector(t, name, n, device):
@@ -23,6 +23,23 @@ def _int32_vector(t, name, n, device):
         raise ValueError(f"{name} must be an int32 tensor of shape ({n},)")
     if t.device != device:
         raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def _page_table(t, name, batch, any_rows, device):
+    """A block table [batch, max_blocks] int32 (any number of rows with cache_batch_idx, which
+    picks them), contiguous, on q's device."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.int32 or \
+            not (any_rows or t.shape[0] == batch):
+        raise ValueError(f"{name} must be an int32 tensor [batch = {batch}, max_blocks]"
+                         + (" (any rows with cache_batch_idx)" if any_rows else "") + ", got "
+                         + (f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor)
+                            else type(t).__name__))
+    if t.device != device or not t.is_contiguous() or t.shape[1] == 0:
+        raise ValueError(f"{name} must be contiguous, on q's device ({device}), with at least "
+                         f"one column, got {list(t.shape)} on {t.device}")
     return t
 
 
@@ -73,11 +90,15 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                  cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin,
                  rotary_seqlens, rotary_interleaved, softmax_scale, causal, window_size,
                  num_splits, return_lse, softcap, cache_leftpad=None, attention_chunk=0,
-                 alibi_slopes=None, k_scale=None, v_scale=None):
+                 alibi_slopes=None, k_scale=None, v_scale=None, table_name="page_table"):
     """FlashAttention 3's varlen kvcache call; returns what flash_attn_varlen_func does. An fp8
     cache (float8_e4m3fn) takes bfloat16 / float16 q (or FA3's e4m3 q, widened exactly), new
     rows in q's dtype stored as k / k_scale rounded to e4m3 and saturated to +-448 (or e4m3 rows
-    as they are), and hipflash's k_scale / v_scale."""
+    as they are), and hipflash's k_scale / v_scale. Every argument is checked before the
+    append writes the cache (SPEC §4): the shapes, dtypes and values here, the aliasing of the
+    written caches by hipflash's own rules (_C.check_written_buffers); the attention call checks
+    the rest, and if it refuses, the appended rows are put back. table_name: the block table's
+    name in errors (FlashAttention 3's page_table, hipflash's block_table)."""
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) must be given together")
     if not isinstance(attention_chunk, int) or attention_chunk < 0:
@@ -87,6 +108,8 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                          "prefix sums): give k, v and cu_seqlens_k_new together")
     if rotary_cos is not None or rotary_sin is not None:
         _rotary.check_tables(q, k, rotary_cos, rotary_sin, need_k=False)
+    elif rotary_seqlens is not None:
+        raise ValueError("rotary_seqlens needs rotary_cos and rotary_sin")
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
         raise ValueError("cu_seqlens_q must be a 1-D int32 tensor of length batch + 1")
     if max_seqlen_q is None or cache_seqlens is None:
@@ -99,11 +122,13 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                          f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
     e4m3 = getattr(torch, "float8_e4m3fn", None)
     fp8 = k_cache.dtype == e4m3 and q.dtype in (e4m3, torch.bfloat16, torch.float16)
-    if (q.dtype != k_cache.dtype and not fp8) or k_cache.dtype != v_cache.dtype or \
-            k_cache.device != dev:
-        raise ValueError(f"q, k_cache and v_cache must share a dtype and device (or the cache be "
-                         f"float8_e4m3fn, q 16-bit), got {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
+    if k_cache.device != dev or v_cache.device != dev:
+        raise ValueError(f"k_cache and v_cache must be on q's device ({dev}), got "
+                         f"{k_cache.device}, {v_cache.device}")
+    if (q.dtype != k_cache.dtype and not fp8) or k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"q, k_cache and v_cache must share a dtype (or the cache be "
+                        f"float8_e4m3fn, q 16-bit), got {q.dtype}, {k_cache.dtype}, "
+                        f"{v_cache.dtype}")
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if t is not None and not fp8:
             raise ValueError(f"{name} applies to float8_e4m3fn caches only (the cache is "
@@ -129,6 +154,7 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     else:
         entries = None
     if page_table is not None:
+        _page_table(page_table, table_name, batch, entries is not None, dev)
         table = page_table if entries is None else page_table.index_select(0, entries.long())
     else:
         rows = entries if entries is not None else torch.arange(batch, dtype=torch.int32,
@@ -156,6 +182,16 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         (cache_seqlens - cache_leftpad).min().view(1) if cache_leftpad is not None and batch
         else zero]).tolist()
     if k is not None:
+        # The append writes the caches: neither may overlap itself or the other, nor share
+        # memory with anything the call reads (the new rows, q, the lengths, the tables).
+        read = (("q", q), ("k", k), ("v", v), ("cache_seqlens", cache_seqlens),
+                (table_name, page_table), ("cache_batch_idx", cache_batch_idx),
+                ("cache_leftpad", cache_leftpad), ("cu_seqlens_q", cu_seqlens_q),
+                ("cu_seqlens_k_new", cu_seqlens_k_new), ("rotary_cos", rotary_cos),
+                ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens),
+                ("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale))
+        _C.check_written_buffers([(k_cache, "k_cache"), (v_cache, "v_cache")],
+                                 [(t, n) for n, t in read if isinstance(t, torch.Tensor)])
         want = [total_new] + list(k_cache.shape[2:])
         for name, t in (("k", k), ("v", v)):
             # An fp8 cache: rows in q's dtype (quantised on append), or e4m3 ones with FA3's

@@ -123,12 +123,45 @@ hipflash::TensorRef to_ref(const at::Tensor& t, const char* name, Role role) {
   return r;
 }
 
+/// The memory a strided tensor of any dtype covers, as a TensorRef for the aliasing checks (its
+/// elements as hipflash dtypes of their size; an 8-byte one as two float32 in a last
+/// dimension of its own).
+hipflash::TensorRef memory_ref(const at::Tensor& t, const char* name) {
+  using hipflash::DType;
+  const int64_t size = t.element_size();
+  HIPFLASH_CHECK(t.layout() == at::kStrided && t.dim() + (size == 8) <= 4 &&
+                     (size == 1 || size == 2 || size == 4 || size == 8),
+                 name, " (", dtype_str(t.scalar_type()), ", shape ", shape_of(t),
+                 ") is not a tensor hipflash can check for aliasing");
+  hipflash::TensorRef r = to_ref(at::empty({0}, t.options().dtype(at::kFloat)), name,
+                                 Role::operand);  // the device
+  r.dtype = size == 1 ? DType::e4m3 : size == 2 ? DType::f16 : DType::f32;
+  r.rank = int(t.dim());
+  for (int i = 0; i < r.rank; ++i) {
+    r.sizes[i] = t.size(i);
+    r.strides[i] = t.stride(i) * (size == 8 ? 2 : 1);
+  }
+  if (size == 8) {
+    r.sizes[r.rank] = 2;
+    r.strides[r.rank] = 1;
+    ++r.rank;
+  }
+  r.data = t.numel() == 0 ? nullptr : t.data_ptr();
+  return r;
+}
+
 /// The schema's int64 options, range-checked before they narrow.
 hipflash::FwdOptions fwd_options(c10::optional<double> softmax_scale, bool causal,
                                  int64_t window_left, int64_t window_right, int64_t num_splits,
                                  bool return_lse, double softcap) {
   HIPFLASH_CHECK(num_splits >= 0 && num_splits <= hipflash::kMaxSplits, "num_splits must be in [0, ",
                  hipflash::kMaxSplits, "] (0 = heuristic), got ", num_splits);
+  // Narrowed to float: beyond its range inf (refused by the launcher), below its smallest
+  // positive value 0 — for the softcap "off", so refused here with the value given.
+  for (auto [value, name] : {std::pair{softmax_scale.value_or(0.0), "softmax_scale"},
+                             {softcap, "softcap"}})
+    HIPFLASH_CHECK(!(value > 0.0) || float(value) > 0.f, name, " = ", value,
+                   " is below float32's smallest positive value");
   hipflash::FwdOptions o;
   if (softmax_scale) o.softmax_scale = float(*softmax_scale);  // beyond float: inf, refused
   o.causal = causal;
@@ -746,6 +779,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         throw py::error_already_set();
       },
       "Raises the exception a signal handler raised during the last interrupted call.");
+  m.def(
+      "check_written_buffers",
+      [](const std::vector<std::pair<at::Tensor, std::string>>& written,
+         const std::vector<std::pair<at::Tensor, std::string>>& read) {
+        // TensorRefs of the tensors (names outlive them in the pairs), then the C++ check.
+        std::vector<hipflash::TensorRef> refs;
+        refs.reserve(written.size() + read.size());
+        for (const auto& group : {&written, &read})
+          for (const auto& [t, name] : *group) refs.push_back(memory_ref(t, name.c_str()));
+        std::vector<hipflash::NamedRef> w, r;
+        for (size_t i = 0; i < written.size(); ++i) w.push_back({&refs[i], written[i].second.c_str()});
+        for (size_t i = 0; i < read.size(); ++i)
+          r.push_back({&refs[written.size() + i], read[i].second.c_str()});
+        hipflash::check_written_buffers(w, r);
+      },
+      py::arg("written"), py::arg("read"),
+      "SPEC §4's aliasing rules for buffers written (by PyTorch ops) before a hipflash call "
+      "reads them: ValueError if a written tensor overlaps itself, another written one or a "
+      "read one. Each argument: a list of (tensor, name).");
   m.def("gpu_available", &hipflash::gpu_available,
         "Whether this build has GPU kernels and a GPU is visible.");
   m.def("build_info", &hipflash::build_info, "What this build can run, e.g. 'cpu+cuda(...)'.");

@@ -203,6 +203,34 @@ TEST(KvCacheApi, Fp8CacheScalesAndQueriesAreValidated) {
                                   call(q8, k8.ref, v8.ref), t.out);
 }
 
+TEST(KvCacheApi, WrittenBuffersMayAliasNothing) {
+  // check_written_buffers: what the Python package's own appends are checked with.
+  KvCase c;
+  c.lens = {5, 9};
+  c.s_new = 1;
+  KvProblem t(c, 2);
+  const TensorRef& kc = t.k_cache.ref;
+  const TensorRef& vc = t.v_cache.ref;
+  auto refused = [](const std::vector<NamedRef>& w, const std::vector<NamedRef>& r,
+                    const std::string& what) {
+    try {
+      check_written_buffers(w, r);
+      ADD_FAILURE() << "no exception; expected '" << what << "'";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  check_written_buffers({{&kc, "k_cache"}, {&vc, "v_cache"}},
+                        {{&t.q.ref, "q"}, {&t.k_new.ref, "k"}, {nullptr, "block_table"}});
+  refused({{&kc, "k_cache"}, {&kc, "v_cache"}}, {}, "v_cache must not alias k_cache");
+  TensorRef row = kc;  // a row of the cache, read as q
+  row.sizes[1] = 1;
+  refused({{&kc, "k_cache"}}, {{&row, "q"}}, "k_cache must not alias q");
+  TensorRef expanded = kc;  // every sequence onto the first one's rows
+  expanded.strides[0] = 0;
+  refused({{&expanded, "k_cache"}}, {}, "k_cache must not overlap itself");
+}
+
 TEST(KvCacheApi, BadCallsAreRefusedBeforeAnythingIsWritten) {
   KvCase c;
   c.lens = {20, 40};

@@ -209,3 +209,110 @@ def test_merge_strided_lse_parts(device, dense):
     sync(device)
     assert_bitwise_equal(out, want_out, "out")
     assert_bitwise_equal(lse, want_lse, "lse")
+
+
+# ---- The KV-cache appends PyTorch ops do (attention_chunk, varlen queries, rotary): SPEC §4's
+# ---- aliasing rules before the first write, as the launcher's own append keeps them --------
+
+
+def _cache_case(device, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 1, 4, 64, generator=g).to(BF16).to(device)
+    kc = torch.randn(2, 32, 2, 64, generator=g).to(BF16).to(device)
+    vc = torch.randn(2, 32, 2, 64, generator=g).to(BF16).to(device)
+    kn = torch.randn(2, 1, 2, 64, generator=g).to(BF16).to(device)
+    vn = torch.randn(2, 1, 2, 64, generator=g).to(BF16).to(device)
+    lens = torch.tensor([3, 20], dtype=torch.int32, device=device)
+    return q, kc, vc, kn, vn, lens
+
+
+ALIASED_APPENDS = {
+    # name: (how the call's arguments are bent, the error)
+    "v_cache is k_cache": (lambda a: a.update(v_cache=a["k_cache"]), "must not alias"),
+    "expanded cache": (lambda a: a.update(k_cache=a["k_cache"][:1].expand(2, 32, 2, 64)),
+                       "must not overlap itself"),
+    "q inside the cache": (lambda a: a.update(q=a["k_cache"][:, 3:5].view(2, 1, 4, 64)),
+                           "must not alias"),
+    "new keys inside the cache": (lambda a: a.update(k=a["k_cache"][:, 5:6]), "must not alias"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["attention_chunk", "rotary", "fa3 varlen queries"])
+@pytest.mark.parametrize("case", list(ALIASED_APPENDS))
+def test_appends_by_pytorch_ops_refuse_aliased_caches(device, path, case):
+    # The call is refused with the launcher's message and writes nothing: before the fix these
+    # paths appended through the aliases (the key rows took v, sequences wrote each other's
+    # rows, q changed under its own call).
+    q, kc, vc, kn, vn, lens = _cache_case(device)
+    args = dict(q=q, k_cache=kc, v_cache=vc, k=kn, v=vn)
+    bend, match = ALIASED_APPENDS[case]
+    bend(args)
+    before = [t.clone() for t in (kc, vc)]
+    with pytest.raises(ValueError, match=match):
+        if path == "attention_chunk":
+            hipflash.flash_attn_with_kvcache(**args, cache_seqlens=lens, attention_chunk=64)
+        elif path == "rotary":
+            cos = torch.ones(64, 16, device=device)
+            hipflash.flash_attn_with_kvcache(**args, cache_seqlens=lens, rotary_cos=cos,
+                                             rotary_sin=torch.zeros_like(cos))
+        else:
+            import hipflash.compat.flash_attn_interface as fa3
+            cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+            fa3.flash_attn_with_kvcache(args["q"].flatten(0, 1), args["k_cache"],
+                                        args["v_cache"], args["k"].flatten(0, 1),
+                                        args["v"].flatten(0, 1), cache_seqlens=lens,
+                                        cu_seqlens_q=cu, cu_seqlens_k_new=cu, max_seqlen_q=1)
+    sync(device)
+    assert_bitwise_equal(kc, before[0], "k_cache")
+    assert_bitwise_equal(vc, before[1], "v_cache")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_kvcache_checks_its_tables_and_lengths(device):
+    # What the call without chunks refuses, the chunked one refuses too (not an IndexError or a
+    # silent acceptance).
+    q, kc, vc, kn, vn, lens = _cache_case(device)
+    kw = dict(k=kn, v=vn, attention_chunk=16)
+    pages = kc.view(8, 8, 2, 64), vc.view(8, 8, 2, 64)
+    table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
+    cases = [
+        (dict(cache_seqlens=lens, block_table=table.flatten()), ValueError, "block_table"),
+        (dict(cache_seqlens=lens, block_table=torch.cat([table, table[:1]])), ValueError,
+         "block_table"),
+        (dict(cache_seqlens=lens, block_table=table.t().contiguous().t()), ValueError,
+         "block_table"),
+        (dict(cache_seqlens=torch.tensor([3, 0, 20, 0], dtype=torch.int32,
+                                         device=device)[::2], block_table=table),
+         ValueError, "cache_seqlens"),
+    ]
+    for extra, error, match in cases:
+        with pytest.raises(error, match=match):
+            hipflash.flash_attn_with_kvcache(q, *pages, **kw, **extra)
+    with pytest.raises(TypeError, match="dtype"):
+        hipflash.flash_attn_with_kvcache(q.half(), kc, vc, k=kn.half(), v=vn.half(),
+                                         cache_seqlens=lens, attention_chunk=16)
+    with pytest.raises(ValueError, match="rotary_seqlens"):
+        hipflash.flash_attn_with_kvcache(q, kc, vc, **kw, cache_seqlens=lens,
+                                         rotary_seqlens=lens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_chunked_varlen_refuses_maxima_past_the_rows(device, which):
+    # Before anything is allocated or written (out= stays as it was).
+    q, k, v, cu_q, cu_k = make_varlen([3, 5], [4, 6], 4, 2, 64, BF16, device=device)
+    out = torch.full_like(q, float("nan"))
+    most = dict(q=[2**40, 6], k=[5, 2**40])[which]
+    with pytest.raises(ValueError, match=f"max_seqlen_{which} = .* exceeds the rows"):
+        hipflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, *most, attention_chunk=4, out=out)
+    sync(device)
+    assert torch.isnan(out.float()).all()
+
+
+@pytest.mark.parametrize("name", ["softcap", "softmax_scale"])
+def test_positive_values_below_float32_are_refused(name):
+    # 1e-46 narrows to 0.0f: for the softcap that would be "off", a silently uncapped call.
+    q, k, v = make_qkv(1, 4, 4, 2, 2, 64, BF16)
+    with pytest.raises(ValueError, match=f"{name} = 1e-46 is below float32"):
+        hipflash.flash_attn_func(q, k, v, **{name: 1e-46})
