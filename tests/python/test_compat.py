@@ -369,3 +369,12 @@ def test_fa3_combine_refuses_an_out_of_another_shape(device):
     out = torch.empty(2, 1, 4, 64, device=device)
     got, _ = fa3.flash_attn_combine(parts, lses, out=out)
     assert got is out
+
+
+def test_fa2_package_layout():
+    # flash_attn's own layout: the functions in flash_attn.flash_attn_interface, re-exported by
+    # the package, which names the release whose API they follow.
+    import hipflash.compat.flash_attn.flash_attn_interface as interface
+    for name in fa2.__all__:
+        assert getattr(fa2, name) is getattr(interface, name)
+    assert fa2.__version__.startswith("2.")

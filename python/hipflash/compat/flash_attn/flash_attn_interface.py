@@ -1,7 +1,9 @@
-"""FlashAttention 2's Python API (``flash_attn``), run by hipflash:
+"""FlashAttention 2's Python API (``flash_attn.flash_attn_interface``, re-exported by
+``flash_attn``), run by hipflash:
 
     import hipflash.compat.flash_attn as flash_attn
     out = flash_attn.flash_attn_func(q, k, v, causal=True)
+    from hipflash.compat.flash_attn.flash_attn_interface import flash_attn_varlen_func
 
 Function names, argument names and defaults as in flash-attn 2.x. Returns: ``out``; with
 ``return_attn_probs=True`` the triple ``(out, softmax_lse, S_dmask)`` — the LSE in
@@ -18,7 +20,7 @@ apply them.
 """
 import hipflash
 
-from ._common import (contiguous_last, pad_head_dim, refuse_dropout, refuse_headdim,
+from .._common import (contiguous_last, pad_head_dim, refuse_dropout, refuse_headdim,
                       softcap_value, split_kv, split_qkv)
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
