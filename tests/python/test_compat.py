@@ -304,8 +304,9 @@ def test_fa3_varlen_queries_append_packed_keys(device, page, rotary, causal, bat
         kw["page_table"] = table.to(device)
     else:
         caches = (kc.clone().to(device), vc.clone().to(device))
-    out, lse = fa3.flash_attn_with_kvcache(q.to(device), *caches, k=k.to(device),
-                                           v=v.to(device), **kw)
+    out, lse, *rest = fa3.flash_attn_with_kvcache(q.to(device), *caches, k=k.to(device),
+                                                  v=v.to(device), **kw)
+    assert rest == [None, None]  # FA3's split accumulators, None for a call it does not split
     out, lse, got_k = out.cpu(), lse.cpu(), caches[0].cpu()
     if page:  # back to [entry, row] order
         got_k = got_k[table.long()].reshape(n_cache, cap, hkv, d)

@@ -694,7 +694,7 @@ def test_fa3_all_e4m3_kvcache_call(device):
     kc, vc = (t.to(device) for t in fp8_case(2, 1, 40, 2, 2, 64, seed=6)[1:])
     seqlens = torch.tensor([10, 30], dtype=torch.int32, device=device)
     caches = kc.clone(), vc.clone()
-    out, lse = fa3.flash_attn_with_kvcache(q, *caches, k=k, v=v, cache_seqlens=seqlens,
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q, *caches, k=k, v=v, cache_seqlens=seqlens,
                                            causal=True, return_softmax_lse=True)
     want_caches = kc.clone(), vc.clone()
     want, want_lse = hipflash.flash_attn_with_kvcache(
@@ -785,7 +785,7 @@ def test_fa3_all_e4m3_varlen_kvcache_call(device):
     cu_q = torch.tensor([0, 18, 30], dtype=torch.int32)
     dev = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
     kc, vc = dev(kp.clone(), vp.clone())
-    out, lse = fa3.flash_attn_with_kvcache(
+    out, lse, *_ = fa3.flash_attn_with_kvcache(
         *dev(q), kc, vc, *dev(k_new, v_new), cache_seqlens=torch.tensor(lens, dtype=torch.int32,
                                                                         device=device),
         page_table=table.to(device), cu_seqlens_q=cu_q.to(device),

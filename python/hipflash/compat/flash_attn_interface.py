@@ -4,8 +4,10 @@
     out = flash_attn_func(q, k, v, causal=True)
     out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
 
-Function names, argument names and defaults as in FlashAttention 3. ``return_attn_probs`` /
-``return_softmax_lse`` add the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen).
+Function names, argument names and defaults as in FlashAttention 3. ``return_attn_probs``
+adds the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen): ``(out, lse)``;
+flash_attn_with_kvcache's ``return_softmax_lse`` returns ``(out, lse, None, None)``, as upstream's
+``(out, softmax_lse, *rest)`` of a call it does not split.
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic.
 
@@ -129,18 +131,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     refuse_headdim(q, "against a KV cache")
     q, k, v = contiguous_last(q, k, v)
     if cu_seqlens_q is not None:
-        return _varlen_kv.with_kvcache(
+        res = _varlen_kv.with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
             cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
             bool(rotary_interleaved), softmax_scale, causal, window_size, _splits(num_splits),
             bool(return_softmax_lse), softcap_value(softcap), cache_leftpad, attention_chunk)
+        return _with_accumulators(res, return_softmax_lse)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
     if q.dtype == hipflash._E4M3:
         # FA3's fp8 KV-cache call (q, the cache and the new k / v in e4m3, no descales): q and
         # k / v widened to bfloat16 exactly (every e4m3 value is one), the cache read as
         # hipflash's fp8 cache with scales 1, out in bfloat16 as FA3's.
         q, k, v = (t.to(torch.bfloat16) if t is not None else None for t in (q, k, v))
-    return hipflash.flash_attn_with_kvcache(
+    res = hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
@@ -148,6 +151,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens,
         attention_chunk=attention_chunk)
+    return _with_accumulators(res, return_softmax_lse)
+
+
+def _with_accumulators(res, with_lse):
+    """FlashAttention 3's kvcache return: out, or (out, softmax_lse, out_accum, lse_accum), the
+    split accumulators None as upstream's are for a call it does not split (hipflash's splits
+    are combined inside the call)."""
+    return (res[0], res[1], None, None) if with_lse else res
 
 
 def get_scheduler_metadata(*args, **kwargs):
