@@ -217,3 +217,58 @@ def test_ring_and_allgather_match_the_reference(world):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), torch.bfloat16), nprocs=world,
                  join=True)
+
+
+# ---- hipflash.compat.ring_flash_attn: ring-flash-attn's names and layouts ---------------------
+
+
+def _compat_worker(rank, world, init_file):
+    import hipflash.compat.ring_flash_attn as rfa
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        q, k, v = make_qkv(2, 8 * 2 * world, 8 * 2 * world, 4, 2, 64, torch.bfloat16, seed=5)
+        for layout, func in (("contiguous", rfa.ring_flash_attn_func),
+                             ("zigzag", rfa.zigzag_ring_flash_attn_func)):
+            # ring-flash-attn's ring_flash_attn_func takes contiguous shards, its zigzag_ one
+            # zigzag shards: each is hipflash.distributed's call with that layout.
+            ql, kl, vl = (hd.shard(t, rank, world, layout) for t in (q, k, v))
+            out, lse, probs = func(ql, kl, vl, causal=True, return_attn_probs=True)
+            want, want_lse = hd.ring_flash_attn_func(ql, kl, vl, causal=True, return_lse=True,
+                                                     layout=layout)
+            assert probs is None and torch.equal(out, want) and torch.equal(lse, want_lse)
+        lens = [4 * world, 8 * world]  # each sequence sharded on its own
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        qv, kv, vv = (t[0, :sum(lens)] for t in (q, k, v))
+        for layout, func in (("contiguous", rfa.ring_flash_attn_varlen_func),
+                             ("zigzag", rfa.zigzag_ring_flash_attn_varlen_func)):
+            ql, kl, vl = (hd.shard_varlen(t, cu, rank, world, layout) for t in (qv, kv, vv))
+            cu_local = cu // world
+            out, lse, _ = func(ql, kl, vl, cu_local, max(lens) // world, causal=True,
+                               return_attn_probs=True)
+            want, want_lse = hd.ring_flash_attn_varlen_func(ql, kl, vl, cu_local, causal=True,
+                                                            return_lse=True, layout=layout)
+            assert torch.equal(out, want)
+            # ring-flash-attn's varlen LSE: padded [batch, nheads, max_seqlen], -inf past a
+            # sequence's rows
+            assert lse.shape == (2, 4, max(lens) // world)
+            for b in range(2):
+                a, n = int(cu_local[b]), int(cu_local[b + 1] - cu_local[b])
+                assert torch.equal(lse[b, :, :n], want_lse[:, a:a + n])
+                assert bool((lse[b, :, n:] == float("-inf")).all())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_flash_attn_compat_takes_ring_flash_attns_layouts():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_compat_worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
+
+
+def test_ring_flash_attn_compat_refuses_dropout_and_alibi():
+    import hipflash.compat.ring_flash_attn as rfa
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        rfa.ring_flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        rfa.zigzag_ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
