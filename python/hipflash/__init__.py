@@ -67,9 +67,22 @@ def last_kernel_name():
 # ---- Python-side argument checks (the rest is validated in C++) ------------------------------
 
 
+# Where the operators run: cpu and cuda (ROCm torch's HIP devices too), and meta tensors'
+# shapes through the fake kernels (hipflash/_ops.py: torch 2.4 and later).
+_DEVICE_TYPES = ("cpu", "cuda") + (("meta",) if _ops.HAS_FAKE_KERNELS else ())
+
+
 def _check_tensor(x, name):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    # Sparse, quantized, MPS, XLA ... (and meta tensors where torch has no fake kernels to run:
+    # before 2.4): a one-line refusal by name (SPEC §4), not the dispatcher's list of every
+    # backend the operators lack.
+    if x.device.type not in _DEVICE_TYPES or x.layout != torch.strided or x.is_quantized:
+        raise NotImplementedError(
+            f"{name} is a {x.layout}{' quantized' if x.is_quantized else ''} tensor on "
+            f"'{x.device}'; hipflash runs on dense (strided) tensors on "
+            f"{', '.join(_DEVICE_TYPES)} devices")
 
 
 def _check_same_device(q, named, first="q"):

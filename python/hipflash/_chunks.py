@@ -94,9 +94,15 @@ def packed_call(varlen_fn, q, k, v, lens_q, lens_k, first_q, first_k, chunk, per
     arguments (per_piece); used: the sequences' (used rows, used keys) lists (seqused).
     Returns (out, lse packed [H, Tq])."""
     for name, t in per_batch.items():  # checked here: a piece's row is its sequence's
-        if t is not None and t.dim() == 2 and t.shape[0] != len(lens_q):
-            raise ValueError(f"{name} must have a row per sequence: [batch = {len(lens_q)}, "
-                             f"...], got {list(t.shape)}")
+        if t is None or t.dim() not in (1, 2):
+            continue  # (the varlen call reports other ranks)
+        # ALiBi's slopes a query head each, the descales a kv head each (SPEC §3).
+        heads = q.shape[-2] if name == "alibi_slopes" else k.shape[-2]
+        if t.dim() == 2 and tuple(t.shape) != (len(lens_q), heads) or \
+                t.dim() == 1 and name == "alibi_slopes" and t.shape[0] != heads:
+            want = f"[batch = {len(lens_q)}, {heads}]" + (f" or [{heads}]"
+                                                          if name == "alibi_slopes" else "")
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
     if used is None:
         owner, rows_q, rows_k, _ = split(lens_q, lens_k, chunk)
     else:
@@ -119,7 +125,7 @@ def dense(varlen_fn, q, k, v, chunk, out, per_batch, kw):
                          f"{list(k.shape)}, {list(v.shape)}")
     batch, seqlen_q, heads, dim = q.shape
     seqlen_k = k.shape[1]
-    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    flat = [t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (q, k, v)]
     if out is not None:
         if out.shape != q.shape:
             raise ValueError(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")

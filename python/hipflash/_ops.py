@@ -132,6 +132,7 @@ def _merge_fake(outs, lses):
 
 
 _register_fake = getattr(torch.library, "register_fake", None)
+HAS_FAKE_KERNELS = _register_fake is not None  # meta tensors run through them too
 if _register_fake is not None:
     _register_fake("hipflash::fwd")(_fwd_fake)
     _register_fake("hipflash::fwd_out")(_out_fake)

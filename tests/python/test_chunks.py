@@ -140,7 +140,7 @@ def test_refusals():
     # Per-sequence slopes for another batch: a piece takes its sequence's row, so the rows must
     # be the sequences' (not silently the first ones); nothing written.
     out = torch.full_like(q, float("nan"))
-    with pytest.raises(ValueError, match="alibi_slopes must have a row per sequence"):
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[batch = 1, 2\]"):
         hipflash.flash_attn_func(q, k, v, attention_chunk=4, alibi_slopes=torch.ones(2, 2),
                                  out=out)
     assert out.isnan().all()
@@ -296,3 +296,15 @@ def test_chunked_varlen_checks_its_bounds(bad):
     for chunk in (0, 4):
         with pytest.raises(ValueError, match="too small" if bad == "max_seqlen_k" else "int32"):
             hipflash.flash_attn_varlen_func(q, k, v, *args, attention_chunk=chunk)
+
+
+def test_chunked_calls_name_the_callers_shapes_in_their_errors():
+    # The pieces are calls of their own: a per-sequence argument of the wrong width is refused
+    # with the caller's batch and heads, not the pieces' (2 sequences here, 6 pieces).
+    q, k, v = make_qkv(2, 12, 12, 4, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[batch = 2, 4\] or "
+                                         r"\[4\], got \[2, 3\]"):
+        hipflash.flash_attn_func(q, k, v, attention_chunk=4, alibi_slopes=torch.ones(2, 3))
+    # No query heads: an empty result, as without chunks (not reshape's error).
+    out = hipflash.flash_attn_func(q[:, :, :0], k, v, attention_chunk=4)
+    assert out.shape == (2, 12, 0, 64)

@@ -316,3 +316,12 @@ def test_positive_values_below_float32_are_refused(name):
     q, k, v = make_qkv(1, 4, 4, 2, 2, 64, BF16)
     with pytest.raises(ValueError, match=f"{name} = 1e-46 is below float32"):
         hipflash.flash_attn_func(q, k, v, **{name: 1e-46})
+
+
+@pytest.mark.parametrize("kind", ["sparse", "quantized"])
+def test_tensors_hipflash_cannot_read_are_refused_in_one_line(kind):
+    q = torch.zeros(1, 4, 2, 64)
+    x = q.to_sparse() if kind == "sparse" else torch.quantize_per_tensor(q, 1.0, 0, torch.qint8)
+    with pytest.raises(NotImplementedError, match="hipflash runs on dense") as e:
+        hipflash.flash_attn_func(x, x, x)
+    assert len(str(e.value)) < 200
