@@ -172,6 +172,18 @@ def test_deterministic_reaches_the_call(monkeypatch, how):
     assert seen == [how != "default"]
 
 
+def test_fp32_inputs_run_in_the_layers_weight_dtype():
+    # transformers' FlashAttention path: fp32 states (from fp32 layer norms) run in the dtype of
+    # the layer's first Linear, here float16.
+    q, k, v, mask = _case("cpu", 2, 8, 8, 2, 2, 64, (0, 3))
+    layer = _Layer()
+    layer.proj = torch.nn.Linear(4, 4).half()
+    out, _ = hf.attention(layer, q.float(), k.float(), v.float(), mask, scaling=64 ** -0.5)
+    want, _ = hf.attention(_Layer(), *(t.float().half() for t in (q, k, v)), mask,
+                           scaling=64 ** -0.5)
+    assert out.dtype == torch.float32 and torch.equal(out, want.float())
+
+
 def test_fp32_inputs_run_in_bf16_and_come_back_fp32():
     q, k, v, mask = _case("cpu", 2, 8, 8, 2, 2, 64, (0, 3))
     out, _ = hf.attention(_Layer(), q.float(), k.float(), v.float(), mask, scaling=64 ** -0.5)

@@ -15,7 +15,8 @@ calls (prefill, other masks, autograd) turn the batch into packed sequences (var
 (packed) batches run each document on its own, over the batch's rows taken in order; a call's
 `deterministic` (else FLASH_ATTENTION_DETERMINISTIC=1) makes the gradients bitwise repeatable, as
 transformers asks of FlashAttention; sliding windows cover the last `sliding_window`
-keys; GQA runs natively; fp32 inputs run in bfloat16 (or the autocast dtype). Gemma 2's logit
+keys; GQA runs natively; fp32 inputs run in the 16-bit dtype transformers' FlashAttention path
+picks (the autocast dtype, a quantized model's, the layer's weights'; else bfloat16). Gemma 2's logit
 softcapping runs on CPU tensors and NVIDIA GPUs, forward and backward. Refused with
 NotImplementedError: attention dropout during training and attention sinks, until hipflash has
 them (issue 42).
@@ -59,6 +60,20 @@ def _autocast_dtype(device_type):
         get = getattr(torch, "get_autocast_dtype", None)
         return get("cuda") if get else torch.get_autocast_gpu_dtype()
     return None
+
+
+def _target_dtype(module, device_type):
+    """The 16-bit dtype fp32 inputs run in, as transformers' FlashAttention path picks it (fp32
+    layer norms hand the attention fp32 states): the autocast dtype, else a quantized model's
+    original dtype, else the layer's first Linear's weight dtype; bfloat16 where that is not a
+    16-bit dtype (transformers would pass fp32 on, which FlashAttention refuses)."""
+    target = _autocast_dtype(device_type)
+    if target is None:
+        target = getattr(getattr(module, "config", None), "_pre_quantization_dtype", None)
+    if target is None:
+        linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+        target = linear.weight.dtype if linear is not None else None
+    return target if target in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def _packed_bounds(position_ids, length):
@@ -136,8 +151,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
                          "registers FlashAttention's mask function beside it)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     dtype = query.dtype
-    if dtype not in (torch.float16, torch.bfloat16):  # as transformers' FlashAttention path
-        target = _autocast_dtype(query.device.type) or torch.bfloat16
+    if dtype not in (torch.float16, torch.bfloat16):
+        target = _target_dtype(module, query.device.type)
         query, key, value = (t.to(target) for t in (query, key, value))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [batch, len, heads, dim]
     batch, q_len, heads, dim = q.shape
