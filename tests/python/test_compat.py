@@ -379,3 +379,14 @@ def test_fa2_package_layout():
     for name in fa2.__all__:
         assert getattr(fa2, name) is getattr(interface, name)
     assert fa2.__version__.startswith("2.")
+
+
+@pytest.mark.parametrize("api", ["fa2", "fa3"])
+def test_any_negative_window_bound_is_unbounded(api):
+    # FlashAttention reads every negative bound as "no bound"; hipflash's own API takes -1 only.
+    mod = fa2 if api == "fa2" else fa3
+    q, k, v = qkv("cpu", s=12)
+    assert_bitwise_equal(mod.flash_attn_func(q, k, v, window_size=(-7, -100)),
+                         hipflash.flash_attn_func(q, k, v), "out")
+    assert_bitwise_equal(mod.flash_attn_func(q, k, v, window_size=(torch.tensor(3), -5)),
+                         hipflash.flash_attn_func(q, k, v, window_size=(3, -1)), "out")

@@ -1,5 +1,7 @@
 """What the FlashAttention 2 and 3 compatibility modules share: the refusals of what hipflash
 cannot honour yet, the head dims it runs by padding, and the packed-input splits."""
+import numbers
+
 import torch
 
 
@@ -29,6 +31,21 @@ def refuse_headdim(q, where="in this call"):
             raise NotImplementedError(
                 f"hipflash.compat: head dim {d} is not supported by hipflash {where} yet (it "
                 f"runs {', '.join(map(str, HEAD_DIMS))})")
+
+
+def window(window_size):
+    """FlashAttention's window: any negative bound is "unbounded" (hipflash's -1, which refuses
+    other negatives); anything not a pair of integers as it is (hipflash's checks speak)."""
+    def integer(w):
+        if isinstance(w, torch.Tensor):
+            return w.numel() == 1 and not w.is_floating_point() and not w.is_complex() and \
+                w.dtype != torch.bool
+        return isinstance(w, numbers.Integral) and not isinstance(w, bool)
+
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or \
+            len(window_size) != 2 or not all(integer(w) for w in window_size):
+        return window_size
+    return tuple(max(int(w), -1) for w in window_size)
 
 
 def contiguous_last(*tensors):

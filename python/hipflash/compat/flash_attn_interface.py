@@ -31,7 +31,7 @@ import hipflash
 from hipflash import _varlen_kv
 
 from ._common import (contiguous_last, pad_head_dim, refuse, refuse_headdim, refuse_headdim_v,
-                      softcap_value, split_qkv)
+                      softcap_value, split_qkv, window)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "flash_attn_combine"]
@@ -64,7 +64,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     q, k, v = contiguous_last(q, k, v)
     q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
     res = hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=window_size, num_splits=_splits(num_splits),
+                                   window_size=window(window_size), num_splits=_splits(num_splits),
                                    return_lse=bool(return_attn_probs),
                                    deterministic=deterministic, softcap=softcap_value(softcap),
                                    q_descale=q_descale, k_descale=k_descale,
@@ -106,7 +106,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
     res = hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, causal=causal, window_size=window(window_size),
         num_splits=_splits(num_splits), return_lse=bool(return_attn_probs), lse_layout="packed",
         deterministic=deterministic, softcap=softcap_value(softcap), seqused_q=seqused_q,
         seqused_k=seqused_k, attention_chunk=attention_chunk, q_descale=q_descale,
@@ -134,7 +134,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         res = _varlen_kv.with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
             cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
-            bool(rotary_interleaved), softmax_scale, causal, window_size, _splits(num_splits),
+            bool(rotary_interleaved), softmax_scale, causal, window(window_size), _splits(num_splits),
             bool(return_softmax_lse), softcap_value(softcap), cache_leftpad, attention_chunk)
         return _with_accumulators(res, return_softmax_lse)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
@@ -145,7 +145,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         q, k, v = (t.to(torch.bfloat16) if t is not None else None for t in (q, k, v))
     res = hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, causal=causal, window_size=window(window_size),
         num_splits=_splits(num_splits), return_lse=bool(return_softmax_lse),
         softcap=softcap_value(softcap), cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,

@@ -21,7 +21,7 @@ apply them.
 import hipflash
 
 from .._common import (contiguous_last, pad_head_dim, refuse_dropout, refuse_headdim,
-                      softcap_value, split_kv, split_qkv)
+                      softcap_value, split_kv, split_qkv, window)
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
@@ -44,7 +44,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     q, k, v = contiguous_last(q, k, v)
     q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
     res = hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=window_size, return_lse=bool(return_attn_probs),
+                                   window_size=window(window_size), return_lse=bool(return_attn_probs),
                                    deterministic=deterministic, softcap=softcap_value(softcap),
                                    alibi_slopes=alibi_slopes)
     return _result(q, res, cut, return_attn_probs)
@@ -81,7 +81,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
     res = hipflash.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, causal=causal, window_size=window(window_size),
         return_lse=bool(return_attn_probs), lse_layout="packed", deterministic=deterministic,
         block_table=block_table, softcap=softcap_value(softcap), alibi_slopes=alibi_slopes)
     return _result(q, res, cut, return_attn_probs)
@@ -121,7 +121,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q, k, v = contiguous_last(q, k, v)
     return hipflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softmax_scale=softmax_scale, causal=causal, window_size=window(window_size),
         num_splits=num_splits, return_lse=return_softmax_lse, softcap=softcap_value(softcap),
         alibi_slopes=alibi_slopes, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
