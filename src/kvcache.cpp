@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -293,16 +293,10 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     // The caches are written first, then read with q: no row of one may be another row's
     // (an expanded, stride-0 cache would take every sequence's rows into one place), and
     // nothing they are read with may share their memory.
-    check_no_self_overlap(k_cache, "k_cache");
-    check_no_self_overlap(v_cache, "v_cache");
-    check_disjoint(k_cache, "k_cache", v_cache, "v_cache");
-    for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
-      for (auto [r, r_name] : {std::pair{k_new, "k"}, {v_new, "v"}, {&q, "q"}})
-        check_disjoint(*t, name, *r, r_name);
-      if (cache_seqlens) check_disjoint(*t, name, *cache_seqlens, "cache_seqlens");
-      if (block_table) check_disjoint(*t, name, *block_table, "block_table");
-      if (batch_idx) check_disjoint(*t, name, *batch_idx, "cache_batch_idx");
-    }
+    check_written_buffers({{&k_cache, "k_cache"}, {&v_cache, "v_cache"}},
+                          {{k_new, "k"}, {v_new, "v"}, {&q, "q"}, {cache_seqlens, "cache_seqlens"},
+                           {block_table, "block_table"}, {batch_idx, "cache_batch_idx"},
+                           {opts.cache_leftpad, "cache_leftpad"}});
     for (auto [r, r_name] : {std::pair{k_new, "k"}, {v_new, "v"}}) {
       check_disjoint(out, "out", *r, r_name);
       if (opts.return_lse) check_disjoint(*lse, "lse", *r, r_name);
@@ -319,10 +313,6 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
     check_index(*leftpad, "cache_leftpad", 1, "[batch]", q);
     HIPFLASH_CHECK(leftpad->sizes[0] == batch, "cache_leftpad must have one entry per sequence "
                    "(batch = ", batch, "), got shape ", shape_str(*leftpad));
-    if (k_new) {
-      check_disjoint(k_cache, "k_cache", *leftpad, "cache_leftpad");
-      check_disjoint(v_cache, "v_cache", *leftpad, "cache_leftpad");
-    }
   }
   for (const TensorRef* t : {cache_seqlens, block_table, batch_idx, leftpad}) {
     if (!t) continue;
@@ -396,7 +386,7 @@ void check_written_buffers(const std::vector<NamedRef>& written,
     if (!w->ref) continue;
     check_no_self_overlap(*w->ref, w->name);
     for (auto o = written.begin(); o != w; ++o)
-      if (o->ref) check_disjoint(*w->ref, w->name, *o->ref, o->name);
+      if (o->ref) check_disjoint(*o->ref, o->name, *w->ref, w->name);
     for (const NamedRef& r : read)
       if (r.ref) check_disjoint(*w->ref, w->name, *r.ref, r.name);
   }

@@ -719,10 +719,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         # The rotation copies q and k: the launcher then sees the copies, so the caches the
         # append writes are checked against the caller's tensors here (SPEC §4).
         if k is not None:
-            read = named[2:] + [("q", q), ("rotary_cos", rotary_cos),
-                                ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens)]
-            _C.check_written_buffers([(k_cache, "k_cache"), (v_cache, "v_cache")],
-                                     [(t, n) for n, t in read if isinstance(t, torch.Tensor)])
+            _varlen_kv.check_append(k_cache, v_cache, named[2:] + [
+                ("q", q), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                ("rotary_seqlens", rotary_seqlens)])
         q, k = _rotary.on_append(q, k, k_cache, block_table, cache_seqlens, rotary_seqlens,
                                  rotary_cos, rotary_sin, bool(rotary_interleaved),
                                  causal or left >= 0 or right >= 0)

@@ -179,11 +179,17 @@ def varlen(varlen_fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, chunk, 
                          per_batch, kw, used)
     if lse_layout == "packed":
         return o, lse
-    batch = len(lens_q)
-    padded = lse.new_full((batch, lse.shape[0], max_seqlen_q), float("-inf"))
-    lens = torch.tensor(lens_q, dtype=torch.int64, device=q.device)
-    seq = torch.repeat_interleave(torch.arange(batch, device=q.device), lens)
-    rows = torch.arange(cu_q[0], cu_q[-1], device=q.device)
-    starts = torch.tensor(cu_q[:-1], dtype=torch.int64, device=q.device)
+    return o, padded_lse(lse, cu_q, max_seqlen_q)
+
+
+def padded_lse(lse, cu, max_seqlen):
+    """A packed LSE [H, T] of the sequences with prefix sums cu (host ints) in the padded layout
+    [B, H, max_seqlen], -inf past each sequence's rows (SPEC: lse_layout="padded")."""
+    batch, dev = len(cu) - 1, lse.device
+    padded = lse.new_full((batch, lse.shape[0], max_seqlen), float("-inf"))
+    lens = torch.tensor([b - a for a, b in zip(cu, cu[1:])], dtype=torch.int64, device=dev)
+    seq = torch.repeat_interleave(torch.arange(batch, device=dev), lens)
+    rows = torch.arange(cu[0], cu[-1], device=dev)
+    starts = torch.tensor(cu[:-1], dtype=torch.int64, device=dev)
     padded[seq, :, rows - starts[seq]] = lse[:, rows].t()
-    return o, padded
+    return padded

@@ -28,6 +28,14 @@ def _int32_vector(t, name, n, device):
     return t
 
 
+def check_append(k_cache, v_cache, read):
+    """The caches an append by PyTorch ops writes, against what the call reads (read: (name,
+    tensor or None) pairs): neither may overlap itself or the other, nor share memory with a
+    read tensor (SPEC §4; the launcher's own append keeps the same rules)."""
+    _C.check_written_buffers([(k_cache, "k_cache"), (v_cache, "v_cache")],
+                             [(t, n) for n, t in read if isinstance(t, torch.Tensor)])
+
+
 def _page_table(t, name, batch, any_rows, device):
     """A block table [batch, max_blocks] int32 (any number of rows with cache_batch_idx, which
     picks them), contiguous, on q's device."""
@@ -184,14 +192,13 @@ def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     if k is not None:
         # The append writes the caches: neither may overlap itself or the other, nor share
         # memory with anything the call reads (the new rows, q, the lengths, the tables).
-        read = (("q", q), ("k", k), ("v", v), ("cache_seqlens", cache_seqlens),
-                (table_name, page_table), ("cache_batch_idx", cache_batch_idx),
-                ("cache_leftpad", cache_leftpad), ("cu_seqlens_q", cu_seqlens_q),
-                ("cu_seqlens_k_new", cu_seqlens_k_new), ("rotary_cos", rotary_cos),
-                ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens),
-                ("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale))
-        _C.check_written_buffers([(k_cache, "k_cache"), (v_cache, "v_cache")],
-                                 [(t, n) for n, t in read if isinstance(t, torch.Tensor)])
+        check_append(k_cache, v_cache, [
+            ("q", q), ("k", k), ("v", v), ("cache_seqlens", cache_seqlens),
+            (table_name, page_table), ("cache_batch_idx", cache_batch_idx),
+            ("cache_leftpad", cache_leftpad), ("cu_seqlens_q", cu_seqlens_q),
+            ("cu_seqlens_k_new", cu_seqlens_k_new), ("rotary_cos", rotary_cos),
+            ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens),
+            ("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale)])
         want = [total_new] + list(k_cache.shape[2:])
         for name, t in (("k", k), ("v", v)):
             # An fp8 cache: rows in q's dtype (quantised on append), or e4m3 ones with FA3's

@@ -789,7 +789,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         for (const auto& group : {&written, &read})
           for (const auto& [t, name] : *group) refs.push_back(memory_ref(t, name.c_str()));
         std::vector<hipflash::NamedRef> w, r;
-        for (size_t i = 0; i < written.size(); ++i) w.push_back({&refs[i], written[i].second.c_str()});
+        for (size_t i = 0; i < written.size(); ++i)
+          w.push_back({&refs[i], written[i].second.c_str()});
         for (size_t i = 0; i < read.size(); ++i)
           r.push_back({&refs[written.size() + i], read[i].second.c_str()});
         hipflash::check_written_buffers(w, r);

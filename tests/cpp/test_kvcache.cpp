@@ -222,7 +222,7 @@ TEST(KvCacheApi, WrittenBuffersMayAliasNothing) {
   };
   check_written_buffers({{&kc, "k_cache"}, {&vc, "v_cache"}},
                         {{&t.q.ref, "q"}, {&t.k_new.ref, "k"}, {nullptr, "block_table"}});
-  refused({{&kc, "k_cache"}, {&kc, "v_cache"}}, {}, "v_cache must not alias k_cache");
+  refused({{&kc, "k_cache"}, {&kc, "v_cache"}}, {}, "k_cache must not alias v_cache");
   TensorRef row = kc;  // a row of the cache, read as q
   row.sizes[1] = 1;
   refused({{&kc, "k_cache"}}, {{&row, "q"}}, "k_cache must not alias q");

@@ -695,7 +695,7 @@ def test_fa3_all_e4m3_kvcache_call(device):
     seqlens = torch.tensor([10, 30], dtype=torch.int32, device=device)
     caches = kc.clone(), vc.clone()
     out, lse, *_ = fa3.flash_attn_with_kvcache(q, *caches, k=k, v=v, cache_seqlens=seqlens,
-                                           causal=True, return_softmax_lse=True)
+                                               causal=True, return_softmax_lse=True)
     want_caches = kc.clone(), vc.clone()
     want, want_lse = hipflash.flash_attn_with_kvcache(
         q.to(BF16), *want_caches, k.to(BF16), v.to(BF16), seqlens, causal=True, return_lse=True)

@@ -65,7 +65,8 @@ def pad_head_dim(q, k, v, softmax_scale):
     cut(out) keeps the output's first d columns."""
     d = q.shape[-1]
     to = next((h for h in HEAD_DIMS if h >= d), None)
-    if d in HEAD_DIMS or to is None or d == 0 or k.shape[-1] != d or v.shape[-1] != d:
+    if d in HEAD_DIMS or to is None or d == 0 or k.shape[-1] != d or v.shape[-1] != d or \
+            q.dtype not in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None)):
         return q, k, v, softmax_scale, lambda out: out  # hipflash's own checks speak
     if q.dtype not in (torch.float16, torch.bfloat16):
         refuse_headdim(q, f"for {q.dtype} inputs")

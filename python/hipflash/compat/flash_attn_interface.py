@@ -6,8 +6,9 @@
 
 Function names, argument names and defaults as in FlashAttention 3. ``return_attn_probs``
 adds the LSE ([batch, nheads, seqlen] dense, [nheads, total_q] varlen): ``(out, lse)``;
-flash_attn_with_kvcache's ``return_softmax_lse`` returns ``(out, lse, None, None)``, as upstream's
-``(out, softmax_lse, *rest)`` of a call it does not split.
+flash_attn_with_kvcache's ``return_softmax_lse`` returns ``(out, lse, out_accum, lse_accum)``,
+the accumulators empty, as upstream's ``(out, softmax_lse, *rest)`` of a call it does not
+split.
 Performance hints hipflash decides itself are accepted and ignored: pack_gqa, sm_margin,
 scheduler_metadata. ``num_splits``: FA3's 1 is no split, <= 0 hipflash's heuristic.
 
@@ -30,8 +31,8 @@ import torch
 import hipflash
 from hipflash import _varlen_kv
 
-from ._common import (contiguous_last, pad_head_dim, refuse, refuse_headdim, refuse_headdim_v,
-                      softcap_value, split_qkv, window)
+from ._common import (contiguous_last, pad_head_dim, refuse, refuse_headdim,
+                      refuse_headdim_v, softcap_value, split_qkv, window)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "flash_attn_combine"]
@@ -130,11 +131,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     _refuse_common(q, v_cache, qv, q_descale, k_descale, v_descale)
     refuse_headdim(q, "against a KV cache")
     q, k, v = contiguous_last(q, k, v)
+    # FlashAttention 3 makes its index tensors contiguous too (maybe_contiguous).
+    cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, \
+        rotary_seqlens = (t.contiguous() if isinstance(t, torch.Tensor) else t
+                          for t in (cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                                    cu_seqlens_q, cu_seqlens_k_new, rotary_seqlens))
     if cu_seqlens_q is not None:
         res = _varlen_kv.with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cu_seqlens_q,
             cu_seqlens_k_new, max_seqlen_q, rotary_cos, rotary_sin, rotary_seqlens,
-            bool(rotary_interleaved), softmax_scale, causal, window(window_size), _splits(num_splits),
+            bool(rotary_interleaved), softmax_scale, causal, window(window_size),
+            _splits(num_splits),
             bool(return_softmax_lse), softcap_value(softcap), cache_leftpad, attention_chunk)
         return _with_accumulators(res, return_softmax_lse)
     refuse("cu_seqlens_k_new", cu_seqlens_k_new, None, "new keys of varlen queries only")
@@ -156,9 +163,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
 
 def _with_accumulators(res, with_lse):
     """FlashAttention 3's kvcache return: out, or (out, softmax_lse, out_accum, lse_accum), the
-    split accumulators None as upstream's are for a call it does not split (hipflash's splits
+    split accumulators empty as upstream's are for a call it does not split (hipflash's splits
     are combined inside the call)."""
-    return (res[0], res[1], None, None) if with_lse else res
+    if not with_lse:
+        return res
+    out, lse = res
+    return out, lse, torch.empty(0, device=out.device), torch.empty(0, device=out.device)
 
 
 def get_scheduler_metadata(*args, **kwargs):

@@ -14,13 +14,13 @@ as zigzag ones. With ``return_attn_probs=True``: ``(out, softmax_lse, None)``, t
 [batch, nheads, seqlen_local] dense and, as ring-flash-attn's varlen functions return it, padded
 [batch, nheads, max_seqlen] varlen (-inf past each sequence's length: hipflash's padded layout).
 Windows apply by global position, as hipflash.distributed's (ring-flash-attn passes them to each
-block's call as they are). Refused with NotImplementedError: dropout_p > 0 and alibi_slopes
-(ring-flash-attn asserts them away too). The stripe layout and llama3_flash_attn_varlen_func are
-not provided.
+block's call as they are); any negative bound is unbounded, as FlashAttention reads it. Refused
+with NotImplementedError: dropout_p > 0 and alibi_slopes (ring-flash-attn asserts them away too).
+The stripe layout and llama3_flash_attn_varlen_func are not provided.
 """
 
-from .. import distributed as _distributed
-from ._common import refuse, refuse_dropout, split_kv, split_qkv
+from .. import _chunks, distributed as _distributed
+from ._common import refuse, refuse_dropout, split_kv, split_qkv, window
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
            "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func",
@@ -37,7 +37,7 @@ def _dense(layout, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi
     refuse("alibi_slopes", alibi_slopes, None)
     res = _distributed.ring_flash_attn_func(
         q, k, v, group=group, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, return_lse=bool(return_attn_probs), layout=layout,
+        window_size=window(window_size), return_lse=bool(return_attn_probs), layout=layout,
         deterministic=deterministic)
     return (res[0], res[1], None) if return_attn_probs else res
 
@@ -48,18 +48,14 @@ def _varlen(layout, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, c
     refuse("alibi_slopes", alibi_slopes, None)
     res = _distributed.ring_flash_attn_varlen_func(
         q, k, v, cu_seqlens, max_seqlen, group=group, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, return_lse=bool(return_attn_probs), layout=layout,
+        window_size=window(window_size), return_lse=bool(return_attn_probs), layout=layout,
         deterministic=deterministic)
     if not return_attn_probs:
         return res
     out, lse = res
     bounds = cu_seqlens.tolist()
-    lens = [b - a for a, b in zip(bounds, bounds[1:])]
-    padded = lse.new_full((len(lens), lse.shape[0], max(lens + [int(max_seqlen)])),
-                          float("-inf"))
-    for b, (start, n) in enumerate(zip(bounds, lens)):
-        padded[b, :, :n] = lse[:, start:start + n]
-    return out, padded, None
+    longest = max([b - a for a, b in zip(bounds, bounds[1:])] + [int(max_seqlen)])
+    return out, _chunks.padded_lse(lse, bounds, longest), None
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -16,8 +16,8 @@ calls (prefill, other masks, autograd) turn the batch into packed sequences (var
 `deterministic` (else FLASH_ATTENTION_DETERMINISTIC=1) makes the gradients bitwise repeatable, as
 transformers asks of FlashAttention; sliding windows cover the last `sliding_window`
 keys; GQA runs natively; fp32 inputs run in the 16-bit dtype transformers' FlashAttention path
-picks (the autocast dtype, a quantized model's, the layer's weights'; else bfloat16). Gemma 2's logit
-softcapping runs on CPU tensors and NVIDIA GPUs, forward and backward. Refused with
+picks (the autocast dtype, a quantized model's, the layer's weights'; else bfloat16). Gemma 2's
+logit softcapping runs on CPU tensors and NVIDIA GPUs, forward and backward. Refused with
 NotImplementedError: attention dropout during training and attention sinks, until hipflash has
 them (issue 42).
 """

@@ -12,11 +12,10 @@ empty, as FlashAttention's without dropout. Every head dim up to 256 runs, as in
 2: those hipflash's kernels lack (80, 160, ...) zero-padded to the next they have
 (compat._common.pad_head_dim), except against a KV cache or a paged one (refused by name: the
 cache would be copied every call). q, k and v without a contiguous last dimension are copied, as
-FlashAttention does. Refused with NotImplementedError: dropout_p > 0 (flash_attn_with_kvcache's
-rotary embedding, cache_batch_idx and cache_leftpad run). softcap and alibi_slopes run on CPU tensors (hipflash's CPU
-backend, forward and backward); on NVIDIA GPUs their forward runs, and their backward raises
-NotImplementedError (before the forward, when gradients will be needed) until the kernels
-apply them.
+FlashAttention does; any negative window bound is unbounded. Refused with NotImplementedError:
+dropout_p > 0 (flash_attn_with_kvcache's rotary embedding, cache_batch_idx and cache_leftpad
+run). softcap and alibi_slopes run on CPU tensors and NVIDIA GPUs, forward and backward
+(docs/compat.md).
 """
 import hipflash
 
@@ -26,7 +25,6 @@ from .._common import (contiguous_last, pad_head_dim, refuse_dropout, refuse_hea
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
-
 
 
 def _result(q, res, cut, return_attn_probs):
@@ -44,7 +42,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     q, k, v = contiguous_last(q, k, v)
     q, k, v, softmax_scale, cut = pad_head_dim(q, k, v, softmax_scale)
     res = hipflash.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=window(window_size), return_lse=bool(return_attn_probs),
+                                   window_size=window(window_size),
+                                   return_lse=bool(return_attn_probs),
                                    deterministic=deterministic, softcap=softcap_value(softcap),
                                    alibi_slopes=alibi_slopes)
     return _result(q, res, cut, return_attn_probs)
