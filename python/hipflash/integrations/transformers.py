@@ -70,7 +70,7 @@ def _target_dtype(module, device_type):
     target = _autocast_dtype(device_type)
     if target is None:
         target = getattr(getattr(module, "config", None), "_pre_quantization_dtype", None)
-    if target is None:
+    if target is None and isinstance(module, torch.nn.Module):
         linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
         target = linear.weight.dtype if linear is not None else None
     return target if target in (torch.float16, torch.bfloat16) else torch.bfloat16
