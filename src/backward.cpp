@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "backend.hpp"
@@ -17,6 +18,10 @@ namespace {
 using detail::shape_str;
 
 void check_like(const TensorRef& t, const char* name, const TensorRef& like, const char* like_name) {
+  const char* why = "";
+  for (auto [r, r_name] : {std::pair{&like, like_name}, {&t, name}})  // ranks first: sizes read
+    HIPFLASH_CHECK(detail::indexable(*r, &why), r_name, " with shape ", shape_str(*r),
+                   " cannot be indexed in 64 bits: ", why);
   HIPFLASH_CHECK(t.rank == like.rank, name, " must have the shape of ", like_name, " ",
                  shape_str(like), ", got ", shape_str(t));
   for (int i = 0; i < t.rank; ++i)
@@ -27,8 +32,6 @@ void check_like(const TensorRef& t, const char* name, const TensorRef& like, con
   HIPFLASH_CHECK(t.loc == like.loc, name, " must be on the device of ", like_name);
   HIPFLASH_CHECK(detail::last_dim_contiguous(t), name,
                  " must have a contiguous last dimension (stride 1)");
-  const char* why = "";
-  HIPFLASH_CHECK(detail::indexable(t, &why), name, " cannot be indexed in 64 bits: ", why);
   HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
 }
 

@@ -47,6 +47,7 @@ void check_rank(const TensorRef& t, const char* name, int rank, const char* layo
   const char* why = "";
   HIPFLASH_CHECK(detail::indexable(t, &why), name, " with shape ", shape_str(t),
                  " cannot be indexed in 64 bits: ", why);
+  detail::check_known_location(t, name);
 }
 
 /// a * b * ... in int64, or an invalid_argument naming `what`.
@@ -75,6 +76,8 @@ void check_location(const TensorRef& t, const char* name, Location expected) {
 
 /// Shared by dense and varlen: the checks on q, k, v, out given their roles in the shape.
 struct Dims { int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim; };
+
+void check_options(const FwdOptions& opts);
 
 void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                   const TensorRef& out, const FwdOptions& opts, const Dims& d) {
@@ -110,6 +113,11 @@ void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                  ") must divide the number of query heads (", d.heads_q, ")");
   check_no_self_overlap(out, "out");
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_disjoint(out, "out", *t, name);
+  check_options(opts);
+}
+
+/// The options every forward checks (SPEC §4), resolve_num_splits too.
+void check_options(const FwdOptions& opts) {
   HIPFLASH_CHECK(!opts.softmax_scale || (std::isfinite(*opts.softmax_scale) &&
                                          *opts.softmax_scale > 0.f &&
                                          *opts.softmax_scale <= kMaxSoftmaxScale),
@@ -203,6 +211,8 @@ void fill_alibi(FwdParams& p, const FwdOptions& opts, const TensorRef& q, const 
   const bool per_batch = a->rank == 2 && a->sizes[0] == p.batch && a->sizes[1] == p.heads_q;
   HIPFLASH_CHECK(per_head || per_batch, "alibi_slopes must have shape [heads_q] = [", p.heads_q,
                  "] or [batch, heads_q] = [", p.batch, ", ", p.heads_q, "], got ", shape_str(*a));
+  const char* why = "";
+  HIPFLASH_CHECK(detail::indexable(*a, &why), "alibi_slopes cannot be indexed in 64 bits: ", why);
   HIPFLASH_CHECK(p.heads_q <= 1 || a->strides[a->rank - 1] == 1,
                  "alibi_slopes must have a contiguous last dimension");
   HIPFLASH_CHECK(a->data != nullptr || p.heads_q == 0 || p.batch == 0,
@@ -231,6 +241,8 @@ void fill_descales(FwdParams& p, const FwdOptions& opts, const TensorRef& q, con
     const bool per_head = t->rank == 2 && t->sizes[0] == p.batch && t->sizes[1] == p.heads_kv;
     HIPFLASH_CHECK(whole || per_head, name, " must have shape [] or [1] (the tensor's) or ",
                    "[batch, heads_kv] = [", p.batch, ", ", p.heads_kv, "], got ", shape_str(*t));
+    const char* why = "";
+    HIPFLASH_CHECK(detail::indexable(*t, &why), name, " cannot be indexed in 64 bits: ", why);
     HIPFLASH_CHECK(t->data != nullptr || t->numel() == 0, name, " has no data pointer");
     check_location(*t, name, q.loc);
     check_disjoint(out, "out", *t, name);
@@ -485,8 +497,24 @@ void forward(const TensorRef& q, const TensorRef& k, const TensorRef& v, const T
 }
 
 int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions& opts) {
+  // What the forward would refuse of these, refused here too (a split count for a call that
+  // cannot run would mean nothing).
   check_rank(q, "q", 4, "[batch, seqlen_q, heads_q, head_dim]");
   check_rank(k, "k", 4, "[batch, seqlen_k, heads_kv, head_dim]");
+  HIPFLASH_CHECK_AS(dtype_error,
+                    q.dtype == DType::f16 || q.dtype == DType::bf16 || q.dtype == DType::e4m3,
+                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got ",
+                    dtype_name(q.dtype));
+  HIPFLASH_CHECK(q.sizes[3] == int(q.sizes[3]) && padded_head_dim(int(q.sizes[3])) != 0,
+                 "head dim ", q.sizes[3], " is not supported; supported head dims are ",
+                 supported_head_dims());
+  check_half_dtype(k, "k", q.dtype);
+  check_location(k, "k", q.loc);
+  HIPFLASH_CHECK(k.sizes[0] == q.sizes[0] && k.sizes[3] == q.sizes[3],
+                 "k must have q's batch and head dim: q ", shape_str(q), ", k ", shape_str(k));
+  HIPFLASH_CHECK(k.sizes[2] > 0 && q.sizes[2] % k.sizes[2] == 0, "the number of k/v heads (",
+                 k.sizes[2], ") must divide the number of query heads (", q.sizes[2], ")");
+  check_options(opts);
   FwdParams p;
   p.batch = q.sizes[0]; p.seqlen_q = q.sizes[1]; p.heads_q = q.sizes[2]; p.head_dim = q.sizes[3];
   p.seqlen_k = k.sizes[1]; p.heads_kv = k.sizes[2]; p.dtype = q.dtype; p.kv_dtype = k.dtype;
@@ -498,8 +526,6 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   p.k_row_stride = p.v_row_stride = k.strides[1];
   p.k_head_stride = p.v_head_stride = k.strides[2];
   fill_window(p, opts);
-  HIPFLASH_CHECK(padded_head_dim(int(p.head_dim)) != 0, "head dim ", p.head_dim,
-                 " is not supported; supported head dims are ", supported_head_dims());
   return plan_call(p, opts.num_splits, resolve_location(q)).num_splits;
 }
 
@@ -550,6 +576,8 @@ FwdParams make_varlen_params(const TensorRef& q, const TensorRef& k, const Tenso
   check_common(q, k, v, out, opts, d);
   check_disjoint(out, "out", cu_q, "cu_seqlens_q");
   check_disjoint(out, "out", cu_k, "cu_seqlens_k");
+  HIPFLASH_CHECK(opts.lse_layout == LseLayout::padded || opts.lse_layout == LseLayout::packed,
+                 "lse_layout must be LseLayout::padded or packed, got ", int(opts.lse_layout));
   if (opts.return_lse) {
     if (opts.lse_layout == LseLayout::padded)
       check_lse(lse, q, out, k, v, {batch, d.heads_q, d.seqlen_q},

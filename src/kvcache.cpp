@@ -37,6 +37,7 @@ void check_operand(const TensorRef& t, const char* name, const TensorRef& q, con
   const char* why = "";
   HIPFLASH_CHECK(detail::indexable(t, &why), name, " with shape ", shape_str(t),
                  " cannot be indexed in 64 bits: ", why);
+  detail::check_known_location(t, name);
   HIPFLASH_CHECK_AS(dtype_error, t.dtype == q.dtype || (fp8_ok && t.dtype == DType::e4m3), name,
                     " must have dtype ", dtype_name(q.dtype), " (the dtype of q)",
                     fp8_ok ? " or float8_e4m3fn (an fp8 cache)" : "", ", got ",
@@ -382,6 +383,12 @@ void kvcache_forward(const TensorRef& q, const TensorRef& k_cache, const TensorR
 
 void check_written_buffers(const std::vector<NamedRef>& written,
                            const std::vector<NamedRef>& read) {
+  for (const auto& group : {&written, &read})
+    for (const NamedRef& t : *group) {
+      const char* why = "";
+      HIPFLASH_CHECK(!t.ref || detail::indexable(*t.ref, &why), t.name, " with shape ",
+                     shape_str(*t.ref), " cannot be indexed in 64 bits: ", why);
+    }
   for (auto w = written.begin(); w != written.end(); ++w) {
     if (!w->ref) continue;
     check_no_self_overlap(*w->ref, w->name);

@@ -26,6 +26,7 @@ void check_tensor(const TensorRef& t, const char* name, int rank, const char* la
   const char* why = "";
   HIPFLASH_CHECK(detail::indexable(t, &why), name, " with shape ", shape_str(t),
                  " cannot be indexed in 64 bits: ", why);
+  detail::check_known_location(t, name);
   HIPFLASH_CHECK(t.data != nullptr || t.numel() == 0, name, " has no data pointer");
 }
 
@@ -41,6 +42,7 @@ void store(void* base, DType dt, int64_t off, float v) {
 /// The CPU merge: per (row, head), the parts' states merged in part order (the GPU kernel's
 /// order too), then out = sum_i w_i out_i in fp32 over the live parts, rounded once.
 void merge_on_cpu(const MergeParams& p) {
+  if (p.rows == 0 || p.heads == 0) return;  // nothing to merge (however many rows without heads)
   std::vector<float> acc(static_cast<size_t>(p.head_dim));
   for (int64_t t = 0; t < p.rows; ++t)
     for (int64_t h = 0; h < p.heads; ++h) {
@@ -151,7 +153,7 @@ void merge_attn_states(const TensorRef& outs, const TensorRef& lses, const Tenso
     gpu::run_merge(p, out.loc.index, stream);
     return;
   }
-  merge_on_cpu(p);
+  merge_on_cpu(p);  // (Location::cpu: check_tensor refuses any other kind)
 }
 
 }  // namespace hipflash

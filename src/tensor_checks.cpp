@@ -69,7 +69,7 @@ constexpr int64_t kSearchSteps = 1 << 16;
 void address_terms(const TensorRef& t, Terms& terms, int64_t& lowest) {
   const int64_t es = dtype_size(t.dtype);
   lowest = int64_t(reinterpret_cast<uintptr_t>(t.data));
-  for (int d = 0; d < t.rank; ++d) {
+  for (int d = 0; d < t.rank && d < 4; ++d) {  // (rank 0 to 4: indexable())
     if (t.sizes[d] <= 1 || t.strides[d] == 0) continue;  // stride 0 adds no address
     const int64_t step = t.strides[d] * es;
     if (step < 0) lowest += (t.sizes[d] - 1) * step;  // walk it backwards from its far end
@@ -79,7 +79,13 @@ void address_terms(const TensorRef& t, Terms& terms, int64_t& lowest) {
 
 }  // namespace
 
+void check_known_location(const TensorRef& t, const char* name) {
+  HIPFLASH_CHECK(t.loc.kind == Location::cpu || t.loc.kind == Location::gpu, name,
+                 " has a Location of unknown kind ", int(t.loc.kind), " (cpu or gpu)");
+}
+
 std::string shape_str(const TensorRef& t) {
+  if (t.rank < 0 || t.rank > 4) return "(rank " + std::to_string(t.rank) + ")";
   std::string s = "[";
   for (int i = 0; i < t.rank; ++i) s += (i ? ", " : "") + std::to_string(t.sizes[i]);
   return s + "]";
@@ -88,6 +94,7 @@ std::string shape_str(const TensorRef& t) {
 bool indexable(const TensorRef& t, const char** why) {
   const char* unused;
   if (why == nullptr) why = &unused;
+  if (t.rank < 0 || t.rank > 4) return *why = "its rank is not 0 to 4", false;
   int64_t numel = 1, lo = 0, hi = 0;
   for (int d = 0; d < t.rank; ++d) {
     if (t.sizes[d] < 0) return *why = "a size is negative", false;
@@ -110,6 +117,8 @@ bool indexable(const TensorRef& t, const char** why) {
 }
 
 Overlap overlap(const TensorRef& a, const TensorRef& b) {
+  // The callers check indexability first; a view that is not indexable proves nothing.
+  if (!indexable(a, nullptr) || !indexable(b, nullptr)) return Overlap::unknown;
   if (a.numel() == 0 || b.numel() == 0 || a.data == nullptr || b.data == nullptr)
     return Overlap::none;
   // addr_a(x) - addr_b(y) in (-es_a, es_b)  <=>  the elements share a byte. With
@@ -129,6 +138,7 @@ Overlap overlap(const TensorRef& a, const TensorRef& b) {
 }
 
 Overlap self_overlap(const TensorRef& t) {
+  if (!indexable(t, nullptr)) return Overlap::unknown;  // (the callers check it first)
   if (t.numel() <= 1) return Overlap::none;
   for (int d = 0; d < t.rank; ++d)
     if (t.sizes[d] > 1 && t.strides[d] == 0) return Overlap::some;
@@ -158,7 +168,8 @@ void check_no_self_overlap(const TensorRef& t, const char* name) {
   const Overlap o = self_overlap(t);
   if (o == Overlap::none) return;
   std::string strides = "[";
-  for (int i = 0; i < t.rank; ++i) strides += (i ? ", " : "") + std::to_string(t.strides[i]);
+  for (int i = 0; i < t.rank && i < 4; ++i)
+    strides += (i ? ", " : "") + std::to_string(t.strides[i]);
   HIPFLASH_CHECK(false, name, " must not overlap itself (", shape_str(t), " with strides ",
                  strides, "]", o == Overlap::some ? " maps two indices to one element)"
                                                   : " may map two indices to one element)");

@@ -19,8 +19,13 @@ namespace hipflash::detail {
 /// "[2, 5, 7, 64]": a TensorRef's sizes, for error messages.
 std::string shape_str(const TensorRef& t);
 
-/// Whether `t`'s elements can all be addressed: sizes >= 0, and the element count and the
-/// offset of every element, in bytes, fit in int64 (no wrap-around of the address either).
+/// invalid_argument unless `t`'s location is a kind the launchers know (cpu or gpu): an
+/// unknown kind is never run on either side.
+void check_known_location(const TensorRef& t, const char* name);
+
+/// Whether `t`'s elements can all be addressed: rank 0 to 4, sizes >= 0, and the element count
+/// and the offset of every element, in bytes, fit in int64 (no wrap-around of the address
+/// either).
 /// On failure, `why` says what overflows.
 bool indexable(const TensorRef& t, const char** why);
 

@@ -50,7 +50,7 @@ enum class LseLayout : int {
 };
 
 /// A non-owning strided view of a buffer: the C++ API's "tensor". Sizes and strides are in
-/// elements; rank <= 4.
+/// elements; rank 0 to 4 (the launchers refuse any other before reading a size).
 struct TensorRef {
   void* data = nullptr;
   DType dtype = DType::f16;
@@ -59,9 +59,11 @@ struct TensorRef {
   int64_t strides[4] = {0, 0, 0, 0};
   Location loc{};
 
+  /// The product of the sizes (of the first four, whatever `rank` claims: nothing past the
+  /// arrays is read).
   int64_t numel() const {
     int64_t n = 1;
-    for (int i = 0; i < rank; ++i) n *= sizes[i];
+    for (int i = 0; i < rank && i < 4; ++i) n *= sizes[i];
     return n;
   }
 };

@@ -229,6 +229,75 @@ TEST(OverlapSearch, ExactOnInterleavedReversedAndMixedViews) {
   EXPECT_EQ(detail::self_overlap(view(0, {4, 1, 8}, {8, 0, 1})), Overlap::none);
 }
 
+// ---- Raw TensorRef fields the C++ API takes as given ---------------------------------------------
+
+TEST(CppFields, RanksOutsideZeroToFourAreRefusedBeforeASizeIsRead) {
+  // The sizes and strides arrays hold four: a rank above reads (and a message printed) past them.
+  for (int rank : {5, 12, 100000, std::numeric_limits<int>::max(), -3}) {
+    Dense t = small();
+    TensorRef q = t.q.ref, lse = t.lse.ref, dq = t.q.ref;
+    q.rank = rank;
+    expect_invalid("q must have rank 4", [&] { forward(q, t.k.ref, t.v.ref, t.out.ref, &t.lse.ref, t.opts); });
+    lse.rank = rank;
+    expect_invalid("lse", [&] { forward(t.q.ref, t.k.ref, t.v.ref, t.out.ref, &lse, t.opts); });
+    EXPECT_TRUE(t.out.all_nan());
+    t.run();
+    BwdOptions b;
+    dq.rank = rank;
+    HostTensor dout = t.out, dk = t.k, dv = t.v;
+    expect_invalid("dq", [&] {
+      backward(dout.ref, t.q.ref, t.k.ref, t.v.ref, t.out.ref, t.lse.ref, dq, dk.ref, dv.ref, b);
+    });
+    expect_invalid("k_cache", [&] { check_written_buffers({{&q, "k_cache"}}, {}); });
+    expect_invalid("cache_seqlens", [&] {
+      check_written_buffers({{&t.k.ref, "k_cache"}}, {{&lse, "cache_seqlens"}});
+    });
+    EXPECT_EQ(detail::shape_str(q), "(rank " + std::to_string(rank) + ")");
+  }
+}
+
+TEST(CppFields, SlopesAndDescalesBeyond64BitsAreRefused) {
+  // Their strides reach addresses 64 bits cannot hold (the offset wraps): refused as q would be.
+  Dense t = make_dense({DType::bf16, 2, 8, 8, 2, 1, 64}, 1);
+  HostTensor slopes(DType::f32, {2, 2});
+  slopes.fill(0.5f);
+  TensorRef a = slopes.ref;
+  a.strides[0] = (int64_t(1) << 62) + (int64_t(1) << 40);
+  t.opts.alibi_slopes = &a;
+  expect_invalid("alibi_slopes cannot be indexed in 64 bits", [&] { t.run(); });
+  EXPECT_TRUE(t.out.all_nan());
+}
+
+TEST(CppFields, UnknownEnumValuesAreRefused) {
+  // A location kind or an LSE layout outside its enum: refused, never run as one of them.
+  Dense t = small();
+  TensorRef q = t.q.ref;
+  q.loc.kind = static_cast<Location::Kind>(7);
+  expect_invalid("unknown kind", [&] { forward(q, t.k.ref, t.v.ref, t.out.ref, &t.lse.ref, t.opts); });
+  HostTensor outs(DType::f32, {2, 3, 2, 8}), lses(DType::f32, {2, 2, 3}), out(DType::f32, {3, 2, 8});
+  outs.fill(1.f);
+  lses.fill(0.f);
+  out.fill(kNaN);
+  TensorRef bad = out.ref;
+  bad.loc.kind = static_cast<Location::Kind>(7);
+  expect_invalid("unknown kind", [&] { merge_attn_states(outs.ref, lses.ref, bad, nullptr); });
+  EXPECT_TRUE(out.all_nan());
+  Varlen v(DType::bf16, {3, 5}, {4, 6}, 2, 1, 64, LseLayout::packed);
+  v.opts.lse_layout = static_cast<LseLayout>(5);
+  expect_invalid("lse_layout", [&] { v.run(); });
+  EXPECT_TRUE(v.out.all_nan());
+  EXPECT_TRUE(v.lse.all_nan());
+}
+
+TEST(CppFields, AMergeWithoutHeadsReturnsAtOnce) {
+  // Empty (no heads): nothing to merge, whatever the row count (it used to walk 2^60 rows).
+  HostTensor outs(DType::f32, {1, 1, 1, 8}), lses(DType::f32, {1, 1, 1}), out(DType::f32, {1, 1, 8});
+  TensorRef o = outs.ref, l = lses.ref, r = out.ref;
+  o.sizes[1] = r.sizes[0] = l.sizes[2] = int64_t(1) << 60;
+  o.sizes[2] = r.sizes[1] = l.sizes[1] = 0;
+  merge_attn_states(o, l, r, nullptr);
+}
+
 TEST(CppHelpers, MakeTensorRefusesRankAboveFour) {
   expect_invalid("rank <= 4", [] { (void)make_tensor(nullptr, DType::f16, {1, 2, 3, 4, 5}); });
   EXPECT_EQ(make_tensor(nullptr, DType::f16, {1, 2, 3, 4}).rank, 4);

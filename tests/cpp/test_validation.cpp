@@ -320,6 +320,23 @@ TEST(ResolveNumSplits, RejectsBadRankAndHeadDim) {
   q = d.q.ref;
   q.sizes[3] = 40;
   expect_error(Err::invalid, "supported head dims", [&] { resolve_num_splits(q, d.k.ref, {}); });
+  // What the forward refuses of its q, k and options (a split count for a call that cannot
+  // run means nothing).
+  q = d.q.ref;
+  q.sizes[3] = (int64_t(1) << 32) + 64;  // int(head_dim) would be 64
+  expect_error(Err::invalid, "supported head dims", [&] { resolve_num_splits(q, d.k.ref, {}); });
+  FwdOptions o;
+  o.num_splits = 257;
+  expect_error(Err::invalid, "num_splits", [&] { resolve_num_splits(d.q.ref, d.k.ref, o); });
+  o = {};
+  o.window_left = -7;
+  expect_error(Err::invalid, "window_size", [&] { resolve_num_splits(d.q.ref, d.k.ref, o); });
+  TensorRef k = d.k.ref;
+  k.sizes[2] = 0;
+  expect_error(Err::invalid, "k/v heads", [&] { resolve_num_splits(d.q.ref, k, {}); });
+  k = d.k.ref;
+  k.dtype = DType::f16;
+  expect_error(Err::dtype, "k must have dtype", [&] { resolve_num_splits(d.q.ref, k, {}); });
 }
 
 }  // namespace
