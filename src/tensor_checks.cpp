@@ -110,8 +110,9 @@ bool indexable(const TensorRef& t, const char** why) {
   int64_t lo_b, hi_b;
   if (!mul_ok(lo, es, &lo_b) || !mul_ok(hi + 1, es, &hi_b))
     return *why = "its extent in bytes overflows int64", false;
+  // (No data: nothing to wrap; the launchers then report the missing pointer.)
   const auto base = reinterpret_cast<uintptr_t>(t.data);
-  if (base + uintptr_t(lo_b) > base || base + uintptr_t(hi_b) < base)
+  if (t.data != nullptr && (base + uintptr_t(lo_b) > base || base + uintptr_t(hi_b) < base))
     return *why = "its elements wrap around the address space", false;
   return true;
 }

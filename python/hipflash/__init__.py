@@ -735,7 +735,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
 
 def _kvcache_read(q, k_cache, v_cache, cache_seqlens, seqlens_host, cache_leftpad, leftpad_host,
-                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  return_lse=False):
     """flash_attn_with_kvcache's read of a contiguous cache (no append) for a decode loop that
     built the device lengths once from host values it passes too (seqlens_host, leftpad_host:
     lists equal to cache_seqlens / cache_leftpad): each layer's call then uploads nothing and
@@ -744,10 +745,11 @@ def _kvcache_read(q, k_cache, v_cache, cache_seqlens, seqlens_host, cache_leftpa
                     ("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad)):
         _check_tensor(t, name)
     left, right = _window(window_size)
-    out, _ = _call(_ops.fwd_kvcache, q, k_cache, v_cache, None, None, cache_seqlens, None,
-                   _scale(softmax_scale), bool(causal), left, right, 0, False, _softcap(softcap),
-                   None, None, None, None, cache_leftpad, seqlens_host, leftpad_host)
-    return out
+    out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, None, None, cache_seqlens, None,
+                     _scale(softmax_scale), bool(causal), left, right, 0, bool(return_lse),
+                     _softcap(softcap), None, None, None, None, cache_leftpad, seqlens_host,
+                     leftpad_host)
+    return (out, lse) if return_lse else out
 
 
 def _held_lengths(n, batch, device):

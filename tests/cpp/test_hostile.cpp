@@ -256,6 +256,15 @@ TEST(CppFields, RanksOutsideZeroToFourAreRefusedBeforeASizeIsRead) {
   }
 }
 
+TEST(CppFields, NoDataPointerIsSaidSo) {
+  // Not "wraps around the address space": a null pointer with a backward stride has no data.
+  Dense t = small();
+  TensorRef q = t.q.ref;
+  q.data = nullptr;
+  q.strides[1] = -q.strides[1];
+  expect_invalid("q has no data pointer", [&] { forward(q, t.k.ref, t.v.ref, t.out.ref, &t.lse.ref, t.opts); });
+}
+
 TEST(CppFields, SlopesAndDescalesBeyond64BitsAreRefused) {
   // Their strides reach addresses 64 bits cannot hold (the offset wraps): refused as q would be.
   Dense t = make_dense({DType::bf16, 2, 8, 8, 2, 1, 64}, 1);

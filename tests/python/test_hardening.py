@@ -325,3 +325,13 @@ def test_tensors_hipflash_cannot_read_are_refused_in_one_line(kind):
     with pytest.raises(NotImplementedError, match="hipflash runs on dense") as e:
         hipflash.flash_attn_func(x, x, x)
     assert len(str(e.value)) < 200
+
+
+def test_merge_of_a_plus_inf_lse_is_nan():
+    # SPEC §7: a part whose LSE is +inf (scores that overflowed) merges to NaN, never to a
+    # finite value.
+    out_a, out_b = torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8)
+    lse_a = torch.full((1, 3, 2), float("inf"))
+    lse_b = torch.zeros(1, 3, 2)
+    out, lse = hipflash.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert bool(torch.isnan(out).all()) and bool(torch.isnan(lse).all())

@@ -202,8 +202,45 @@ def test_refuses_what_hipflash_lacks():
     layer = _Layer().train()
     with pytest.raises(NotImplementedError, match="dropout"):
         hf.attention(layer, q, k, v, mask, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        hf.attention(_Layer(), q, k, v, mask, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="sinks"):  # their backward
+        hf.attention(_Layer(), q.requires_grad_(), k, v, mask, s_aux=torch.zeros(2))
+
+
+def _sinks_ref(q, k, v, mask, sinks, scale):
+    """gpt-oss's eager attention with sinks, fp32: each row's causal softmax over its valid keys
+    and a sink logit per head (attending to nothing). q [B, H, Sq, D], k / v [B, Hkv, Sk, D],
+    mask [B, Sk] (True: a key), bottom-right causal."""
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    sq, sk = s.shape[-2:]
+    causal = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+    s = s.masked_fill(~(causal[None, None] & mask[:, None, None, :].cpu()).to(s.device),
+                      float("-inf"))
+    logits = torch.cat([s, sinks.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    p = torch.softmax(logits, -1)[..., :-1]
+    return (p @ v).transpose(1, 2)  # [B, Sq, H, D]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_len, kv_len, pads, masked", [
+    (12, 12, (0, 0), False),   # dense
+    (12, 12, (0, 5), True),    # padded prefill (varlen)
+    (1, 20, (0, 7), True),     # a generation step against the cache
+    (3, 20, (2, 0), True),     # new tokens after a padded past (varlen)
+])
+def test_attention_sinks_without_gradients(device, q_len, kv_len, pads, masked):
+    # gpt-oss's s_aux: a sink logit per query head in every row's softmax, run from the LSE.
+    q, k, v, mask = _case(device, 2, q_len, kv_len, 4, 2, 64, pads)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 8.0], device=device)
+    with torch.no_grad():
+        out, _ = hf.attention(_Layer(), q, k, v, mask if masked else None, scaling=64 ** -0.5,
+                              s_aux=sinks)
+    want = _sinks_ref(q, k, v, mask, sinks, 64 ** -0.5)
+    rows = mask[:, -q_len:] if q_len > 1 else torch.ones(2, 1, dtype=torch.bool, device=device)
+    err = (out.float() - want)[rows].abs().max().item()
+    assert err < 2e-2, err
 
 
 def test_register_refuses_names_transformers_reserves():
