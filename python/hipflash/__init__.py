@@ -251,6 +251,101 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return _first_order(dq, dk, dv) + (None,) * 15
 
 
+def _check_sinks(sinks, q):
+    """Attention sinks (``sinks``): a floating-point tensor [nheads], a logit per query head."""
+    _check_tensor(sinks, "sinks")
+    heads = q.shape[-2] if q.dim() >= 2 else -1
+    if not sinks.is_floating_point() or sinks.dim() != 1 or sinks.shape[0] != heads:
+        raise ValueError(f"sinks must be a floating-point tensor [nheads] = [{heads}] (a logit "
+                         f"per query head), got {sinks.dtype} {list(sinks.shape)}")
+
+
+def _refuse_with_sinks(*features):
+    """NotImplementedError naming the first (name, given) option that sinks do not run with."""
+    for name, given in features:
+        if given:
+            raise NotImplementedError(f"sinks with {name} are not supported by hipflash yet")
+
+
+def _sink_output(out, rows, sinks):
+    """The sink-free call's out [..., H, D] and LSE in out's row order [..., H] -> (out, LSE)
+    with a sink logit per head: f = sigmoid(lse - sink), out f, logaddexp(lse, sink); and f."""
+    f = torch.sigmoid(rows - sinks.float())
+    return (out.float() * f[..., None]).to(out.dtype), torch.logaddexp(rows, sinks.float()), f
+
+
+class _DenseCall:
+    """_SinkAttention's dense attention: the forward and backward operators with one call's
+    options; LSE [B, H, S] (rows: its view in out's order [B, S, H])."""
+
+    def __init__(self, *args):
+        self.scale, self.causal, self.left, self.right, self.num_splits, self.deterministic, \
+            self.softcap, self.alibi = args
+
+    def forward(self, q, k, v):
+        return _ops.fwd(q, k, v, self.scale, self.causal, self.left, self.right, self.num_splits,
+                        True, self.softcap, self.alibi)
+
+    def backward(self, dout, q, k, v, out, lse):
+        return _ops.bwd(dout, q, k, v, out, lse, self.scale, self.causal, self.left, self.right,
+                        self.deterministic, self.softcap, self.alibi)
+
+    @staticmethod
+    def rows(lse):
+        return lse.transpose(1, 2)
+
+
+class _VarlenCall:
+    """_SinkAttention's varlen attention (packed LSE [H, T]; rows: [T, H])."""
+
+    def __init__(self, cu_q, cu_k, max_q, max_k, scale, causal, left, right, num_splits,
+                 deterministic, softcap, alibi, seqused_q, seqused_k):
+        self.cu = (cu_q, cu_k)
+        self.fwd_args = (max_q, max_k, scale, causal, left, right, num_splits, True, "packed",
+                         softcap, alibi, seqused_q, seqused_k)
+        self.bwd_args = (max_q, max_k, scale, causal, left, right, deterministic, "packed",
+                         softcap, alibi, seqused_q, seqused_k)
+
+    def forward(self, q, k, v):
+        return _ops.varlen_fwd(q, k, v, *self.cu, *self.fwd_args)
+
+    def backward(self, dout, q, k, v, out, lse):
+        return _ops.varlen_bwd(dout, q, k, v, out, lse, *self.cu, *self.bwd_args)
+
+    @staticmethod
+    def rows(lse):
+        return lse.t()
+
+
+class _SinkAttention(torch.autograd.Function):
+    """Attention with sinks (gpt-oss's): each row's softmax runs over its keys and a sink logit
+    of its head, which attends to nothing. From the sink-free call's (out, lse), f = sigmoid(lse
+    - sink): out f and LSE logaddexp(lse, sink). Gradients without a kernel of their own: the
+    sink-free backward with dout f and out f in out's place — its row term rowsum(dout f . out
+    f) is f^2 rowsum(dout . out), the one the sink's softmax has — and d sink = -sum over rows
+    of (1 - f) rowsum(dout . out f). `call`: _DenseCall or _VarlenCall."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, call):
+        out, lse = call.forward(q, k, v)
+        out_s, lse_rows, f = _sink_output(out, call.rows(lse), sinks)
+        ctx.save_for_backward(q, k, v, out_s, lse, f)
+        ctx.call, ctx.sinks_dtype = call, sinks.dtype
+        lse_s = call.rows(lse_rows).contiguous()  # rows is its own inverse: a transpose
+        ctx.mark_non_differentiable(lse_s)
+        return out_s, lse_s
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out_s, lse, f = ctx.saved_tensors
+        with torch.no_grad():
+            d = dout.float()
+            dq, dk, dv = ctx.call.backward((d * f[..., None]).to(dout.dtype).contiguous(), q, k,
+                                           v, out_s, lse)
+            dsinks = -((1 - f) * (d * out_s.float()).sum(-1)).reshape(-1, f.shape[-1]).sum(0)
+        return _first_order(dq, dk, dv, dsinks.to(ctx.sinks_dtype)) + (None,)
+
+
 _E4M3 = getattr(torch, "float8_e4m3fn", None)  # None on PyTorch < 2.1
 
 
@@ -311,7 +406,7 @@ def _wants_grad(*tensors):
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
                     num_splits=0, return_lse=False, out=None, deterministic=False, softcap=0.0,
                     alibi_slopes=None, q_descale=None, k_descale=None, v_descale=None,
-                    attention_chunk=0):
+                    attention_chunk=0, sinks=None):
     """Dense attention forward: ``softmax(q @ k^T * softmax_scale) @ v`` per (batch, head).
 
     Arguments:
@@ -366,6 +461,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             [p - p mod C, p - p mod C + C), besides what causal / window_size allow. 0 (the
             default) is off. Runs as varlen attention over the chunks (packed views, no
             copies; the varlen kernels' speed), gradients included (fp8: forward only).
+        sinks: optional floating-point (nheads,) tensor on q's device: attention sinks
+            (gpt-oss's), a logit per query head in every row's softmax (in the scaled scores'
+            units) that attends to nothing. out is then f * the sink-free out with
+            f = sigmoid(lse - sink), and the LSE logaddexp(lse, sink) (a row without keys: out 0,
+            LSE the sink). Gradients flow to q, k, v and sinks (the sink-free backward with
+            dout * f and out * f, no kernel of its own). Not with out=, fp8 inputs or
+            attention_chunk (NotImplementedError).
 
     Gradients: when q, k or v require grad (under grad mode) the result is differentiable
     with respect to them, on the CPU and on the GPU (the backward recomputes P from the saved
@@ -391,7 +493,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if out is not None:
         _check_tensor(out, "out")
     extras = [(n, t) for n, t in (("alibi_slopes", alibi_slopes), ("q_descale", q_descale),
-                                  ("k_descale", k_descale), ("v_descale", v_descale))
+                                  ("k_descale", k_descale), ("v_descale", v_descale),
+                                  ("sinks", sinks))
               if t is not None]
     for name, t in extras:
         _check_tensor(t, name)
@@ -405,6 +508,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     descales = (q_descale, k_descale, v_descale)
     fp8 = _fp8(q, descales)
     chunk = _chunk(attention_chunk)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+        _refuse_with_sinks(("out=", out is not None), ("fp8 inputs", fp8),
+                           ("attention_chunk", chunk))
+        out, lse = _call(_SinkAttention.apply, q, k, v, sinks,
+                         _DenseCall(scale, causal, left, right, num_splits, bool(deterministic),
+                                    softcap, alibi_slopes))
+        return (out, lse) if return_lse else out
     if chunk:
         out, lse = _chunks.dense(flash_attn_varlen_func, q, k, v, chunk, out,
                                  _per_sequence(alibi_slopes, descales),
@@ -445,7 +556,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_lse=False, lse_layout="padded", out=None, deterministic=False,
                            block_table=None, softcap=0.0, alibi_slopes=None, seqused_q=None,
                            seqused_k=None, attention_chunk=0, q_descale=None, k_descale=None,
-                           v_descale=None, k_scale=None, v_scale=None):
+                           v_descale=None, k_scale=None, v_scale=None, sinks=None):
     """Variable-length (packed) attention forward: a batch of sequences of different lengths.
 
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and key rows
@@ -491,6 +602,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         k_scale, v_scale: with a block_table, an fp8 paged cache (float8_e4m3fn k and v,
             bfloat16 / float16 q), as for :func:`flash_attn_with_kvcache`: float32 () or (1,)
             scales (None: 1); the CPU backend and NVIDIA GPUs running sm_89+ code of the build.
+        sinks: as for :func:`flash_attn_func` (a logit per query head, every sequence's rows);
+            not with out=, fp8 inputs, attention_chunk or a block_table.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. Rows past ``cu_seqlens_q[-1]`` are not
@@ -514,7 +627,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_tensor(alibi_slopes, "alibi_slopes")
     used = [(n, t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
                                 ("q_descale", q_descale), ("k_descale", k_descale),
-                                ("v_descale", v_descale))
+                                ("v_descale", v_descale), ("sinks", sinks))
             if t is not None]
     for name, t in used:
         _check_tensor(t, name)
@@ -547,6 +660,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     chunk = _chunk(attention_chunk)
     descales = (q_descale, k_descale, v_descale)
     fp8 = _fp8(q, descales)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+        _refuse_with_sinks(("out=", out is not None), ("fp8 inputs", fp8),
+                           ("attention_chunk", chunk), ("a block_table", block_table is not None))
+        res = _call(_SinkAttention.apply, q, k, v, sinks,
+                    _VarlenCall(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                causal, left, right, num_splits, bool(deterministic), softcap,
+                                alibi_slopes, seqused_q, seqused_k))
+        out, lse = res
+        if return_lse and lse_layout == "padded":
+            lse = _chunks.padded_lse(lse, cu_seqlens_q.tolist(), max_seqlen_q)
+        return (out, lse) if return_lse else out
     if chunk:
         if block_table is not None:
             raise NotImplementedError("attention_chunk with a block_table is not supported by "
@@ -736,20 +861,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
 def _kvcache_read(q, k_cache, v_cache, cache_seqlens, seqlens_host, cache_leftpad, leftpad_host,
                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  return_lse=False):
+                  sinks=None):
     """flash_attn_with_kvcache's read of a contiguous cache (no append) for a decode loop that
     built the device lengths once from host values it passes too (seqlens_host, leftpad_host:
     lists equal to cache_seqlens / cache_leftpad): each layer's call then uploads nothing and
-    waits for nothing. The launcher checks every argument, as for the public call."""
+    waits for nothing. The launcher checks every argument, as for the public call. sinks: as
+    flash_attn_func's (no gradients: this read has none)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad)):
         _check_tensor(t, name)
     left, right = _window(window_size)
+    if sinks is not None:
+        _check_sinks(sinks, q)
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, None, None, cache_seqlens, None,
-                     _scale(softmax_scale), bool(causal), left, right, 0, bool(return_lse),
+                     _scale(softmax_scale), bool(causal), left, right, 0, sinks is not None,
                      _softcap(softcap), None, None, None, None, cache_leftpad, seqlens_host,
                      leftpad_host)
-    return (out, lse) if return_lse else out
+    if sinks is not None:  # forward only, as the whole read
+        out = _sink_output(out, lse.transpose(1, 2), sinks)[0]
+    return out
 
 
 def _held_lengths(n, batch, device):

@@ -202,8 +202,6 @@ def test_refuses_what_hipflash_lacks():
     layer = _Layer().train()
     with pytest.raises(NotImplementedError, match="dropout"):
         hf.attention(layer, q, k, v, mask, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="sinks"):  # their backward
-        hf.attention(_Layer(), q.requires_grad_(), k, v, mask, s_aux=torch.zeros(2))
 
 
 def _sinks_ref(q, k, v, mask, sinks, scale):
@@ -230,17 +228,26 @@ def _sinks_ref(q, k, v, mask, sinks, scale):
     (1, 20, (0, 7), True),     # a generation step against the cache
     (3, 20, (2, 0), True),     # new tokens after a padded past (varlen)
 ])
-def test_attention_sinks_without_gradients(device, q_len, kv_len, pads, masked):
-    # gpt-oss's s_aux: a sink logit per query head in every row's softmax, run from the LSE.
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "autograd"])
+def test_attention_sinks(device, q_len, kv_len, pads, masked, grad):
+    # gpt-oss's s_aux: a sink logit per query head in every row's softmax (hipflash's sinks),
+    # on every path of the integration; under autograd the sinks' gradient too.
     q, k, v, mask = _case(device, 2, q_len, kv_len, 4, 2, 64, pads)
-    sinks = torch.tensor([-1.0, 0.5, 2.0, 8.0], device=device)
-    with torch.no_grad():
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 8.0], device=device, requires_grad=grad)
+    q.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
         out, _ = hf.attention(_Layer(), q, k, v, mask if masked else None, scaling=64 ** -0.5,
                               s_aux=sinks)
-    want = _sinks_ref(q, k, v, mask, sinks, 64 ** -0.5)
+    ref_sinks = sinks.detach().clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        want = _sinks_ref(q.detach(), k, v, mask, ref_sinks, 64 ** -0.5)
     rows = mask[:, -q_len:] if q_len > 1 else torch.ones(2, 1, dtype=torch.bool, device=device)
-    err = (out.float() - want)[rows].abs().max().item()
+    err = (out.detach().float() - want.detach())[rows].abs().max().item()
     assert err < 2e-2, err
+    if grad:  # the padded rows' outputs are not the model's: only the valid ones' loss
+        out.float()[rows].sum().backward()
+        want[rows].sum().backward()
+        torch.testing.assert_close(sinks.grad, ref_sinks.grad, rtol=2e-2, atol=2e-2)
 
 
 def test_register_refuses_names_transformers_reserves():

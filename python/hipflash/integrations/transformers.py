@@ -17,9 +17,9 @@ calls (prefill, other masks, autograd) turn the batch into packed sequences (var
 transformers asks of FlashAttention; sliding windows cover the last `sliding_window`
 keys; GQA runs natively; fp32 inputs run in the 16-bit dtype transformers' FlashAttention path
 picks (the autocast dtype, a quantized model's, the layer's weights'; else bfloat16). Gemma 2's
-logit softcapping runs on CPU tensors and NVIDIA GPUs, forward and backward; gpt-oss's attention
-sinks (s_aux) run without gradients, from the LSE. Refused with NotImplementedError: attention
-dropout during training, and attention sinks under autograd.
+logit softcapping and gpt-oss's attention sinks (s_aux: hipflash's `sinks`) run on CPU tensors
+and NVIDIA GPUs, forward and backward. Refused with NotImplementedError: attention dropout
+during training.
 """
 import os
 
@@ -60,30 +60,6 @@ def _autocast_dtype(device_type):
         get = getattr(torch, "get_autocast_dtype", None)
         return get("cuda") if get else torch.get_autocast_gpu_dtype()
     return None
-
-
-def _sinks(s_aux, query, key, value):
-    """gpt-oss's attention sinks (s_aux: a logit per query head, in the scaled scores' units, in
-    every row's softmax and attending to nothing) as float32 [heads], or None. They run from
-    the LSE (below), forward only: their gradient would need the LSE's, which hipflash's
-    backward does not take."""
-    if s_aux is None:
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, s_aux)):
-        raise NotImplementedError("hipflash: attention sinks (s_aux) run without gradients "
-                                  "only (inference); their backward is not implemented")
-    heads = query.shape[1]
-    if s_aux.numel() != heads:
-        raise ValueError(f"s_aux must hold one sink logit per query head ({heads}), got shape "
-                         f"{tuple(s_aux.shape)}")
-    return s_aux.reshape(heads).to(query.device, torch.float32)
-
-
-def _with_sinks(out, lse, sinks):
-    """out [..., heads, dim] of the softmax over the keys, lse [..., heads] its LSE: the output of
-    the softmax over the keys and a sink logit per head, out * e^lse / (e^lse + e^sink) =
-    out * sigmoid(lse - sink) (a row without keys stays 0)."""
-    return (out.float() * torch.sigmoid(lse - sinks)[..., None]).to(out.dtype)
 
 
 def _target_dtype(module, device_type):
@@ -167,7 +143,6 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if dropout and module.training:
         raise NotImplementedError(f"hipflash: attention dropout ({dropout}) is not supported; "
                                   "set the config's attention_dropout to 0.0")
-    sinks = _sinks(s_aux, query, key, value)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"hipflash: expected a 2-D [batch, kv_len] padding mask, got shape "
                          f"{tuple(attention_mask.shape)}: register() the implementation (it "
@@ -193,18 +168,12 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     kw = dict(softmax_scale=scaling, causal=bool(causal), window_size=window,
               softcap=float(softcap or 0.0), deterministic=bool(deterministic))
 
-    kw["return_lse"] = sinks is not None
+    # gpt-oss's attention sinks: a logit per query head (hipflash's `sinks`).
+    if s_aux is not None:
+        kw["sinks"] = s_aux
 
-    def done(res, lse_rows=None):
-        """(out in the caller's dtype, None); with sinks, res is (out, LSE) and lse_rows(LSE)
-        puts the LSE in out's row order [..., heads]."""
-        if sinks is not None:
-            out, lse = res
-            res = _with_sinks(out, lse_rows(lse), sinks)
-        return res.to(dtype), None
-
-    dense_rows = lambda lse: lse.transpose(1, 2)  # noqa: E731  [B, H, S] -> [B, S, H]
-    packed_rows = lambda lse: lse.t()  # noqa: E731  [H, T] -> [T, H]
+    def done(out):
+        return out.to(dtype), None
 
     # Padding-free batches: the documents' bounds over the batch's rows taken in order (the
     # four varlen arguments all given, as transformers requires), or one row's documents from
@@ -220,16 +189,16 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         if bounds is not None:
             packed = (bounds[0], bounds[0], bounds[1], bounds[1])
     if packed is not None:  # each document on its own
-        res = hipflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                              *packed, lse_layout="packed", **kw)
-        out, _ = done(res, packed_rows)
-        return out.view(batch, q_len, heads, out.shape[-1]), None
+        out = hipflash.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                              *packed, **kw)
+        return done(out.view(batch, q_len, heads, out.shape[-1]))
     if attention_mask is None:
-        return done(hipflash.flash_attn_func(q, k, v, **kw), dense_rows)
+        return done(hipflash.flash_attn_func(q, k, v, **kw))
     if attention_mask.shape[1] < kv_len:  # a static cache longer than the mask: its first rows
         kv_len = attention_mask.shape[1]
         k, v = k[:, :kv_len], v[:, :kv_len]
-    if causal and q_len < kv_len and torch.version.hip is None and not hipflash._wants_grad(q, k, v):
+    no_grad = not hipflash._wants_grad(q, k, v, *([s_aux] if s_aux is not None else []))
+    if causal and q_len < kv_len and torch.version.hip is None and no_grad:
         # A generation step against the cache, left-padded: read in place from each sequence's
         # pad by the decode kernels (the varlen path below would copy every cached row out, per
         # layer and step). Prefill (q_len == kv_len) keeps the varlen path: its copies are
@@ -239,7 +208,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         if pads is not None:
             lengths = _lengths_of_step(attention_mask, pads, kv_len, q.device)
             read_kw = {n: a for n, a in kw.items() if n != "deterministic"}  # no gradients
-            return done(hipflash._kvcache_read(q, k, v, *lengths, **read_kw), dense_rows)
+            return done(hipflash._kvcache_read(q, k, v, *lengths, **read_kw))
     # The packed rows' indices and bounds: once per step (_unpad waits for the GPU).
     idx_k, cu_k, max_k = _of_step(attention_mask, "unpad",
                                   lambda: _unpad(attention_mask.to(torch.bool)))
@@ -255,8 +224,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         idx_q, cu_q, max_q = _of_step(attention_mask, ("unpad_q", q_len),
                                       lambda: _unpad(attention_mask[:, -q_len:].to(torch.bool)))
     q_rows = q.reshape(batch * q_len, heads, dim).index_select(0, idx_q)
-    res = hipflash.flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k,
-                                          lse_layout="packed", **kw)
-    out_rows, _ = done(res, packed_rows)
+    out_rows = hipflash.flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k,
+                                               **kw)
     out = out_rows.new_zeros(batch * q_len, heads, dim).index_copy(0, idx_q, out_rows)
-    return out.view(batch, q_len, heads, dim), None
+    return done(out.view(batch, q_len, heads, dim))
