@@ -724,7 +724,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             window_size=(-1, -1), num_splits=0, return_lse=False, softcap=0.0,
                             alibi_slopes=None, k_scale=None, v_scale=None, cache_batch_idx=None,
                             cache_leftpad=None, rotary_cos=None, rotary_sin=None,
-                            rotary_interleaved=True, rotary_seqlens=None, attention_chunk=0):
+                            rotary_interleaved=True, rotary_seqlens=None, attention_chunk=0,
+                            sinks=None):
     """Attention of q against a KV cache, contiguous or paged, after appending k / v in place.
 
     Arguments:
@@ -785,6 +786,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             then chunked prefill over the chunks' rows; the sequences' lengths copied to the
             host); with an fp8 cache too (the new rows quantised by PyTorch as the call without
             chunks stores them).
+        sinks: as for :func:`flash_attn_func` (this call has no gradients); not with
+            attention_chunk.
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim), and with return_lse the LSE
@@ -821,15 +824,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _check_tensor(block_table, "block_table")
         named.append(("block_table", block_table))
     for name, t in (("alibi_slopes", alibi_slopes), ("k_scale", k_scale), ("v_scale", v_scale),
-                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                    ("sinks", sinks)):
         if t is not None:
             _check_tensor(t, name)
             named.append((name, t))
     _check_same_device(q, named)
+    if sinks is not None:
+        _check_sinks(sinks, q)
     left, right = _window(window_size)
     scale = _scale(softmax_scale)
     num_splits = _bounded(_int(num_splits, "num_splits"), "num_splits", 0, _MAX_SPLITS)
     chunk = _chunk(attention_chunk)
+    if sinks is not None:
+        _refuse_with_sinks(("attention_chunk", chunk))
     if chunk:
         if q.dtype == _E4M3:  # as the call without chunks (the C++ check)
             raise NotImplementedError("float8_e4m3fn queries with a KV cache are not "
@@ -853,9 +861,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     elif rotary_seqlens is not None:
         raise ValueError("rotary_seqlens needs rotary_cos and rotary_sin")
     out, lse = _call(_ops.fwd_kvcache, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                     scale, bool(causal), left, right, num_splits, bool(return_lse),
-                     _softcap(softcap), alibi_slopes, k_scale, v_scale, cache_batch_idx,
-                     cache_leftpad, seqlens_host, leftpad_host)
+                     scale, bool(causal), left, right, num_splits,
+                     bool(return_lse) or sinks is not None, _softcap(softcap), alibi_slopes,
+                     k_scale, v_scale, cache_batch_idx, cache_leftpad, seqlens_host, leftpad_host)
+    if sinks is not None:  # the call is forward only: out and LSE with the sinks
+        out, lse_rows, _ = _sink_output(out, lse.transpose(1, 2), sinks)
+        lse = lse_rows.transpose(1, 2).contiguous()
     return (out, lse) if return_lse else out
 
 

@@ -69,8 +69,9 @@ def test_dense_sinks_forward_and_gradients(device, case):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lse_layout", ["packed", "padded"])
 def test_varlen_sinks_are_each_sequences_dense_call(device, lse_layout):
-    # Each sequence of the packed call gives its dense call's out and LSE, and the gradients
-    # of the sum over the sequences.
+    # Each sequence of the packed call gives its dense call's out and LSE (bitwise on the CPU;
+    # on the GPU other kernels may sum in another order), and the sinks' gradient is the sum
+    # of the sequences'.
     q, k, v, cu_q, cu_k = make_varlen([5, 17, 0, 9], [8, 17, 3, 20], 4, 2, 64, BF16,
                                       device=device)
     sinks = torch.tensor(SINKS, device=device, requires_grad=True)
@@ -84,10 +85,14 @@ def test_varlen_sinks_are_each_sequences_dense_call(device, lse_layout):
         o, l = hipflash.flash_attn_func(q[None, rq], k[None, rk], v[None, rk], causal=True,
                                         sinks=sinks, return_lse=True)
         o.float().sum().backward()
-        assert torch.equal(out[rq], o[0])
         got = lse[:, rq] if lse_layout == "packed" else lse[b, :, :rq.stop - rq.start]
-        assert torch.equal(got, l[0])
-    torch.testing.assert_close(sinks.grad, want_grad, rtol=1e-4, atol=1e-4)
+        if device == "cpu":
+            assert torch.equal(out[rq], o[0]) and torch.equal(got, l[0])
+        torch.testing.assert_close(out[rq], o[0], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, l[0], rtol=1e-5, atol=1e-5)
+    if lse_layout == "padded":  # past each sequence's rows: -inf
+        assert bool((lse[2] == float("-inf")).all())
+    torch.testing.assert_close(sinks.grad, want_grad, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -114,3 +119,26 @@ def test_sinks_are_refused_where_they_do_not_run():
         hipflash.flash_attn_varlen_func(q[0], k.view(1, 8, 4, 64), v.view(1, 8, 4, 64), cu, cu,
                                         8, 8, sinks=sinks,
                                         block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvcache_sinks_against_the_reference(device):
+    # A decode step against a cache with sinks: each sequence's softmax over its cached keys,
+    # the appended one and the sinks (fp64 reference, FlashAttention's rule for out).
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 1, 4, 64, generator=g).to(BF16).to(device)
+    kc, vc = (torch.randn(2, 32, 2, 64, generator=g).to(BF16).to(device) for _ in range(2))
+    kn, vn = (torch.randn(2, 1, 2, 64, generator=g).to(BF16).to(device) for _ in range(2))
+    lens = torch.tensor([5, 20], dtype=torch.int32, device=device)
+    sinks = torch.tensor(SINKS, device=device)
+    out, lse = hipflash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                                causal=True, sinks=sinks, return_lse=True)
+    for b, n in enumerate([6, 21]):
+        args = [t[b:b + 1].cpu() for t in (q, kc[:, :n], vc[:, :n])] + [sinks.cpu()]
+        o64, l64 = sink_attention(*args, torch.float64, causal=True)
+        olp, _ = sink_attention(*args, BF16, causal=True)
+        assert_flash_rule("out", out[b:b + 1], olp, o64)
+        assert (lse[b:b + 1].double().cpu() - l64).abs().max().item() < 1e-4
+    with pytest.raises(NotImplementedError, match="sinks with attention_chunk"):
+        hipflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=sinks,
+                                         attention_chunk=8)
