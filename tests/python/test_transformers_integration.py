@@ -256,7 +256,8 @@ def test_register_refuses_names_transformers_reserves():
 
 
 # Model families with what each adds: Mistral a sliding window, Qwen 2 biased projections,
-# Gemma 2 alternating sliding / global layers, logit softcapping and a head dim of its own.
+# Gemma 2 alternating sliding / global layers, logit softcapping and a head dim of its own,
+# gpt-oss attention sinks (and a mixture of experts, kept small).
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
@@ -264,6 +265,9 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                {"sliding_window": 16, "attn_logit_softcapping": 50.0, "head_dim": 64,
                 "query_pre_attn_scalar": 64, "final_logit_softcapping": None}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                {"sliding_window": 16, "head_dim": 64, "num_local_experts": 4,
+                 "num_experts_per_tok": 2}),
 }
 
 
