@@ -25,6 +25,7 @@ every step's backward uses the merged (global) out and LSE. All-gather (mode="al
 Llama 3's choice for GQA, where K/V are small): K/V gathered once, one attention per local
 chunk, dK/dV reduce-scattered back.
 """
+import contextlib
 import numbers
 
 import torch
@@ -202,11 +203,16 @@ def _wait(pending):
 # ---- Geometry: which rows a call takes, dense or varlen ---------------------------------------
 
 
+# A window bound this large reaches past any sequence: unbounded (and the planning arithmetic
+# on it stays within int64).
+_SATURATED = 1 << 62
+
+
 def _bounds(causal, window_size):
     left, right = _window(window_size)
     if causal:
         right = 0
-    return (_INF if left == -1 else left), (_INF if right == -1 else right)
+    return tuple(_INF if b == -1 or b >= _SATURATED else b for b in (left, right))
 
 
 class _Dense:
@@ -433,25 +439,48 @@ def _attend_bwd(geom, call, keys, l, r, dout, q, k, v, out, lse, scale, determin
 # ---- The ring ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _finishing():
+    """A ring loop's exchanges in flight (a list the loop keeps: _started / _done): if the loop
+    raises (a call hipflash refuses; every rank refuses it alike), they are waited for before
+    the error goes on, so that the process group stays usable (an exchange dropped half done
+    hangs the group's next one)."""
+    pending = []
+    try:
+        yield pending
+    except BaseException:
+        for works in pending:
+            _wait(works)
+        raise
+
+
+def _done(pending, works):
+    """Waits for an exchange the loop no longer holds in flight."""
+    pending[:] = [p for p in pending if p is not works]
+    _wait(works)
+
+
 def _ring_forward(geom, q, k, v, scale, ring):
     world, rank = ring.world, ring.rank
     out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse_acc = geom.new_lse(q)
     kv = (k, v)
-    for step in range(world):
-        src = (rank - step) % world
-        if step + 1 < world:  # the next block in flight while this one is attended to
-            works, recv = ring.send_recv(_as_bytes(kv))
-        for call, keys, l, r in geom.ring_calls(src):
-            o, lse = _attend(geom, call, keys, l, r, q, kv[0], kv[1], scale)
-            # Merged in fp32 into the rows' running result.
-            mo, ml = merge_attn_states(geom.rows(out_acc, call), geom.lse_rows(lse_acc, call),
-                                       o.float(), lse)
-            geom.set_rows(out_acc, call, mo)
-            geom.set_lse_rows(lse_acc, call, ml)
-        if step + 1 < world:
-            _wait(works)
-            kv = tuple(_from_bytes(recv, kv))
+    with _finishing() as pending:
+        for step in range(world):
+            src = (rank - step) % world
+            if step + 1 < world:  # the next block in flight while this one is attended to
+                works, recv = ring.send_recv(_as_bytes(kv))
+                pending.append(works)
+            for call, keys, l, r in geom.ring_calls(src):
+                o, lse = _attend(geom, call, keys, l, r, q, kv[0], kv[1], scale)
+                # Merged in fp32 into the rows' running result.
+                mo, ml = merge_attn_states(geom.rows(out_acc, call),
+                                           geom.lse_rows(lse_acc, call), o.float(), lse)
+                geom.set_rows(out_acc, call, mo)
+                geom.set_lse_rows(lse_acc, call, ml)
+            if step + 1 < world:
+                _done(pending, works)
+                kv = tuple(_from_bytes(recv, kv))
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -468,27 +497,31 @@ def _ring_backward(geom, dout, q, k, v, out, lse, scale, deterministic, ring):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     acc_works = acc_recv = None
-    for step in range(world):
-        src = (rank - step) % world
-        if step + 1 < world:
-            kv_works, kv_recv = ring.send_recv(_as_bytes(kv))
-        # The held block's dK / dV, which travel with it.
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for call, keys, l, r in geom.ring_calls(src):
-            geom.add_rows(dq, call, _attend_bwd(geom, call, keys, l, r, dout, q, kv[0], kv[1],
-                                                out, lse, scale, deterministic, dk, dv))
-        if acc_works is not None:  # the block's accumulators from the ranks it visited before
-            _wait(acc_works)
-            prev_dk, prev_dv = _from_bytes(acc_recv, (dk, dv))
-            dk += prev_dk
-            dv += prev_dv
-        # On to the next rank (after the last step: to the block's owner).
-        acc_works, acc_recv = ring.send_recv(_as_bytes((dk, dv)))
-        if step + 1 < world:
-            _wait(kv_works)
-            kv = tuple(_from_bytes(kv_recv, kv))
-    _wait(acc_works)
+    with _finishing() as pending:
+        for step in range(world):
+            src = (rank - step) % world
+            if step + 1 < world:
+                kv_works, kv_recv = ring.send_recv(_as_bytes(kv))
+                pending.append(kv_works)
+            # The held block's dK / dV, which travel with it.
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+            for call, keys, l, r in geom.ring_calls(src):
+                geom.add_rows(dq, call, _attend_bwd(geom, call, keys, l, r, dout, q, kv[0],
+                                                    kv[1], out, lse, scale, deterministic, dk,
+                                                    dv))
+            if acc_works is not None:  # the block's accumulators from the ranks before
+                _done(pending, acc_works)
+                prev_dk, prev_dv = _from_bytes(acc_recv, (dk, dv))
+                dk += prev_dk
+                dv += prev_dv
+            # On to the next rank (after the last step: to the block's owner).
+            acc_works, acc_recv = ring.send_recv(_as_bytes((dk, dv)))
+            pending.append(acc_works)
+            if step + 1 < world:
+                _done(pending, kv_works)
+                kv = tuple(_from_bytes(kv_recv, kv))
+        _done(pending, acc_works)
     dk, dv = _from_bytes(acc_recv, (torch.empty(k.shape, dtype=torch.float32),
                                     torch.empty(v.shape, dtype=torch.float32)))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -501,7 +534,8 @@ def _gather_kv(geom, k, v, group, world):
     """The whole sequence's K and V (global order) from every rank's shard."""
     buf = _as_bytes((k, v))
     bufs = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(bufs, buf, group=group)
+    if buf.numel():  # (every rank's shard is as empty: gloo aborts on a 0-byte all_gather)
+        dist.all_gather(bufs, buf, group=group)
     ks, vs = zip(*(_from_bytes(x, (k, v)) for x in bufs))
     return geom.unshard(list(ks)), geom.unshard(list(vs))
 
@@ -528,7 +562,9 @@ def _allgather_backward(geom, dout, q, k, v, out, lse, scale, deterministic, gro
     # Each rank's shard of the sum over ranks: reduce-scatter of the shards (fp32).
     parts = [_as_bytes((geom.shard(dkf, r_), geom.shard(dvf, r_))).view(torch.float32)
              for r_ in range(world)]
-    if not parts[0].is_cuda:  # CPU tensors (gloo: no reduce_scatter): all_reduce, keep ours
+    if not parts[0].numel():  # nothing to reduce (every rank's shard is as empty)
+        mine = parts[0]
+    elif not parts[0].is_cuda:  # CPU tensors (gloo: no reduce_scatter): all_reduce, keep ours
         total = torch.stack(parts)
         dist.all_reduce(total, group=group)
         mine = total[rank]
@@ -594,6 +630,14 @@ def _common_checks(q, k, v, layout, mode, deterministic, rank_dims):
         raise TypeError("deterministic must be a bool")
 
 
+def _check_member(group):
+    """This process takes part in group (elsewhere torch.distributed gives rank -1: the ring
+    would have no step and return an empty result as an answer)."""
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of `group`: every rank that calls "
+                         "must belong to it")
+
+
 def _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse):
     scale = _scale(softmax_scale)
     if scale is None:
@@ -635,6 +679,7 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False,
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"the local sequence length {q.shape[1]} must be even in the zigzag "
                          "layout (two chunks per rank)")
+    _check_member(group)
     left, right = _bounds(bool(causal), window_size)
     geom = _Dense(q, dist.get_rank(group), dist.get_world_size(group), layout, left, right)
     return _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse)
@@ -663,8 +708,11 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, group=None
     if k.shape[0] != q.shape[0] or v.shape != k.shape:
         raise ValueError("q, k and v must hold the same local rows: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must be a 1-d tensor of batch_size + 1 prefix sums")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
+            cu_seqlens.numel() < 1 or cu_seqlens.dtype != torch.int32:
+        raise ValueError("cu_seqlens must be a 1-d int32 tensor of batch_size + 1 prefix sums, "
+                         f"got {getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+    _check_member(group)
     left, right = _bounds(bool(causal), window_size)
     geom = _Varlen(q, cu_seqlens, dist.get_rank(group), dist.get_world_size(group), layout, left,
                    right)

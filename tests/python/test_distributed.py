@@ -272,3 +272,47 @@ def test_ring_flash_attn_compat_refuses_dropout_and_alibi():
         rfa.ring_flash_attn_func(q, q, q, dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         rfa.zigzag_ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+
+
+# ---- Hostile calls: refused on every rank, and the group still usable after -----------------
+
+
+def _hostile_worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        q, k, v = make_qkv(1, 8 * 2 * world, 8 * 2 * world, 4, 2, 64, torch.bfloat16, seed=11)
+        ql, kl, vl = (hd.shard(t, rank, world, "zigzag") for t in (q, k, v))
+        # A call the attention refuses on every rank, in ring mode after its first exchange has
+        # started: the error, and the exchange finished, so the group's next calls run.
+        for mode in hd.MODES:
+            want = hd.ring_flash_attn_func(ql, kl, vl, causal=True, mode=mode)
+            with pytest.raises(ValueError):
+                hd.ring_flash_attn_func(torch.cat([ql, ql[:, :, :1]], 2), kl, vl, mode=mode)
+            dist.barrier()
+            assert torch.equal(hd.ring_flash_attn_func(ql, kl, vl, causal=True, mode=mode), want)
+        # Empty shards: empty results in both modes (gloo aborts on a 0-byte all_gather).
+        for mode in hd.MODES:
+            out = hd.ring_flash_attn_func(ql[:0], kl[:0], vl[:0], mode=mode)
+            assert out.shape == ql[:0].shape
+        # A window bound past any sequence is no bound, however large the integer.
+        for mode in hd.MODES:
+            huge = hd.ring_flash_attn_func(ql, kl, vl, window_size=(2**63 - 1, 3), mode=mode)
+            assert torch.equal(huge, hd.ring_flash_attn_func(ql, kl, vl, window_size=(-1, 3),
+                                                             mode=mode))
+        cu = torch.tensor([0, kl.shape[1]], dtype=torch.int64)
+        with pytest.raises(ValueError, match="int32"):
+            hd.ring_flash_attn_varlen_func(ql[0], kl[0], vl[0], cu)
+        # A process outside the group: refused, not an empty answer.
+        sub = dist.new_group([1, 2])
+        if rank == 0:
+            with pytest.raises(ValueError, match="not a member"):
+                hd.ring_flash_attn_func(ql, kl, vl, group=sub)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hostile_calls_are_refused_and_leave_the_group_usable():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_hostile_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
