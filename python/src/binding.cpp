@@ -79,6 +79,19 @@ std::string dtype_str(at::ScalarType t) {
   }
 }
 
+/// Where a tensor lives, as hipflash names it; other devices are refused.
+hipflash::Location location_of(const at::Tensor& t, const char* name) {
+  switch (t.device().type()) {
+    case at::kCPU: return {hipflash::Location::cpu, 0};
+    case at::kCUDA:  // also ROCm torch's HIP devices
+      return {hipflash::Location::gpu, t.device().has_index() ? t.device().index() : 0};
+    default:
+      HIPFLASH_CHECK_AS(not_implemented, false, name, " is on device '", t.device(),
+                        "'; hipflash runs on cpu and cuda/hip tensors");
+  }
+  return {};
+}
+
 /// The TensorRef of a strided CPU or CUDA/HIP tensor. Dtypes hipflash cannot name (float64,
 /// int64, ...) are rejected here with the error type the launcher would use for that role.
 hipflash::TensorRef to_ref(const at::Tensor& t, const char* name, Role role) {
@@ -105,15 +118,7 @@ hipflash::TensorRef to_ref(const at::Tensor& t, const char* name, Role role) {
                         ", got ",
                         dtype_str(t.scalar_type()));
   }
-  switch (t.device().type()) {
-    case at::kCPU: r.loc = {hipflash::Location::cpu, 0}; break;
-    case at::kCUDA:  // also ROCm torch's HIP devices
-      r.loc = {hipflash::Location::gpu, t.device().has_index() ? t.device().index() : 0};
-      break;
-    default:
-      HIPFLASH_CHECK_AS(not_implemented, false, name, " is on device '", t.device(),
-                        "'; hipflash runs on cpu and cuda/hip tensors");
-  }
+  r.loc = location_of(t, name);
   r.rank = int(t.dim());
   for (int i = 0; i < r.rank; ++i) {
     r.sizes[i] = t.size(i);
@@ -133,8 +138,8 @@ hipflash::TensorRef memory_ref(const at::Tensor& t, const char* name) {
                      (size == 1 || size == 2 || size == 4 || size == 8),
                  name, " (", dtype_str(t.scalar_type()), ", shape ", shape_of(t),
                  ") is not a tensor hipflash can check for aliasing");
-  hipflash::TensorRef r = to_ref(at::empty({0}, t.options().dtype(at::kFloat)), name,
-                                 Role::operand);  // the device
+  hipflash::TensorRef r;
+  r.loc = location_of(t, name);
   r.dtype = size == 1 ? DType::e4m3 : size == 2 ? DType::f16 : DType::f32;
   r.rank = int(t.dim());
   for (int i = 0; i < r.rank; ++i) {
