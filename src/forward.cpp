@@ -79,13 +79,26 @@ struct Dims { int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim; };
 
 void check_options(const FwdOptions& opts);
 
-void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
-                  const TensorRef& out, const FwdOptions& opts, const Dims& d) {
+/// The checks on q and k that every forward makes and resolve_num_splits too: their dtypes and
+/// device, the head dim, and k/v heads that divide the query heads.
+void check_qk(const TensorRef& q, const TensorRef& k, const Dims& d) {
   HIPFLASH_CHECK_AS(dtype_error,
                     q.dtype == DType::f16 || q.dtype == DType::bf16 || q.dtype == DType::e4m3,
                     "q must have dtype float16, bfloat16 or float8_e4m3fn, got ",
                     dtype_name(q.dtype));
   check_half_dtype(k, "k", q.dtype);
+  check_location(k, "k", q.loc);
+  HIPFLASH_CHECK(padded_head_dim(int(d.head_dim)) != 0 && d.head_dim == int(d.head_dim),
+                 "head dim ", d.head_dim, " is not supported; supported head dims are ",
+                 supported_head_dims());
+  HIPFLASH_CHECK(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0,
+                 "the number of k/v heads (", d.heads_kv,
+                 ") must divide the number of query heads (", d.heads_q, ")");
+}
+
+void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                  const TensorRef& out, const FwdOptions& opts, const Dims& d) {
+  check_qk(q, k, d);
   check_half_dtype(v, "v", q.dtype);
   if (q.dtype == DType::e4m3)
     HIPFLASH_CHECK_AS(dtype_error, out.dtype == DType::bf16,
@@ -93,24 +106,17 @@ void check_common(const TensorRef& q, const TensorRef& k, const TensorRef& v,
                       dtype_name(out.dtype));
   else
     check_half_dtype(out, "out", q.dtype);
-  check_location(k, "k", q.loc);
   check_location(v, "v", q.loc);
   check_location(out, "out", q.loc);
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}) {
     check_last_dim(*t, name);
     HIPFLASH_CHECK(t->data != nullptr || t->numel() == 0, name, " has no data pointer");
   }
-  HIPFLASH_CHECK(padded_head_dim(int(d.head_dim)) != 0 && d.head_dim == int(d.head_dim),
-                 "head dim ", d.head_dim, " is not supported; supported head dims are ",
-                 supported_head_dims());
   // Row-indexed buffers (LSE, split-K partials) hold B * Hq * Sq rows of up to D + 2 floats.
   checked_product({d.batch, d.heads_q, std::max<int64_t>(d.seqlen_q, 1), d.head_dim + 2,
                    int64_t(sizeof(float))},
                   "batch * heads_q * seqlen_q * (head_dim + 2) * 4 (the rows of the LSE and "
                   "split-K buffers)");
-  HIPFLASH_CHECK(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0,
-                 "the number of k/v heads (", d.heads_kv,
-                 ") must divide the number of query heads (", d.heads_q, ")");
   check_no_self_overlap(out, "out");
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_disjoint(out, "out", *t, name);
   check_options(opts);
@@ -501,19 +507,9 @@ int resolve_num_splits(const TensorRef& q, const TensorRef& k, const FwdOptions&
   // cannot run would mean nothing).
   check_rank(q, "q", 4, "[batch, seqlen_q, heads_q, head_dim]");
   check_rank(k, "k", 4, "[batch, seqlen_k, heads_kv, head_dim]");
-  HIPFLASH_CHECK_AS(dtype_error,
-                    q.dtype == DType::f16 || q.dtype == DType::bf16 || q.dtype == DType::e4m3,
-                    "q must have dtype float16, bfloat16 or float8_e4m3fn, got ",
-                    dtype_name(q.dtype));
-  HIPFLASH_CHECK(q.sizes[3] == int(q.sizes[3]) && padded_head_dim(int(q.sizes[3])) != 0,
-                 "head dim ", q.sizes[3], " is not supported; supported head dims are ",
-                 supported_head_dims());
-  check_half_dtype(k, "k", q.dtype);
-  check_location(k, "k", q.loc);
+  check_qk(q, k, {q.sizes[0], q.sizes[1], k.sizes[1], q.sizes[2], k.sizes[2], q.sizes[3]});
   HIPFLASH_CHECK(k.sizes[0] == q.sizes[0] && k.sizes[3] == q.sizes[3],
                  "k must have q's batch and head dim: q ", shape_str(q), ", k ", shape_str(k));
-  HIPFLASH_CHECK(k.sizes[2] > 0 && q.sizes[2] % k.sizes[2] == 0, "the number of k/v heads (",
-                 k.sizes[2], ") must divide the number of query heads (", q.sizes[2], ")");
   check_options(opts);
   FwdParams p;
   p.batch = q.sizes[0]; p.seqlen_q = q.sizes[1]; p.heads_q = q.sizes[2]; p.head_dim = q.sizes[3];
