@@ -301,16 +301,16 @@ class _VarlenCall:
     def __init__(self, cu_q, cu_k, max_q, max_k, scale, causal, left, right, num_splits,
                  deterministic, softcap, alibi, seqused_q, seqused_k):
         self.cu = (cu_q, cu_k)
-        self.fwd_args = (max_q, max_k, scale, causal, left, right, num_splits, True, "packed",
-                         softcap, alibi, seqused_q, seqused_k)
-        self.bwd_args = (max_q, max_k, scale, causal, left, right, deterministic, "packed",
-                         softcap, alibi, seqused_q, seqused_k)
+        self.head = (max_q, max_k, scale, causal, left, right)  # both calls' arguments, in order
+        self.tail = ("packed", softcap, alibi, seqused_q, seqused_k)
+        self.num_splits, self.deterministic = num_splits, deterministic
 
     def forward(self, q, k, v):
-        return _ops.varlen_fwd(q, k, v, *self.cu, *self.fwd_args)
+        return _ops.varlen_fwd(q, k, v, *self.cu, *self.head, self.num_splits, True, *self.tail)
 
     def backward(self, dout, q, k, v, out, lse):
-        return _ops.varlen_bwd(dout, q, k, v, out, lse, *self.cu, *self.bwd_args)
+        return _ops.varlen_bwd(dout, q, k, v, out, lse, *self.cu, *self.head,
+                               self.deterministic, *self.tail)
 
     @staticmethod
     def rows(lse):
