@@ -316,3 +316,50 @@ def _hostile_worker(rank, world, init_file):
 def test_hostile_calls_are_refused_and_leave_the_group_usable():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_hostile_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
+
+
+def _disagreeing_worker(rank, world, init_file):
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL: the ranks compare their calls before any exchange.
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        q, k, v = make_qkv(1, 8 * 2 * world, 8 * 2 * world, 4, 2, 64, torch.bfloat16, seed=12)
+        ql, kl, vl = (hd.shard(t, rank, world, "zigzag") for t in (q, k, v))
+        for mode in hd.MODES:
+            want = hd.ring_flash_attn_func(ql, kl, vl, causal=True, mode=mode)
+            # One rank's call differs: every rank raises, naming the argument.
+            with pytest.raises(ValueError, match="disagree on causal"):
+                hd.ring_flash_attn_func(ql, kl, vl, causal=rank != 1, mode=mode)
+            with pytest.raises(ValueError, match="disagree on window"):
+                hd.ring_flash_attn_func(ql, kl, vl, window_size=(4 + (rank == 2), -1), mode=mode)
+            with pytest.raises(ValueError, match="disagree on q"):
+                hd.ring_flash_attn_func(ql.half() if rank == 0 else ql, kl, vl, mode=mode)
+            with pytest.raises(ValueError, match="disagree on mode"):
+                hd.ring_flash_attn_func(ql, kl, vl, mode=hd.MODES[rank % 2])
+            # The same window spelt two ways, and the default scale given on one rank: agreed.
+            got = hd.ring_flash_attn_func(ql, kl, vl, causal=True, mode=mode,
+                                          window_size=(-1, -1) if rank else (2**62, 5),
+                                          softmax_scale=None if rank else 64 ** -0.5)
+            assert torch.equal(got, want)
+            # A call one rank refuses: its error there, a ValueError naming it elsewhere, and
+            # nothing exchanged, so the group's next call runs.
+            bad = ql[:, 1:] if rank == 2 else ql
+            with pytest.raises(ValueError, match="same batch" if rank == 2 else r"rank\(s\) \[2\]"):
+                hd.ring_flash_attn_func(bad, kl, vl, causal=True, mode=mode)
+            assert torch.equal(hd.ring_flash_attn_func(ql, kl, vl, causal=True, mode=mode), want)
+        # Varlen: the local cu_seqlens must agree.
+        cu = torch.tensor([0, 8, ql.shape[1]], dtype=torch.int32)
+        other = torch.tensor([0, 4 if rank == 1 else 8, ql.shape[1]], dtype=torch.int32)
+        hd.ring_flash_attn_varlen_func(ql[0], kl[0], vl[0], cu)
+        with pytest.raises(ValueError, match="disagree on cu_seqlens"):
+            hd.ring_flash_attn_varlen_func(ql[0], kl[0], vl[0], other)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_detail_debug_mode_refuses_calls_the_ranks_disagree_on():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_disagreeing_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
+
