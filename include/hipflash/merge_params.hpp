@@ -68,10 +68,19 @@ struct MergeParams {
   HIPFLASH_HD static float finish_shift(float shift) {
     return shift == detail::kNegInf ? 0.f : shift;
   }
-  /// Part i's softmax state of the row whose part-0 LSE is at `row` (lses_offset), rebuilt from
-  /// its natural-log LSE relative to the row's shift.
+  /// The softmax state of a part with natural-log LSE `lse` in a row with that shift. A finite
+  /// LSE so far below the row's largest that the difference (or its base-2 form) overflows to
+  /// -inf still names a part that saw keys: its weight underflows to 0, and that 0 still
+  /// multiplies its out (0 x NaN is NaN). So the difference is held at kFloor, finite in both
+  /// forms, instead; -inf (an empty part) and NaN pass as they are.
+  static constexpr float kFloor = -2e38f;
+  HIPFLASH_HD static detail::SoftmaxState state_of(float lse, float shift) {
+    const float x = lse - shift;
+    return detail::SoftmaxState::from_lse(lse != detail::kNegInf && x < kFloor ? kFloor : x);
+  }
+  /// Part i's state of the row whose part-0 LSE is at `row` (lses_offset).
   HIPFLASH_HD detail::SoftmaxState part_state(int64_t i, int64_t row, float shift) const {
-    return detail::SoftmaxState::from_lse(lses[row + i * lses_part_stride] - shift);
+    return state_of(lses[row + i * lses_part_stride], shift);
   }
   /// The merged state of that row: every part's state merged in part order (the split-K
   /// combine's math; -inf parts are empty, a NaN LSE makes the total NaN). CPU and GPU run

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     shift = MergeParams::finish_shift(shift);
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) first[j] = SoftmaxState::from_lse(first_lse[j] - shift);
+    for (int j = 0; j < kBatch; ++j) first[j] = MergeParams::state_of(first_lse[j], shift);
     SoftmaxState total;
     for (int64_t i0 = 0; i0 < p.parts; i0 += kBatch) {
       SoftmaxState s[kBatch];

@@ -269,8 +269,9 @@ def _refuse_with_sinks(*features):
 
 def _sink_output(out, rows, sinks):
     """The sink-free call's out [..., H, D] and LSE in out's row order [..., H] -> (out, LSE)
-    with a sink logit per head: f = sigmoid(lse - sink), out f, logaddexp(lse, sink); and f."""
-    f = torch.sigmoid(rows - sinks.float())
+    with a sink logit per head: f = sigmoid(lse - sink), out f, logaddexp(lse, sink); and f.
+    A row without keys keeps out 0 whatever its sink (f = 0: sigmoid(-inf - -inf) is NaN)."""
+    f = torch.sigmoid(rows - sinks.float()).masked_fill(rows == float("-inf"), 0.0)
     return (out.float() * f[..., None]).to(out.dtype), torch.logaddexp(rows, sinks.float()), f
 
 

@@ -60,6 +60,18 @@ def test_empty_parts_and_nan():
     assert torch.isnan(out[2]).all() and math.isnan(lse[0, 2].item())     # NaN lse
 
 
+def test_weights_that_underflow_still_multiply():
+    # Finite LSEs any distance apart, up to fp32's range: the lower part's weight is 0, and
+    # that 0 still multiplies its out, so its NaN reaches the merged out (0 x NaN is NaN).
+    out_a, out_b = torch.zeros(2, 1, 4), torch.zeros(2, 1, 4)
+    out_b[:, 0, 0] = float("nan")
+    for lse_a, lse_b in ((100.0, -100.0), (2e38, -2e38), (3.4e38, -3.4e38), (0.0, -3.4e38)):
+        out, lse = hipflash.merge_attn_states(out_a, torch.full((1, 2), lse_a),
+                                              out_b, torch.full((1, 2), lse_b))
+        assert torch.isnan(out[:, 0, 0]).all() and torch.count_nonzero(out[:, 0, 1:]) == 0
+        assert torch.equal(lse, torch.full((1, 2), lse_a)), (lse_a, lse_b, lse)
+
+
 def test_requires_grad_and_bad_calls():
     o = torch.zeros(2, 3, 1, 8)
     l = torch.zeros(2, 1, 2)

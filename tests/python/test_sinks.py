@@ -105,6 +105,28 @@ def test_rows_without_keys_see_only_the_sink(device):
     assert torch.equal(lse, sinks.view(1, 4, 1).expand(1, 4, 6))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_infinite_and_nan_sinks(device):
+    # A -inf sink is no sink: out and LSE the sink-free call's, rows without keys out 0 and
+    # LSE -inf, and the gradients those of the sink-free call (d sink 0). A NaN sink makes its
+    # head's LSE NaN and the out of its rows with keys, not of those without (an empty sum).
+    q, k, v = make_qkv(1, 6, 4, 4, 2, 64, BF16, seed=3, device=device)  # causal: rows 0, 1 empty
+    inf, nan = float("-inf"), float("nan")
+    sinks = torch.tensor([inf, 0.5, nan, inf], device=device)
+    dout = torch.randn_like(q)
+    out, lse, grads = run(lambda *a: hipflash.flash_attn_func(*a[:3], causal=True, sinks=a[3],
+                                                              return_lse=True),
+                          q, k, v, sinks, dout, device)
+    ref, ref_lse = hipflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    for h in (0, 3):
+        assert torch.equal(out[:, :, h], ref[:, :, h]) and torch.equal(lse[:, h], ref_lse[:, h])
+    assert torch.count_nonzero(out[:, :2]) == 0
+    assert torch.isnan(lse[:, 2]).all() and not torch.isnan(lse[:, [0, 1, 3]]).any()
+    assert torch.isnan(out[:, 2:, 2]).all() and not torch.isnan(out[:, :, [0, 1, 3]]).any()
+    dsinks = grads[3]
+    assert dsinks[0].item() == 0 and dsinks[3].item() == 0 and torch.isfinite(dsinks[1])
+
+
 def test_sinks_are_refused_where_they_do_not_run():
     q, k, v = make_qkv(1, 8, 8, 4, 4, 64, BF16)
     sinks = torch.tensor(SINKS)
