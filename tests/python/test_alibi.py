@@ -61,6 +61,25 @@ def test_the_bias_changes_the_result_and_zero_slopes_do_not():
                          hipflash.flash_attn_func(q, k, v, alibi_slopes=bloom_slopes(2)), "view")
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if GPU else []))
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_non_finite_slopes(device, num_splits):
+    # SPEC §3: a NaN slope reaches every row of its head, those that see only their diagonal
+    # key (window (0, 0)) included; an infinite one makes rows that see their diagonal key NaN
+    # (-slope * 0) and the others rows without a valid key. The other heads are untouched.
+    q, k, v = make_qkv(1, 40, 24, 3, 3, 64, BF16, seed=5, device=device)  # rows 0-15: no diagonal
+    slopes = torch.tensor([float("nan"), float("inf"), 0.25], device=device)
+    for window in ((0, 0), (-1, -1)):
+        out, lse = hipflash.flash_attn_func(q, k, v, window_size=window, alibi_slopes=slopes,
+                                            num_splits=num_splits, return_lse=True)
+        sees_diagonal = torch.arange(40, device=device) >= 16
+        assert torch.isnan(lse[0, 0, sees_diagonal]).all() and torch.isnan(out[0, 16:, 0]).all()
+        assert torch.isnan(lse[0, 1, sees_diagonal]).all() and torch.isnan(out[0, 16:, 1]).all()
+        assert (lse[0, 1, ~sees_diagonal] == float("-inf")).all()
+        assert torch.count_nonzero(out[0, :16, 1]) == 0
+        assert torch.isfinite(out[0, :, 2]).all() and torch.isfinite(lse[0, 2, sees_diagonal]).all()
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_varlen_uses_each_sequences_lengths(layout):
     q, k, v, cu_q, cu_k = make_varlen([5, 0, 33], [9, 4, 40], 4, 2, 64, BF16, seed=4)

@@ -66,10 +66,11 @@ struct Softcap {
 
 /// ALiBi (FlashAttention 2's alibi_slopes; BLOOM, MPT): the bias -slope * |diag - key| added to
 /// a row's score of `key` after the softcap, diag = i + Sk - Sq for row i of a sequence of Sq
-/// queries and Sk keys — 0 on the bottom-right diagonal (also for an infinite slope).
+/// queries and Sk keys — 0 on the bottom-right diagonal for a finite slope. A product, as the
+/// GPU kernels form it: a NaN or infinite slope makes the diagonal key's bias NaN too (SPEC §3).
 HIPFLASH_HD float alibi_bias(float slope, int64_t diag, int64_t key) {
   const int64_t d = diag > key ? diag - key : key - diag;
-  return d == 0 ? 0.f : -slope * float(d);
+  return -slope * float(d);
 }
 
 struct SoftmaxState {
