@@ -613,6 +613,7 @@ class _RingFlashAttnFunc(torch.autograd.Function):
 
 
 def _common_checks(q, k, v, layout, mode, deterministic, rank_dims):
+    _check_initialised()
     _check_layout(layout)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -627,12 +628,15 @@ def _common_checks(q, k, v, layout, mode, deterministic, rank_dims):
         raise TypeError("deterministic must be a bool")
 
 
-def _check_group(group):
-    """An initialised process group this process takes part in (outside it, torch.distributed
-    gives rank -1: the ring would have no step and return an empty result as an answer)."""
+def _check_initialised():
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("hipflash.distributed needs an initialised torch.distributed process "
                            "group (torch.distributed.init_process_group)")
+
+
+def _check_member(group):
+    """This process takes part in group (elsewhere torch.distributed gives rank -1: the ring
+    would have no step and return an empty result as an answer)."""
     if dist.get_rank(group) < 0:
         raise ValueError("this process is not a member of `group`: every rank that calls "
                          "must belong to it")
@@ -642,62 +646,75 @@ def _check_group(group):
 
 
 def _described(x):
-    """An argument as the ranks compare it: a tensor by its dtype and shape, the rest by repr
-    (every rank pickles the same kinds of values)."""
+    """An argument as the ranks compare it: a tensor by its dtype and shape, anything else by
+    repr (a string: every rank can pickle it, and NaN equals NaN)."""
     if isinstance(x, torch.Tensor):
-        return (str(x.dtype).replace("torch.", ""), tuple(x.shape))
+        return f"{str(x.dtype).replace('torch.', '')} {tuple(x.shape)}"
     return repr(x)
+
+
+def _resolved(resolve, *args):
+    """resolve(*args) described, or the raw arguments described where it refuses them (that
+    rank's own check then reports it)."""
+    try:
+        return _described(resolve(*args))
+    except Exception:  # noqa: BLE001 - any refusal: the call's own check names it
+        return _described(args if len(args) > 1 else args[0])
 
 
 def _call_fields(function, q, k, v, causal, window_size, softmax_scale, layout, mode,
                  deterministic, cu_seqlens=None):
     """What every rank's call must agree on: the arguments that shape the exchanges and the
-    result (the window and scale as resolved, so that equal ones spelt differently agree)."""
-    try:
-        window = _bounds(bool(causal), window_size)
-    except (TypeError, ValueError):
-        window = _described(window_size)
-    try:
-        scale = _scale(softmax_scale)
-    except TypeError:
-        scale = _described(softmax_scale)
-    if scale is None and isinstance(q, torch.Tensor) and q.dim() > 0:
-        scale = q.shape[-1] ** -0.5
+    result, as the call resolves them (equal ones spelt differently agree: True and 1, an
+    unbounded window as -1 or as a huge bound, the default scale given or not)."""
+    def scale(s):
+        s = _scale(s)
+        return q.shape[-1] ** -0.5 if s is None else s
+
     tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
-    fields = {"function": function, "mode": mode, "layout": layout,
-              "causal": _described(causal), "window (left, right)": window,
-              "softmax_scale": scale, "deterministic": _described(deterministic),
-              "gradients (requires_grad under grad mode)": _wants_grad(*tensors),
+    fields = {"function": function, "mode": _described(mode), "layout": _described(layout),
+              "causal": _resolved(bool, causal),
+              "window (left, right)": _resolved(lambda w: _bounds(bool(causal), w),
+                                                window_size),
+              "softmax_scale": _resolved(scale, softmax_scale),
+              "deterministic": _resolved(bool, deterministic),
+              "gradients (requires_grad under grad mode)": _described(_wants_grad(*tensors)),
               "q": _described(q), "k": _described(k), "v": _described(v)}
-    if function == "ring_flash_attn_varlen_func":
-        fields["cu_seqlens"] = (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
-                                else _described(cu_seqlens))
+    if cu_seqlens is not None:
+        fields["cu_seqlens"] = _resolved(torch.Tensor.tolist, cu_seqlens)
     return fields
 
 
-def _agreed(group, fields, check):
+def _agreed(group, q, fields, check):
     """check()'s result. Under TORCH_DISTRIBUTED_DEBUG=DETAIL, torch.distributed's mode for
     checking that the ranks make the same collective calls, the ranks first compare their calls
     (one all_gather_object, before anything is exchanged): a call that one rank refuses, or one
     the ranks disagree on, raises ValueError on every rank, naming the rank or the argument,
-    where it would otherwise hang the group or return garbage. Without it, nothing is compared:
-    the ranks must make the same call, as with any collective."""
+    where it would otherwise hang the group or return garbage. `fields` (a function: nothing is
+    described without DETAIL) gives what is compared. Without DETAIL nothing is compared: the
+    ranks must make the same call, as with any collective."""
     if dist.get_debug_level() != dist.DebugLevel.DETAIL:
         return check()
+    _check_initialised()
+    _check_member(group)  # outside the group, no collective to take part in
     try:
-        result, error = check(), None
-    except (TypeError, ValueError) as e:
+        mine, error = fields(), None
+        result = check()
+    except Exception as e:  # noqa: BLE001 - any error: the other ranks must hear of it
         result, error = None, e
     calls = [None] * dist.get_world_size(group)
-    dist.all_gather_object(calls, (error is None, fields), group=group)
+    # NCCL stages the objects on the current CUDA device: make it q's, as the exchanges use.
+    on_gpu = isinstance(q, torch.Tensor) and q.is_cuda
+    with torch.cuda.device(q.device) if on_gpu else contextlib.nullcontext():
+        dist.all_gather_object(calls, None if error is not None else mine, group=group)
     if error is not None:
         raise error
-    refused = [r for r, (ok, _) in enumerate(calls) if not ok]
+    refused = [r for r, theirs in enumerate(calls) if theirs is None]
     if refused:
         raise ValueError(f"rank(s) {refused} of the group refused their call (the error is "
                          "raised there); nothing was exchanged")
-    for name, mine in fields.items():
-        values = [theirs.get(name) for _, theirs in calls]
+    for name in mine:
+        values = [theirs.get(name) for theirs in calls]
         if any(value != values[0] for value in values):
             per_rank = "; ".join(f"rank {r}: {value}" for r, value in enumerate(values))
             raise ValueError(f"the ranks' calls disagree on {name} ({per_rank}); every rank of "
@@ -738,8 +755,6 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False,
     Returns:
         out (batch_size, seqlen_local, nheads, headdim), and lse when return_lse.
     """
-    _check_group(group)
-
     def check():
         _common_checks(q, k, v, layout, mode, deterministic, 4)
         if k.shape[:2] != q.shape[:2] or v.shape != k.shape:
@@ -749,11 +764,13 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False,
         if layout == "zigzag" and q.shape[1] % 2:
             raise ValueError(f"the local sequence length {q.shape[1]} must be even in the "
                              "zigzag layout (two chunks per rank)")
+        _check_member(group)
         left, right = _bounds(bool(causal), window_size)
         return _Dense(q, dist.get_rank(group), dist.get_world_size(group), layout, left, right)
 
-    geom = _agreed(group, _call_fields("ring_flash_attn_func", q, k, v, causal, window_size,
-                                       softmax_scale, layout, mode, deterministic), check)
+    geom = _agreed(group, q, lambda: _call_fields("ring_flash_attn_func", q, k, v, causal,
+                                                  window_size, softmax_scale, layout, mode,
+                                                  deterministic), check)
     return _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse)
 
 
@@ -776,8 +793,6 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, group=None
     Returns:
         out (total_local, nheads, headdim), and lse (nheads, total_local) fp32 when return_lse.
     """
-    _check_group(group)
-
     def check():
         _common_checks(q, k, v, layout, mode, deterministic, 3)
         if k.shape[0] != q.shape[0] or v.shape != k.shape:
@@ -788,6 +803,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, group=None
             raise ValueError("cu_seqlens must be a 1-d int32 tensor of batch_size + 1 prefix "
                              "sums, got "
                              f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+        _check_member(group)
         left, right = _bounds(bool(causal), window_size)
         geom = _Varlen(q, cu_seqlens, dist.get_rank(group), dist.get_world_size(group), layout,
                        left, right)
@@ -797,9 +813,9 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, group=None
                              f"{geom.cu[:8]}{'...' if len(geom.cu) > 8 else ''}")
         return geom
 
-    geom = _agreed(group, _call_fields("ring_flash_attn_varlen_func", q, k, v, causal,
-                                       window_size, softmax_scale, layout, mode, deterministic,
-                                       cu_seqlens), check)
+    geom = _agreed(group, q, lambda: _call_fields("ring_flash_attn_varlen_func", q, k, v,
+                                                  causal, window_size, softmax_scale, layout,
+                                                  mode, deterministic, cu_seqlens), check)
     return _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse)
 
 

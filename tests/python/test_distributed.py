@@ -348,6 +348,12 @@ def _disagreeing_worker(rank, world, init_file):
             with pytest.raises(ValueError, match="same batch" if rank == 2 else r"rank\(s\) \[2\]"):
                 hd.ring_flash_attn_func(bad, kl, vl, causal=True, mode=mode)
             assert torch.equal(hd.ring_flash_attn_func(ql, kl, vl, causal=True, mode=mode), want)
+            # Any error on one rank, not only a ValueError; and True and 1 agree.
+            odd = torch.tensor([1, 0]) if rank == 2 else True
+            with pytest.raises(RuntimeError if rank == 2 else ValueError):
+                hd.ring_flash_attn_func(ql, kl, vl, causal=odd, mode=mode)
+            got = hd.ring_flash_attn_func(ql, kl, vl, causal=True if rank else 1, mode=mode)
+            assert torch.equal(got, want)
         # Varlen: the local cu_seqlens must agree.
         cu = torch.tensor([0, 8, ql.shape[1]], dtype=torch.int32)
         other = torch.tensor([0, 4 if rank == 1 else 8, ql.shape[1]], dtype=torch.int32)
