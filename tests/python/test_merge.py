@@ -60,16 +60,23 @@ def test_empty_parts_and_nan():
     assert torch.isnan(out[2]).all() and math.isnan(lse[0, 2].item())     # NaN lse
 
 
-def test_weights_that_underflow_still_multiply():
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available()
+                                               and hipflash.gpu_available() else []))
+def test_weights_that_underflow_still_multiply(device):
     # Finite LSEs any distance apart, up to fp32's range: the lower part's weight is 0, and
-    # that 0 still multiplies its out, so its NaN reaches the merged out (0 x NaN is NaN).
-    out_a, out_b = torch.zeros(2, 1, 4), torch.zeros(2, 1, 4)
-    out_b[:, 0, 0] = float("nan")
+    # that 0 still multiplies its out, so its NaN reaches the merged out (0 x NaN is NaN). Two
+    # parts, and four stacked ones with the NaN part last (the GPU kernel's second batch).
     for lse_a, lse_b in ((100.0, -100.0), (2e38, -2e38), (3.4e38, -3.4e38), (0.0, -3.4e38)):
-        out, lse = hipflash.merge_attn_states(out_a, torch.full((1, 2), lse_a),
-                                              out_b, torch.full((1, 2), lse_b))
-        assert torch.isnan(out[:, 0, 0]).all() and torch.count_nonzero(out[:, 0, 1:]) == 0
-        assert torch.equal(lse, torch.full((1, 2), lse_a)), (lse_a, lse_b, lse)
+        for parts in (2, 4):
+            outs = torch.zeros(parts, 2, 1, 64, device=device)
+            outs[-1, :, 0, 0] = float("nan")
+            lses = torch.full((parts, 1, 2), lse_a, device=device)
+            lses[-1] = lse_b
+            out, lse = (hipflash.merge_attn_states(outs[0], lses[0], outs[1], lses[1])
+                        if parts == 2 else hipflash.merge_attn_states(outs, lses))
+            assert torch.isnan(out[:, 0, 0]).all() and torch.count_nonzero(out[:, 0, 1:]) == 0
+            want = torch.logsumexp(lses.double(), 0).float()
+            assert torch.equal(lse, want), (lse_a, lse_b, parts, lse)
 
 
 def test_requires_grad_and_bad_calls():
