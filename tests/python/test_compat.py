@@ -390,3 +390,45 @@ def test_any_negative_window_bound_is_unbounded(api):
                          hipflash.flash_attn_func(q, k, v), "out")
     assert_bitwise_equal(mod.flash_attn_func(q, k, v, window_size=(torch.tensor(3), -5)),
                          hipflash.flash_attn_func(q, k, v, window_size=(3, -1)), "out")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bert_padding_round_trip_and_varlen(device):
+    # flash_attn.bert_padding: unpad_input packs the rows the mask keeps (left and right padding,
+    # a sequence without rows), the varlen call on them is each sequence's dense call, and
+    # pad_input puts them back with zeros at the padding; gradients reach the kept rows only.
+    from hipflash.compat.flash_attn.bert_padding import (index_first_axis,
+                                                         index_put_first_axis, pad_input,
+                                                         unpad_input)
+    b, s, h, d = 4, 24, 2, 64
+    lengths, starts = [24, 7, 0, 13], [0, 17, 0, 3]
+    mask = torch.zeros(b, s, dtype=torch.bool, device=device)
+    for i, (n, a) in enumerate(zip(lengths, starts)):
+        mask[i, a:a + n] = True
+    q, k, v = (t.requires_grad_() for t in make_qkv(b, s, s, h, h, d, torch.bfloat16, seed=4,
+                                                     device=device))
+    (qu, idx, cu, most, used), (ku, _, _, _, _), (vu, _, _, _, _) = (
+        unpad_input(t, mask.int()) for t in (q, k, v))
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 24, 31, 31, 44] and most == 24
+    assert used.tolist() == lengths and idx.dtype == torch.int64 and qu.shape == (44, h, d)
+    out = pad_input(fa2.flash_attn_varlen_func(qu, ku, vu, cu, cu, most, most, causal=True),
+                    idx, b, s)
+    assert out.shape == q.shape and torch.count_nonzero(out[~mask]) == 0
+    for i, (n, a) in enumerate(zip(lengths, starts)):
+        if n:
+            rows = slice(a, a + n)
+            want = fa2.flash_attn_func(q[i:i + 1, rows], k[i:i + 1, rows], v[i:i + 1, rows],
+                                       causal=True)
+            assert_bitwise_equal(out[i:i + 1, rows], want)
+    out.float().sum().backward()
+    assert torch.count_nonzero(q.grad[~mask]) == 0 and torch.count_nonzero(q.grad[mask]) > 0
+    # unused_mask: packed and counted in the lengths, not in the used lengths (seqused).
+    unused = torch.zeros_like(mask)
+    unused[3, 16:20] = True
+    _, idx2, cu2, most2, used2 = unpad_input(q.detach(), mask, unused)
+    assert cu2.tolist() == [0, 24, 31, 31, 48] and used2.tolist() == lengths and most2 == 24
+    x = torch.arange(12.0, device=device).reshape(6, 2)
+    rows = torch.tensor([4, 1, 5], device=device)
+    assert torch.equal(index_first_axis(x, rows), x[rows])
+    back = index_put_first_axis(x[rows], rows, 6)
+    assert torch.equal(back[rows], x[rows]) and torch.count_nonzero(back[[0, 2, 3]]) == 0

@@ -29,6 +29,12 @@ CASES = [
 ]
 
 
+def _spawn(worker, world, *args):
+    """worker(rank, world, init_file, *args) in `world` processes (gloo's file rendezvous)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(world, os.path.join(tmp, "store")) + args, nprocs=world, join=True)
+
+
 def _visible_global(q_off, q_len, k_off, k_len, left, right):
     i = torch.arange(q_off, q_off + q_len)[:, None]
     j = torch.arange(k_off, k_off + k_len)[None, :]
@@ -214,9 +220,7 @@ def _worker(rank, world, init_file, dtype):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_and_allgather_match_the_reference(world):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), torch.bfloat16), nprocs=world,
-                 join=True)
+    _spawn(_worker, world, torch.bfloat16)
 
 
 # ---- hipflash.compat.ring_flash_attn: ring-flash-attn's names and layouts ---------------------
@@ -261,8 +265,7 @@ def _compat_worker(rank, world, init_file):
 
 
 def test_ring_flash_attn_compat_takes_ring_flash_attns_layouts():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_compat_worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
+    _spawn(_compat_worker, 2)
 
 
 def test_ring_flash_attn_compat_refuses_dropout_and_alibi():
@@ -314,8 +317,7 @@ def _hostile_worker(rank, world, init_file):
 
 
 def test_hostile_calls_are_refused_and_leave_the_group_usable():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_hostile_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
+    _spawn(_hostile_worker, 3)
 
 
 def _disagreeing_worker(rank, world, init_file):
@@ -366,6 +368,5 @@ def _disagreeing_worker(rank, world, init_file):
 
 
 def test_detail_debug_mode_refuses_calls_the_ranks_disagree_on():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_disagreeing_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
+    _spawn(_disagreeing_worker, 3)
 

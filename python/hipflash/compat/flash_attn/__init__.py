@@ -1,5 +1,6 @@
 """FlashAttention 2's package (``flash_attn``): its functions, from flash_attn_interface as
 upstream's package exports them, run by hipflash (see flash_attn_interface's docstring)."""
+from . import bert_padding  # noqa: F401  (flash_attn.bert_padding)
 from .flash_attn_interface import (  # noqa: F401
     flash_attn_func,
     flash_attn_kvpacked_func,
