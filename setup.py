@@ -147,9 +147,11 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
     packages=["hipflash", "hipflash.compat", "hipflash.compat.flash_attn",
-              "hipflash.integrations"],
+              "hipflash.compat.flash_attn.layers", "hipflash.integrations"],
     package_dir={"hipflash": "python/hipflash", "hipflash.compat": "python/hipflash/compat",
                  "hipflash.compat.flash_attn": "python/hipflash/compat/flash_attn",
+                 "hipflash.compat.flash_attn.layers":
+                     "python/hipflash/compat/flash_attn/layers",
                  "hipflash.integrations": "python/hipflash/integrations"},
     ext_modules=[CMakeExtension("hipflash._C")],
     cmdclass={"build_ext": CMakeBuild},

@@ -432,3 +432,68 @@ def test_bert_padding_round_trip_and_varlen(device):
     assert torch.equal(index_first_axis(x, rows), x[rows])
     back = index_put_first_axis(x[rows], rows, 6)
     assert torch.equal(back[rows], x[rows]) and torch.count_nonzero(back[[0, 2, 3]]) == 0
+
+
+def _rotary_reference(x, cos, sin, pos, interleaved):
+    """x [..., rows, H, D] rotated at integer positions pos [..., rows] in float64, a complex
+    product per pair: (x1 + i x2)(cos + i sin); positions past the tables are not rotated."""
+    half = cos.shape[1]
+    inside = (pos < cos.shape[0])[..., None]
+    at = pos.clamp(max=cos.shape[0] - 1)
+    turn = torch.complex(cos.double()[at], sin.double()[at])
+    turn = torch.where(inside, turn, torch.ones_like(turn))[..., None, :]
+    xr = x[..., :2 * half].double()
+    if interleaved:
+        pairs = xr.unflatten(-1, (half, 2))
+    else:
+        pairs = xr.unflatten(-1, (2, half)).transpose(-1, -2)
+    z = torch.view_as_complex(pairs.contiguous()) * turn
+    back = torch.view_as_real(z)
+    back = back.flatten(-2) if interleaved else back.transpose(-1, -2).flatten(-2)
+    return torch.cat((back, x[..., 2 * half:].double()), -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_layers_rotary_apply_rotary_emb(device, interleaved):
+    # flash_attn.layers.rotary.apply_rotary_emb: dense with int and per-sequence offsets, varlen
+    # with cu_seqlens, in place, gradients; against a float64 complex-product reference.
+    from hipflash.compat.flash_attn.layers.rotary import apply_rotary_emb
+    gen = torch.Generator().manual_seed(6)
+    b, s, h, d, ro = 3, 10, 2, 64, 48
+    angle = torch.rand(40, ro // 2, generator=gen) * 6.3
+    cos, sin = angle.cos().to(device), angle.sin().to(device)
+    x = torch.randn(b, s, h, d, generator=gen).to(device, torch.bfloat16)
+    for offsets in (0, 5, torch.tensor([0, 7, 35], device=device)):  # 35 + 9 runs past the table
+        got = apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=offsets)
+        base = offsets if isinstance(offsets, torch.Tensor) else torch.full((b,), offsets,
+                                                                            device=device)
+        pos = base[:, None].long() + torch.arange(s, device=device)[None, :]
+        want = _rotary_reference(x, cos, sin, pos, interleaved)
+        assert got.dtype == x.dtype and (got.double() - want).abs().max() < 2e-2
+        assert torch.equal(got[..., ro:], x[..., ro:])
+    # varlen: each packed sequence as its own dense call
+    cu = torch.tensor([0, 4, 4, 13], dtype=torch.int32, device=device)
+    xv = torch.randn(13, h, d, generator=gen).to(device, torch.bfloat16)
+    offs = torch.tensor([2, 0, 9], device=device)
+    got = apply_rotary_emb(xv, cos, sin, interleaved=interleaved, seqlen_offsets=offs,
+                           cu_seqlens=cu, max_seqlen=9)
+    for i in range(3):
+        a, e = int(cu[i]), int(cu[i + 1])
+        if e > a:
+            one = apply_rotary_emb(xv[None, a:e], cos, sin, interleaved=interleaved,
+                                   seqlen_offsets=int(offs[i]))
+            assert torch.equal(got[a:e], one[0])
+    # in place, and gradients (a rotation's: the reference's)
+    y = x.clone()
+    assert apply_rotary_emb(y, cos, sin, interleaved=interleaved, inplace=True) is y
+    assert torch.equal(y, apply_rotary_emb(x, cos, sin, interleaved=interleaved))
+    xg = x.float().requires_grad_()
+    g = torch.randn(xg.shape, generator=gen).to(device)
+    (apply_rotary_emb(xg, cos, sin, interleaved=interleaved) * g).sum().backward()
+    x64 = x.double().requires_grad_()
+    pos = torch.arange(s, device=device)[None, :].expand(b, s)
+    (_rotary_reference(x64, cos, sin, pos, interleaved) * g.double()).sum().backward()
+    assert (xg.grad.double() - x64.grad).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="rotary_dim"):
+        apply_rotary_emb(x, torch.ones(8, 40, device=device), torch.ones(8, 40, device=device))
