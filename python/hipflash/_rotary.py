@@ -14,10 +14,10 @@ def _positions(base, rows, per_row, device):
 def rotate(x, cos, sin, pos, interleaved):
     """x [B, S, H, D] with its first 2 * cos.shape[1] dims rotated at positions pos [B, S]
     (>= 0); a position past the table's rows is not rotated (cos 1, sin 0: FlashAttention's
-    rotary kernel masks those loads to these values)."""
+    rotary kernel masks those loads to these values), nor is a negative one."""
     half = cos.shape[1]
-    inside = (pos < cos.shape[0])[:, :, None, None]
-    at = pos.clamp(max=max(cos.shape[0] - 1, 0))
+    inside = ((pos >= 0) & (pos < cos.shape[0]))[:, :, None, None]
+    at = pos.clamp(min=0, max=max(cos.shape[0] - 1, 0))
     c = cos.float()[at][:, :, None, :]  # [B, S, 1, half]
     s = sin.float()[at][:, :, None, :]
     c = torch.where(inside, c, torch.ones_like(c))

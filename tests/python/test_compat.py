@@ -425,8 +425,12 @@ def test_bert_padding_round_trip_and_varlen(device):
     # unused_mask: packed and counted in the lengths, not in the used lengths (seqused).
     unused = torch.zeros_like(mask)
     unused[3, 16:20] = True
-    _, idx2, cu2, most2, used2 = unpad_input(q.detach(), mask, unused)
+    packed2, idx2, cu2, most2, used2 = unpad_input(q.detach(), mask, unused)
     assert cu2.tolist() == [0, 24, 31, 31, 48] and used2.tolist() == lengths and most2 == 24
+    assert torch.equal(idx2, (mask | unused).flatten().nonzero().flatten())
+    assert torch.equal(packed2, q.detach().flatten(0, 1)[idx2])
+    kept = mask | unused
+    assert torch.equal(pad_input(packed2, idx2.int(), b, s)[kept], q.detach()[kept])
     x = torch.arange(12.0, device=device).reshape(6, 2)
     rows = torch.tensor([4, 1, 5], device=device)
     assert torch.equal(index_first_axis(x, rows), x[rows])
@@ -497,3 +501,7 @@ def test_layers_rotary_apply_rotary_emb(device, interleaved):
     assert (xg.grad.double() - x64.grad).abs().max() < 1e-4
     with pytest.raises(ValueError, match="rotary_dim"):
         apply_rotary_emb(x, torch.ones(8, 40, device=device), torch.ones(8, 40, device=device))
+    with pytest.raises(ValueError, match="past rotary_cos"):  # an int offset: as flash-attn
+        apply_rotary_emb(x, cos, sin, seqlen_offsets=31)
+    with pytest.raises(ValueError, match="past rotary_cos"):
+        apply_rotary_emb(xv, cos, sin, seqlen_offsets=32, cu_seqlens=cu, max_seqlen=9)

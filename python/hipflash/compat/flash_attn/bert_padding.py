@@ -20,7 +20,8 @@ def index_put_first_axis(values, indices, first_axis_dim):
     """A zero tensor of first_axis_dim rows (values' other dims and dtype) holding values[i] at
     row indices[i]."""
     out = values.new_zeros((first_axis_dim,) + tuple(values.shape[1:]))
-    return out.index_copy(0, indices, values)
+    out[indices.long()] = values  # any integer indices, on values' device or the host
+    return out
 
 
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
