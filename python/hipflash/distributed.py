@@ -653,13 +653,13 @@ def _described(x):
     return repr(x)
 
 
-def _resolved(resolve, *args):
-    """resolve(*args) described, or the raw arguments described where it refuses them (that
-    rank's own check then reports it)."""
+def _resolved(resolve, arg):
+    """resolve(arg) described, or arg described where it is refused (that rank's own check
+    then reports it)."""
     try:
-        return _described(resolve(*args))
+        return _described(resolve(arg))
     except Exception:  # noqa: BLE001 - any refusal: the call's own check names it
-        return _described(args if len(args) > 1 else args[0])
+        return _described(arg)
 
 
 def _call_fields(function, q, k, v, causal, window_size, softmax_scale, layout, mode,
@@ -667,16 +667,12 @@ def _call_fields(function, q, k, v, causal, window_size, softmax_scale, layout, 
     """What every rank's call must agree on: the arguments that shape the exchanges and the
     result, as the call resolves them (equal ones spelt differently agree: True and 1, an
     unbounded window as -1 or as a huge bound, the default scale given or not)."""
-    def scale(s):
-        s = _scale(s)
-        return q.shape[-1] ** -0.5 if s is None else s
-
     tensors = [t for t in (q, k, v) if isinstance(t, torch.Tensor)]
     fields = {"function": function, "mode": _described(mode), "layout": _described(layout),
               "causal": _resolved(bool, causal),
               "window (left, right)": _resolved(lambda w: _bounds(bool(causal), w),
                                                 window_size),
-              "softmax_scale": _resolved(scale, softmax_scale),
+              "softmax_scale": _resolved(lambda s: _call_scale(s, q), softmax_scale),
               "deterministic": _resolved(bool, deterministic),
               "gradients (requires_grad under grad mode)": _described(_wants_grad(*tensors)),
               "q": _described(q), "k": _described(k), "v": _described(v)}
@@ -722,10 +718,14 @@ def _agreed(group, q, fields, check):
     return result
 
 
-def _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse):
+def _call_scale(softmax_scale, q):
+    """The call's softmax scale: softmax_scale, or head_dim^-0.5 when None."""
     scale = _scale(softmax_scale)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _run(geom, q, k, v, softmax_scale, mode, deterministic, group, return_lse):
+    scale = _call_scale(softmax_scale, q)
     if _wants_grad(q, k, v):
         out, lse = _RingFlashAttnFunc.apply(q, k, v, geom, scale, mode, bool(deterministic), group)
     else:

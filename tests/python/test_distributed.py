@@ -2,6 +2,7 @@
 here, 2, 3 and 4 ranks) against the fp32 reference of the gathered sequence (SPEC §6), and the
 gradients against fp64 autograd with FlashAttention's 2x rule; the layouts and the window
 arithmetic on their own."""
+import contextlib
 import itertools
 import os
 import random
@@ -33,6 +34,17 @@ def _spawn(worker, world, *args):
     """worker(rank, world, init_file, *args) in `world` processes (gloo's file rendezvous)."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "store")) + args, nprocs=world, join=True)
+
+
+@contextlib.contextmanager
+def _gloo_group(rank, world, init_file):
+    """The default process group over gloo for the body, destroyed after."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _visible_global(q_off, q_len, k_off, k_len, left, right):
@@ -199,9 +211,7 @@ def _check_varlen_case(rank, world, case, layout, mode, dtype, seed):
 
 
 def _worker(rank, world, init_file, dtype):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with _gloo_group(rank, world, init_file):
         torch.manual_seed(0)
         for i, (case, layout, mode) in enumerate(itertools.product(CASES, hd.LAYOUTS, hd.MODES)):
             _check_case(rank, world, case, layout, mode, dtype, seed=100 + i)
@@ -214,8 +224,6 @@ def _worker(rank, world, init_file, dtype):
             if rank in (1, 2):
                 for mode in hd.MODES:
                     _check_case(rank - 1, 2, CASES[1], "zigzag", mode, dtype, seed=7, group=sub)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -228,9 +236,7 @@ def test_ring_and_allgather_match_the_reference(world):
 
 def _compat_worker(rank, world, init_file):
     import hipflash.compat.ring_flash_attn as rfa
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
+    with _gloo_group(rank, world, init_file):
         q, k, v = make_qkv(2, 8 * 2 * world, 8 * 2 * world, 4, 2, 64, torch.bfloat16, seed=5)
         for layout, func in (("contiguous", rfa.ring_flash_attn_func),
                              ("zigzag", rfa.zigzag_ring_flash_attn_func)):
@@ -260,8 +266,6 @@ def _compat_worker(rank, world, init_file):
                 a, n = int(cu_local[b]), int(cu_local[b + 1] - cu_local[b])
                 assert torch.equal(lse[b, :, :n], want_lse[:, a:a + n])
                 assert bool((lse[b, :, n:] == float("-inf")).all())
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ring_flash_attn_compat_takes_ring_flash_attns_layouts():
@@ -280,12 +284,15 @@ def test_ring_flash_attn_compat_refuses_dropout_and_alibi():
 # ---- Hostile calls: refused on every rank, and the group still usable after -----------------
 
 
+def _zigzag_shards(rank, world, seed):
+    """This rank's zigzag shards of a q, k, v of 16 rows a rank (GQA 4/2, head dim 64)."""
+    q, k, v = make_qkv(1, 8 * 2 * world, 8 * 2 * world, 4, 2, 64, torch.bfloat16, seed=seed)
+    return tuple(hd.shard(t, rank, world, "zigzag") for t in (q, k, v))
+
+
 def _hostile_worker(rank, world, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        q, k, v = make_qkv(1, 8 * 2 * world, 8 * 2 * world, 4, 2, 64, torch.bfloat16, seed=11)
-        ql, kl, vl = (hd.shard(t, rank, world, "zigzag") for t in (q, k, v))
+    with _gloo_group(rank, world, init_file):
+        ql, kl, vl = _zigzag_shards(rank, world, seed=11)
         # A call the attention refuses on every rank, in ring mode after its first exchange has
         # started: the error, and the exchange finished, so the group's next calls run.
         for mode in hd.MODES:
@@ -312,8 +319,6 @@ def _hostile_worker(rank, world, init_file):
             with pytest.raises(ValueError, match="not a member"):
                 hd.ring_flash_attn_func(ql, kl, vl, group=sub)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_hostile_calls_are_refused_and_leave_the_group_usable():
@@ -323,11 +328,8 @@ def test_hostile_calls_are_refused_and_leave_the_group_usable():
 def _disagreeing_worker(rank, world, init_file):
     # TORCH_DISTRIBUTED_DEBUG=DETAIL: the ranks compare their calls before any exchange.
     dist.set_debug_level(dist.DebugLevel.DETAIL)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        q, k, v = make_qkv(1, 8 * 2 * world, 8 * 2 * world, 4, 2, 64, torch.bfloat16, seed=12)
-        ql, kl, vl = (hd.shard(t, rank, world, "zigzag") for t in (q, k, v))
+    with _gloo_group(rank, world, init_file):
+        ql, kl, vl = _zigzag_shards(rank, world, seed=12)
         for mode in hd.MODES:
             want = hd.ring_flash_attn_func(ql, kl, vl, causal=True, mode=mode)
             # One rank's call differs: every rank raises, naming the argument.
@@ -363,8 +365,6 @@ def _disagreeing_worker(rank, world, init_file):
         with pytest.raises(ValueError, match="disagree on cu_seqlens"):
             hd.ring_flash_attn_varlen_func(ql[0], kl[0], vl[0], other)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_detail_debug_mode_refuses_calls_the_ranks_disagree_on():
